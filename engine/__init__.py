@@ -1,0 +1,1 @@
+"""The inference engine: models, weights, paged KV with prefix caching, scheduler, sampler."""

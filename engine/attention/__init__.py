@@ -1,0 +1,1 @@
+"""Attention backends behind one interface (engine/attention/base.py), registered by name."""

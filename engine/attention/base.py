@@ -1,0 +1,91 @@
+"""The attention backend interface and the per-step metadata every backend reads.
+
+One engine step runs a flat batch of T new tokens from B sequences. Sequence b owns query
+rows query_start_loc[b] : query_start_loc[b+1]; its KV after this step has seq_lens[b]
+tokens, the last (q_len) of which are the new ones:
+
+    tokens of seq b:  [ cached ......................... | new (q_len) ]
+                       0                     seq_len-q_len            seq_len
+    new token j of seq b sits at position seq_len - q_len + j and may attend to
+    positions 0 ..= its own position (causal).
+
+KV of every layer lives in a paged cache tensor [2, num_blocks, block_size, Hkv, D]
+(see protocol/kv_layout.py); block_tables[b, i] is the block holding tokens
+i*block_size .. (i+1)*block_size-1 of seq b, and slot_mapping[t] is the flat slot
+(block_id * block_size + offset) where new token t's K/V must be written.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step description of the flat batch; built once by the model runner, read by
+    every layer. Backends may cache derived tensors in `backend_state` (scoped to the step)."""
+
+    slot_mapping: torch.Tensor
+    """[T] int64: flat KV slot for each new token."""
+    query_start_loc: list[int]
+    """B+1 cumulative query lengths (host list)."""
+    seq_lens: list[int]
+    """B total KV lengths after this step (host list)."""
+    block_tables: torch.Tensor
+    """[B, max_blocks] int64 on the device, padded with 0."""
+    backend_state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def query_lens(self) -> list[int]:
+        q = self.query_start_loc
+        return [q[i + 1] - q[i] for i in range(len(q) - 1)]
+
+
+class AttentionBackend(ABC):
+    """Computes causal attention of the new tokens over paged KV.
+
+    Contract of `forward`: first writes the new tokens' k and v into `kv_cache` at
+    `meta.slot_mapping` (the only mutation), then returns, for every new token, softmax(q k^T
+    * scale) v over that sequence's positions <= its own. GQA: query head h reads KV head
+    h // (Hq // Hkv). Must be exact to float rounding against the torch reference backend
+    (tests/test_attention_backends.py is the conformance suite).
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        ...
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """Instantiate a registered backend; an unknown name lists the known ones."""
+    # Import for registration side effects of the built-in backends.
+    from engine.attention import torch_ref  # noqa: F401
+
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()
