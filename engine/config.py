@@ -1,0 +1,45 @@
+"""EngineConfig: one frozen, validated configuration for an engine instance."""
+
+from __future__ import annotations
+
+import msgspec
+
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Settings of one engine (one process holding a whole model or a stage of it)."""
+
+    block_size: int = 16
+    """Tokens per KV block: the unit of paging and of the prefix cache."""
+    kv_cache_bytes: int = 512 * 1024**2
+    """Memory for the paged KV cache; ignored when num_blocks is set."""
+    num_blocks: int | None = None
+    """Exact number of KV blocks (tests and small budgets)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step, prefill chunks and decodes together."""
+    max_num_seqs: int = 64
+    """Most requests running at once."""
+    max_model_len: int | None = None
+    """Context limit (prompt + output); defaults to the model's max_position_embeddings."""
+    dtype: str = "float32"
+    """Weights, activations and KV element type."""
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    enable_prefix_caching: bool = True
+    cache_dir: str | None = None
+    """Where converted weights are cached; None means ~/.cache/kvserve."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        if self.kv_cache_bytes < 1:
+            raise ValueError("kv_cache_bytes must be >= 1")

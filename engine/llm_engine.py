@@ -1,0 +1,288 @@
+"""LLMEngine: the small API both workers drive (add_request / step / abort).
+
+step():  scheduler.schedule() -> model_runner.execute() -> sampler.sample()
+         -> append tokens, check stops, free finished -> RequestOutput per request
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import count
+
+import torch
+
+from engine.attention.base import get_backend
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.models.registry import build_model
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler, SamplingState
+from engine.scheduler import Scheduler, SchedulerCounters
+from engine.weights.cache import load_weights
+from modelinfo.detokenizer import RequestOutputText
+from modelinfo.info import ModelInfo, load_model_info
+from protocol.errors import InvalidRequestError, PromptTooLongError
+from protocol.hashing import namespace_seed
+from protocol.ids import RequestId
+from protocol.kv_layout import KVLayout
+from protocol.namespace import KVNamespace
+from protocol.sampling import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: RequestId
+    new_token_ids: list[int]
+    new_logprobs: list[float | None]
+    text_delta: str
+    finish_reason: str | None
+    """None while running; "stop", "length" or "abort" when finished."""
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    """Prompt tokens served from this engine's prefix cache."""
+    num_output_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Completion:
+    """A finished request, as `generate` returns it."""
+
+    request_id: RequestId
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[float | None]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def rope_key(info: ModelInfo) -> str:
+    c = info.config
+    s = c.rope_scaling
+    return (
+        f"theta={c.rope_theta},kind={s.kind},f={s.factor},lo={s.low_freq_factor},"
+        f"hi={s.high_freq_factor},orig={s.original_max_position_embeddings}"
+    )
+
+
+class LLMEngine:
+    """Owns one model instance with its KV cache, scheduler, sampler and live requests."""
+
+    def __init__(self, info: ModelInfo, config: EngineConfig) -> None:
+        self.info = info
+        self.config = config
+        mc = info.config
+        self.device = torch.device(config.device)
+        self.dtype = _torch_dtype(config.dtype)
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        self.layout = KVLayout(
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            block_size=config.block_size,
+            dtype=config.dtype,
+        )
+        self.namespace = KVNamespace(
+            weights_fingerprint=info.fingerprint,
+            kv_dtype=config.dtype,
+            block_size=config.block_size,
+            layer_split=(mc.num_layers,),
+            rope=rope_key(info),
+        )
+        self._hash_root = namespace_seed(self.namespace.key())
+        weights = load_weights(info, cache_dir=config.cache_dir)
+        backend = get_backend(config.attention_backend)
+        model = build_model(
+            mc, dtype=self.dtype, device=self.device, backend=backend, weights=weights
+        )
+        num_blocks = config.num_blocks or max(
+            1, config.kv_cache_bytes // self.layout.bytes_per_block
+        )
+        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(
+            model, self.layout, num_blocks, device=self.device, dtype=self.dtype, backend=backend
+        )
+        self.sampler = Sampler()
+        self._texts: dict[RequestId, RequestOutputText] = {}
+        self._requests: dict[RequestId, Request] = {}
+        self._ids = count()
+
+    @classmethod
+    def from_spec(cls, model: str, config: EngineConfig | None = None) -> LLMEngine:
+        """Load a model by path or `builtin:` name and build an engine for it."""
+        return cls(load_model_info(model), config or EngineConfig())
+
+    # -- the API -----------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> RequestId:
+        """Queue a request. Raises InvalidRequestError / PromptTooLongError (user errors)."""
+        rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
+        self.validate(prompt_token_ids, params)
+        if rid in self._requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        req = Request(
+            rid,
+            prompt_token_ids,
+            params,
+            block_size=self.config.block_size,
+            hash_root=self._hash_root,
+            eos_token_ids=self.info.config.eos_token_ids or self.info.tokenizer.eos_token_ids,
+        )
+        self._requests[rid] = req
+        self._texts[rid] = RequestOutputText(self.info.tokenizer, params, req.eos_token_ids)
+        self.scheduler.add(req)
+        return rid
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Check a request against this engine's limits without queueing it."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty: at least one token is required")
+        try:
+            params.validate()
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        vocab = self.info.config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{total} were requested ({len(prompt_token_ids)} in the prompt, "
+                f"{params.max_tokens} for the completion); shorten the prompt or max_tokens"
+            )
+        capacity = self.pool.num_blocks * self.config.block_size
+        if total > capacity:
+            raise PromptTooLongError(
+                f"the request needs KV for {total} tokens but this instance's KV cache holds "
+                f"{capacity}; shorten the prompt or max_tokens, or give the cache more memory"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV at once; False if it is unknown or finished."""
+        req = self._requests.pop(RequestId(request_id), None)
+        if req is None:
+            return False
+        self._texts.pop(req.request_id, None)
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return outputs of requests that produced tokens."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        logits = self.runner.execute(plan.scheduled, self.kv)
+        sampling = [s.request for s in plan.scheduled if s.samples]
+        tokens: list[int] = []
+        logprobs: list[float | None] = []
+        if logits is not None:
+            states = [
+                SamplingState(r.params, r.num_output_tokens, r.generator, r.eos_token_ids)
+                for r in sampling
+            ]
+            result = self.sampler.sample(logits, states)
+            tokens, logprobs = result.token_ids, result.logprobs
+        for s in plan.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(s.request)
+        outputs = []
+        for req, tok, lp in zip(sampling, tokens, logprobs, strict=True):
+            outputs.append(self._append_token(req, tok, lp))
+        return outputs
+
+    def _append_token(self, req: Request, token: int, logprob: float | None) -> RequestOutput:
+        req.append_output(token, logprob)
+        delta, reason = self._texts[req.request_id].append(token)
+        if reason is not None:
+            status = (
+                RequestStatus.FINISHED_LENGTH
+                if reason == "length"
+                else RequestStatus.FINISHED_STOPPED
+            )
+            self.scheduler.finish(req, status)
+            del self._requests[req.request_id]
+            del self._texts[req.request_id]
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[token],
+            new_logprobs=[logprob],
+            text_delta=delta,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_prompt_tokens or 0,
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    # -- helpers -----------------------------------------------------------------------
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Completion]:
+        """Run prompts to completion in one continuous batch; results in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        acc: dict[RequestId, Completion] = {
+            rid: Completion(rid, [], "", "", [], len(p), 0)
+            for rid, p in zip(ids, prompts, strict=True)
+        }
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                c = acc.get(out.request_id)
+                if c is None:
+                    continue
+                c.token_ids.extend(out.new_token_ids)
+                c.logprobs.extend(out.new_logprobs)
+                c.text += out.text_delta
+                c.num_cached_tokens = out.num_cached_tokens
+                if out.finished:
+                    c.finish_reason = out.finish_reason or ""
+                    pending.discard(out.request_id)
+        return [acc[r] for r in ids]
+
+    def stream(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Iterator[RequestOutput]:
+        """Yield one request's outputs as they are produced (drives the whole engine)."""
+        rid = self.add_request(prompt_token_ids, params)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.abort(rid)
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()
+
+    @property
+    def counters(self) -> SchedulerCounters:
+        return self.scheduler.counters
