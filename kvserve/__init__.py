@@ -1,0 +1,1 @@
+"""kvserve composition root: the command line, cluster.yaml loading, the launcher."""

@@ -1,0 +1,154 @@
+"""The `kvserve` command line. Completion text goes to stdout, diagnostics to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from protocol.errors import KvserveError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-m",
+        "--model",
+        required=True,
+        help="HF folder, .gguf file, or builtin:smollm2-135m-instruct",
+    )
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-mb", type=int, default=512, help="paged KV cache size in MiB")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--cache-dir", default=None, help="converted-weights cache (default ~/.cache/kvserve)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="complete one prompt and print the text")
+    _add_engine_args(g)
+    g.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="send the prompt as raw text instead of a user chat message",
+    )
+    g.add_argument("prompt")
+    c = sub.add_parser("chat", help="interactive chat with a model (Ctrl-D to quit)")
+    _add_engine_args(c)
+    c.add_argument("--system", default=None, help="system message")
+    return parser
+
+
+def _engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    t0 = time.monotonic()
+    config = EngineConfig(
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_mb * 1024**2,
+        cache_dir=args.cache_dir,
+    )
+    eng = LLMEngine.from_spec(args.model, config)
+    print(
+        f"[kvserve] loaded {args.model} in {time.monotonic() - t0:.1f}s "
+        f"({eng.pool.num_blocks} KV blocks)",
+        file=sys.stderr,
+    )
+    return eng
+
+
+def _params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from protocol.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    eng = _engine(args)
+    info = eng.info
+    if args.no_chat_template or info.chat_template is None:
+        ids = info.tokenizer.encode(args.prompt, add_special_tokens=True)
+    else:
+        text = info.chat_template.render(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+        )
+        ids = info.tokenizer.encode(text, add_special_tokens=False)
+    t0 = time.monotonic()
+    n = 0
+    for out in eng.stream(ids, _params(args)):
+        sys.stdout.write(out.text_delta)
+        sys.stdout.flush()
+        n += len(out.new_token_ids)
+    sys.stdout.write("\n")
+    dt = time.monotonic() - t0
+    print(f"[kvserve] {len(ids)} prompt + {n} generated tokens in {dt:.2f}s", file=sys.stderr)
+    return 0
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    eng = _engine(args)
+    info = eng.info
+    if info.chat_template is None:
+        print("kvserve: this model has no chat template; use `kvserve generate`", file=sys.stderr)
+        return 2
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        text = info.chat_template.render(messages, add_generation_prompt=True)
+        ids = info.tokenizer.encode(text, add_special_tokens=False)
+        reply = ""
+        cached = 0
+        for out in eng.stream(ids, _params(args)):
+            sys.stdout.write(out.text_delta)
+            sys.stdout.flush()
+            reply += out.text_delta
+            cached = out.num_cached_tokens
+        sys.stdout.write("\n")
+        print(
+            f"[kvserve] prompt {len(ids)} tokens, {cached} from the prefix cache", file=sys.stderr
+        )
+        messages.append({"role": "assistant", "content": reply})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _run_generate(args)
+        if args.command == "chat":
+            return _run_chat(args)
+    except KvserveError as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

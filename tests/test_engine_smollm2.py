@@ -1,0 +1,93 @@
+"""The real builtin model through the whole engine, against transformers on the same GGUF
+in float32, plus the OpenAI stop semantics on real text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from protocol.sampling import SamplingParams
+
+from .conftest import SMOLLM2_GGUF_NAME
+
+PROMPTS = [
+    "The capital of France is",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "Once upon a time, in a small village by the sea, there lived",
+    "1, 2, 3, 5, 8, 13,",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(weights_cache_dir: str) -> LLMEngine:
+    return LLMEngine.from_spec(
+        "builtin:smollm2-135m-instruct", EngineConfig(cache_dir=weights_cache_dir)
+    )
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2_gguf: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, name = str(smollm2_gguf.parent), SMOLLM2_GGUF_NAME
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    return tok, model.eval()
+
+
+def _prompt_ids(engine: LLMEngine, hf) -> list[list[int]]:
+    tok, _ = hf
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    messages = [{"role": "user", "content": "Name three primary colors."}]
+    hf_chat = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ours_chat = engine.info.chat_template.render(messages, add_generation_prompt=True)
+    assert ours_chat == hf_chat
+    chat_ids = engine.info.tokenizer.encode(ours_chat, add_special_tokens=False)
+    assert chat_ids == tok(hf_chat, add_special_tokens=False)["input_ids"]
+    return [*ids, chat_ids]
+
+
+def test_greedy_32_tokens_match_transformers(engine, hf):
+    _, model = hf
+    prompts = _prompt_ids(engine, hf)
+    params = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0)
+    ours = engine.generate(prompts, params)  # all five in one continuous batch
+    for p, o in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            ref = model.generate(
+                torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False
+            )[0, len(p) :].tolist()
+        assert o.token_ids == ref
+
+
+def test_stop_string_truncates_before_it(engine):
+    ids = engine.info.tokenizer.encode(PROMPTS[2])
+    free = engine.generate([ids], SamplingParams(max_tokens=40, temperature=0.0))[0]
+    words = free.text.split()
+    assert len(words) > 6
+    stop = " " + words[4]  # a word in the middle, possibly spanning several tokens
+    cut = engine.generate([ids], SamplingParams(max_tokens=40, temperature=0.0, stop=(stop,)))[0]
+    assert cut.finish_reason == "stop"
+    assert stop not in cut.text
+    assert free.text.startswith(cut.text)
+    assert free.text[len(cut.text) :].startswith(stop)
+
+
+def test_max_tokens_and_min_tokens(engine):
+    chat = engine.info.chat_template.render(
+        [{"role": "user", "content": "Say just the word yes."}], add_generation_prompt=True
+    )
+    ids = engine.info.tokenizer.encode(chat, add_special_tokens=False)
+    short = engine.generate([ids], SamplingParams(max_tokens=64, temperature=0.0))[0]
+    assert short.finish_reason == "stop"  # the model ends its turn with EOS
+    n = len(short.token_ids)
+    longer = engine.generate(
+        [ids], SamplingParams(max_tokens=64, min_tokens=n + 5, temperature=0.0)
+    )[0]
+    assert len(longer.token_ids) >= n + 5
+    capped = engine.generate([ids], SamplingParams(max_tokens=2, temperature=0.0))[0]
+    assert capped.finish_reason == "length" and len(capped.token_ids) == 2
