@@ -1,0 +1,154 @@
+"""Wire messages between router, prefill and decode instances (msgspec, JSON over HTTP).
+
+The serving path of one request (N = 1 stage / rank; more come with PP and TP x DCP):
+
+    router ── AdmitRequest ─────────▶ decode      reserves landing space (waits if full)
+           ◀─ AdmitResponse ────────              one LandingInfo per decode rank
+    router ── PrefillRequest ───────▶ prefill     computes, writes KV into the landing
+           ◀─ PrefillEvent stream ──              FirstToken at once, then HandoffDone
+    router ── DecodeRequest ────────▶ decode      scatters landing -> pages, decodes
+           ◀─ DecodeEvent stream ───              TokenBatch ... (finish_reason on last)
+    router ── AbortRequest ─────────▶ both        on client disconnect or error
+
+Streams are newline-delimited JSON: one encoded event per line. Version bumps when a
+message changes incompatibly; peers reject other versions with a clear error.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from protocol.kv_layout import KVLayout
+from protocol.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class PromptUsage(msgspec.Struct, frozen=True):
+    """Where each prompt token came from, reported by the instance that prefilled.
+    gpu + pool + computed == prompt_tokens."""
+
+    prompt_tokens: int
+    gpu_tokens: int
+    pool_tokens: int
+    computed_tokens: int
+
+
+class LandingInfo(msgspec.Struct, frozen=True):
+    """Where one decode rank wants a request's KV written (its registered landing region).
+
+    The region receives KV segments in token order; each segment packed as
+    [num_layers, 2 (K, V), num_tokens, num_kv_heads, head_dim] of layout.dtype.
+    """
+
+    rank: int
+    transport: str
+    """Registered transport name (transfer/): "mooncake" or "local"."""
+    peer: str
+    """Transport address of the decode rank, e.g. "127.0.0.1:15001"."""
+    buffer_addr: int
+    """Address of the region's first byte in the decode rank's registered buffer."""
+    capacity_bytes: int
+    layout: KVLayout
+
+
+class KVSegment(msgspec.Struct, frozen=True):
+    """Tokens [token_start, token_end) written at landing offset `offset_bytes`."""
+
+    token_start: int
+    token_end: int
+    offset_bytes: int
+    num_bytes: int
+
+
+class AdmitRequest(msgspec.Struct, frozen=True):
+    version: int
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+
+
+class AdmitResponse(msgspec.Struct, frozen=True):
+    request_id: str
+    landing: list[LandingInfo]
+
+
+class PrefillRequest(msgspec.Struct, frozen=True):
+    version: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    landing: list[LandingInfo]
+    """Empty when the request ends at its first token (max_tokens == 1 or a stop)."""
+
+
+class FirstToken(msgspec.Struct, frozen=True, tag="first_token"):
+    request_id: str
+    token_id: int
+    logprob: float | None
+    usage: PromptUsage
+    finish_reason: str | None
+    """Set when the request is already finished after this token (no decode needed)."""
+
+
+class HandoffDone(msgspec.Struct, frozen=True, tag="handoff_done"):
+    request_id: str
+    segments: list[KVSegment]
+    num_bytes: int
+    num_ops: int
+    seconds: float
+
+
+class TokenBatch(msgspec.Struct, frozen=True, tag="tokens"):
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float | None]
+    finish_reason: str | None
+    num_output_tokens: int
+
+
+class ErrorEvent(msgspec.Struct, frozen=True, tag="error"):
+    request_id: str
+    status: int
+    """HTTP status the router should answer with (4xx user error, 5xx server fault)."""
+    message: str
+
+
+PrefillEvent = FirstToken | HandoffDone | ErrorEvent
+DecodeEvent = TokenBatch | ErrorEvent
+
+
+class DecodeRequest(msgspec.Struct, frozen=True):
+    version: int
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token_id: int
+    first_logprob: float | None
+    params: SamplingParams
+    segments: list[KVSegment]
+
+
+class AbortRequest(msgspec.Struct, frozen=True):
+    request_id: str
+    reason: Literal["client_disconnected", "error", "timeout"] = "client_disconnected"
+
+
+class InstanceStatus(msgspec.Struct, frozen=True):
+    """GET /status of a worker: what the launcher's `status` and tests read."""
+
+    name: str
+    role: str
+    healthy: bool
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    landing_bytes_total: int = 0
+    landing_bytes_used: int = 0
+
+
+def encode_line(event: msgspec.Struct) -> bytes:
+    """One NDJSON line."""
+    return msgspec.json.encode(event) + b"\n"
