@@ -1,0 +1,240 @@
+"""The sampler: one next token per row of logits, each row with its own SamplingParams.
+
+Per row, in this order (the order vLLM and OpenAI use):
+
+    raw logits ──▶ min_tokens mask ──▶ greedy? ── yes ──▶ argmax (ties: lowest id)
+      │                                  │ no
+      │                                  ▼
+      │                    / temperature ─▶ top-k ─▶ top-p ─▶ softmax ─▶ draw
+      ▼
+    logprob of the chosen token = log_softmax(raw logits)[token]
+
+Logprobs are taken from the raw logits (before the min_tokens mask, temperature, top-k and
+top-p), as vLLM reports them by default.
+
+Cost: an all-greedy batch without min_tokens or logprobs is one argmax over [N, V]. The
+filters run vectorized over the rows that sample; only the random draw of a seeded row
+and the min_tokens mask are per row.
+
+Reproducibility: the random numbers of a seeded request at output position i depend only
+on (seed, i), never on the batch or on earlier draws, because the request's generator is
+re-seeded from (seed, i) before each draw. So the same seed and prompt give the same
+tokens across runs, batch compositions, preemption with recompute, and a prefill→decode
+handoff (decode only needs the seed and the number of tokens already generated).
+Unseeded rows draw from the Sampler's shared generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from protocol.sampling import SamplingParams
+
+_MIN_TEMPERATURE = 1e-5
+"""Temperatures below this are treated as greedy: 1/temperature would overflow float32."""
+
+_TOP_P_CANDIDATES = (128, 1024)
+"""Top-p looks for the nucleus among this many most likely tokens before it sorts a whole
+row (see _nucleus_threshold)."""
+
+_MASK64 = (1 << 64) - 1
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < _MIN_TEMPERATURE
+
+
+def _position_seed(seed: int, position: int) -> int:
+    """A 63-bit seed for (request seed, output position): splitmix64 of both, so that
+    nearby seeds and positions give unrelated streams ((1, 0) and (0, 1) differ)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+@dataclass(slots=True)
+class SamplingState:
+    """Sampling state of one request, owned by the engine's request object.
+
+    `num_output_tokens` is the number of tokens the request has generated so far; the
+    engine advances it after it accepts a sampled token (the Sampler never changes it).
+    A prefill→decode handoff creates the decode-side state with the count at handoff.
+    `generator` exists only for seeded, non-greedy requests and lives on the logits' device.
+    """
+
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    num_output_tokens: int = 0
+    generator: torch.Generator | None = None
+    min_tokens_mask_ids: list[int] = field(default_factory=list)
+    """Token ids masked to -inf while num_output_tokens < params.min_tokens: the stop token
+    ids, plus the EOS ids unless ignore_eos (then EOS does not stop, so it needs no mask)."""
+
+    @classmethod
+    def create(
+        cls,
+        params: SamplingParams,
+        eos_token_ids: Sequence[int] = (),
+        *,
+        num_output_tokens: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> SamplingState:
+        generator = None
+        if params.seed is not None and not _is_greedy(params):
+            generator = torch.Generator(device=device)
+        mask_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            mask_ids += [t for t in eos_token_ids if t not in mask_ids]
+        return cls(
+            params=params,
+            eos_token_ids=tuple(eos_token_ids),
+            num_output_tokens=num_output_tokens,
+            generator=generator,
+            min_tokens_mask_ids=mask_ids,
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return _is_greedy(self.params)
+
+    def needs_min_tokens_mask(self) -> bool:
+        return self.num_output_tokens < self.params.min_tokens and bool(self.min_tokens_mask_ids)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One sampled token per row; logprobs[i] is None unless row i asked for logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+
+
+class Sampler:
+    """Samples one token per row of a [N, V] float32 logits tensor.
+
+    Owns the shared generator of unseeded rows (seeded from `seed` when given, so a whole
+    engine run is reproducible). `sample` mutates only generator states: never the logits
+    it is given, never a SamplingState's fields.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", seed: int | None = None) -> None:
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
+        num_rows = len(states)
+        raw = logits
+        masked_rows = [i for i, s in enumerate(states) if s.needs_min_tokens_mask()]
+        if masked_rows:
+            logits = logits.clone()
+            for i in masked_rows:
+                logits[i, states[i].min_tokens_mask_ids] = float("-inf")
+
+        random_rows = [i for i, s in enumerate(states) if not s.greedy]
+        if not random_rows:
+            token_ids = logits.argmax(dim=-1)  # [N]
+        elif len(random_rows) == num_rows:
+            token_ids = self._sample_random(logits, states)
+        else:
+            token_ids = logits.argmax(dim=-1)
+            idx = torch.tensor(random_rows, device=logits.device)
+            token_ids[idx] = self._sample_random(logits[idx], [states[i] for i in random_rows])
+
+        logprobs: list[float | None] = [None] * num_rows
+        logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs]
+        if logprob_rows:
+            idx = torch.tensor(logprob_rows, device=logits.device)
+            log_probs = torch.log_softmax(raw[idx], dim=-1)  # [M, V]
+            values = log_probs.gather(1, token_ids[idx].unsqueeze(1)).squeeze(1).tolist()
+            for i, value in zip(logprob_rows, values, strict=True):
+                logprobs[i] = value
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """Temperature, top-k, top-p, then one draw per row: [M, V] -> [M] int64."""
+        device = logits.device
+        num_rows, vocab_size = logits.shape
+        temps = torch.tensor([s.params.temperature for s in states], device=device)
+        x = logits / temps.unsqueeze(1)  # a new tensor: the filters below may write into it
+
+        top_ks = [s.params.top_k if 0 < s.params.top_k < vocab_size else 0 for s in states]
+        if any(top_ks):
+            max_k = max(top_ks)
+            k = torch.tensor(top_ks, device=device)
+            top_values = x.topk(max_k, dim=-1).values  # [M, max_k], descending
+            kth = top_values.gather(1, (k.clamp(min=1) - 1).unsqueeze(1))  # [M, 1]
+            kth = torch.where(k.unsqueeze(1) > 0, kth, float("-inf"))
+            # Ties with the k-th value are kept, so a row may keep more than k tokens.
+            x.masked_fill_(x < kth, float("-inf"))
+
+        top_p_rows = [j for j, s in enumerate(states) if s.params.top_p < 1.0]
+        if top_p_rows:
+            idx = torch.tensor(top_p_rows, device=device)
+            p = torch.tensor([states[j].params.top_p for j in top_p_rows], device=device)
+            probs = x[idx].softmax(dim=-1)  # after top-k: top-p renormalizes within it
+            threshold = _nucleus_threshold(probs, p)  # [R, 1]
+            x[idx] = x[idx].masked_fill(probs < threshold, float("-inf"))
+
+        probs = x.softmax(dim=-1)
+        # Exponential race: argmax(p / q) with q ~ Exp(1) draws index i with probability
+        # p_i (what torch.multinomial does for one sample), and splits into per-row draws.
+        # q = -log(u), u uniform in [0, 1): q > 0, and u == 0 gives q = inf, p / q = 0.
+        u = torch.empty_like(probs)
+        unseeded = [j for j, s in enumerate(states) if s.generator is None]
+        if len(unseeded) == num_rows:
+            u.uniform_(generator=self.generator)
+        elif unseeded:
+            idx = torch.tensor(unseeded, device=device)
+            u[idx] = torch.rand(len(unseeded), vocab_size, device=device, generator=self.generator)
+        for j, s in enumerate(states):
+            if s.generator is not None:
+                assert s.params.seed is not None
+                s.generator.manual_seed(_position_seed(s.params.seed, s.num_output_tokens))
+                u[j].uniform_(generator=s.generator)
+        q = u.log_().neg_()
+        return probs.div_(q).argmax(dim=-1)
+
+
+def _nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The smallest probability in each row's nucleus: [R, V], [R] -> [R, 1].
+
+    The nucleus is the smallest set of most likely tokens whose mass reaches top_p (the
+    top token always). A full sort of V is slow on CPU (~4 ms per row at V = 49K, a
+    top-128 ~0.2 ms), so the nucleus is looked for among the top 128, then 1024 tokens;
+    only rows whose candidates hold less than top_p of the mass sort the whole row.
+    Tokens tied with the threshold stay, as in top-k.
+    """
+    num_rows, vocab_size = probs.shape
+    threshold = torch.empty(num_rows, 1, dtype=probs.dtype, device=probs.device)
+    pending = torch.arange(num_rows, device=probs.device)
+    for width in (*_TOP_P_CANDIDATES, vocab_size):
+        rows = probs if pending.numel() == num_rows else probs[pending]
+        p = top_p[pending]
+        if width < vocab_size:
+            candidates = rows.topk(width, dim=-1).values  # [r, width], descending
+        else:
+            candidates = rows.sort(dim=-1, descending=True).values
+        threshold[pending] = _threshold_in_sorted(candidates, p)
+        if width >= vocab_size:
+            break
+        pending = pending[candidates.sum(dim=-1) < p]
+        if pending.numel() == 0:
+            break
+    return threshold
+
+
+def _threshold_in_sorted(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[R, C] descending, [R] -> [R, 1]: the last token kept, i.e. the last one whose
+    higher-ranked tokens hold less than top_p (the top token has 0 above it: kept)."""
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    num_kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)
+    return sorted_probs.gather(1, num_kept - 1)

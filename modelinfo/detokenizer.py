@@ -1,0 +1,246 @@
+"""Generated token ids → streamed text, with OpenAI stop semantics. Torch-free.
+
+Three pieces, each usable alone:
+
+- `IncrementalDetokenizer(tokenizer)`: `append(token_id) -> str` returns the text that
+  is safe to emit now; `flush() -> str` returns what is still held at the end. It never
+  emits half a UTF-8 character: a token that ends inside a multi-byte character (an emoji
+  split over byte tokens) yields "" until the character completes. It decodes a small
+  window of recent tokens (vLLM's prefix/read offsets), so a token costs O(1) work.
+- `StopChecker(params, eos_token_ids)`: the token-level stop rules, for the engine
+  (which has no text): `check(token_id, num_output_tokens) -> "stop" | "length" | None`.
+- `RequestOutputText(tokenizer, params, eos_token_ids)`: both of the above plus stop
+  strings, one per request: `append(token_id) -> TextDelta(text, finish_reason)`.
+  Concatenating every `TextDelta.text` gives the final text (`output_text`).
+
+Stop rules (OpenAI / vLLM):
+- "stop": an EOS id (unless ignore_eos), a stop_token_id, or a stop string in the text;
+  none of these counts before the request has `min_tokens` outputs (the token being
+  checked included; the sampler already masks EOS and stop ids for the first min_tokens
+  tokens, so only stop strings can end the text at exactly min_tokens).
+- "length": max_tokens outputs. A stop on the last allowed token reports "stop".
+- EOS and stop token ids are never part of the text. A stop string and everything after
+  it are cut; text that could be the start of a stop string is held back until the next
+  tokens show whether it is one, and flushed at finish:
+
+      text so far:   "Hello wor" + "ld###"     stop = ("###END",)
+      emitted:       "Hello world"             held back: "###" (a prefix of "###END")
+      next "END":    match at 11 → finish "stop", nothing more emitted; text "Hello world"
+      next "!!":     "###!!" is no stop prefix → emit "###!!"
+
+A stop string that lies wholly inside text already emitted (possible only when
+min_tokens delayed the check) no longer counts: emitted text is never taken back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, NamedTuple, Protocol
+
+from protocol.sampling import SamplingParams
+
+FinishReason = Literal["stop", "length"]
+
+_PROMPT_CONTEXT_TOKENS = 5
+"""Prompt tokens decoded before the first output token, so tokenizers that drop a leading
+space at the start of a decode (SentencePiece) keep the first output token's space."""
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class TokenDecoder(Protocol):
+    """What the detokenizer needs from a tokenizer (modelinfo.tokenizer.Tokenizer and
+    tokenizers.Tokenizer both fit)."""
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens, fed one at a time, into text deltas.
+
+    Window over `_tokens` (the prompt context, then every output token):
+
+        [ ..... | prefix_offset ...... read_offset ...... end ]
+                  └ decoded before ──┘ └ new, not yet emitted ┘
+
+    Each append decodes tokens[prefix_offset:read_offset] and tokens[prefix_offset:]; the
+    difference is the new text. It is emitted only when it does not end in U+FFFD (an
+    incomplete UTF-8 sequence); then the window slides to [read_offset, end].
+    """
+
+    def __init__(
+        self,
+        tokenizer: TokenDecoder,
+        *,
+        prompt_token_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._tokens: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._tokens)
+
+    def append(self, token_id: int) -> str:
+        """Adds one output token; returns the text that is complete now (maybe "")."""
+        self._tokens.append(token_id)
+        prefix_text, new_text = self._decode_window()
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """At finish: the text still held back (an unfinished character shows as U+FFFD,
+        as a full decode of the output would show it)."""
+        if self._read_offset == len(self._tokens):
+            return ""
+        prefix_text, new_text = self._decode_window()
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        return new_text[len(prefix_text) :]
+
+    def _decode_window(self) -> tuple[str, str]:
+        window = self._tokens[self._prefix_offset :]
+        read = self._read_offset - self._prefix_offset
+        skip = self._skip_special_tokens
+        prefix_text = self._tokenizer.decode(window[:read], skip_special_tokens=skip)
+        new_text = self._tokenizer.decode(window, skip_special_tokens=skip)
+        return prefix_text, new_text
+
+
+class StopChecker:
+    """Token-level stop rules of one request's SamplingParams (no text needed).
+
+    `stop_reason` tells what stopped it: the EOS or stop token id, or (set by
+    RequestOutputText) the stop string; None for "length".
+    """
+
+    def __init__(self, params: SamplingParams, eos_token_ids: Sequence[int] = ()) -> None:
+        self.params = params
+        self._stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        )
+        self.stop_reason: int | str | None = None
+
+    def is_stop_token(self, token_id: int, num_output_tokens: int) -> bool:
+        """True when `token_id`, the request's `num_output_tokens`-th output, ends it as
+        "stop" (EOS not ignored, or a stop token id, once min_tokens outputs exist)."""
+        return token_id in self._stop_ids and num_output_tokens >= self.params.min_tokens
+
+    def check(self, token_id: int, num_output_tokens: int) -> FinishReason | None:
+        """Finish reason after the request's `num_output_tokens`-th output `token_id`."""
+        if self.is_stop_token(token_id, num_output_tokens):
+            self.stop_reason = token_id
+            return "stop"
+        if num_output_tokens >= self.params.max_tokens:
+            return "length"
+        return None
+
+
+class TextDelta(NamedTuple):
+    """Text to emit now, and the finish reason once the request is done."""
+
+    text: str
+    finish_reason: FinishReason | None
+
+
+class RequestOutputText:
+    """One request's output: tokens in, emit-safe text deltas and the finish reason out.
+
+    Owns the detokenizer, the stop checker and the output text. After a finish reason was
+    returned, `append` must not be called again. If the finish is "stop" by a stop string,
+    the engine must still be told to stop generating (the engine only sees token rules).
+    """
+
+    def __init__(
+        self,
+        tokenizer: TokenDecoder,
+        params: SamplingParams,
+        eos_token_ids: Sequence[int] = (),
+        *,
+        prompt_token_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.params = params
+        self.stop_checker = StopChecker(params, eos_token_ids)
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids=prompt_token_ids, skip_special_tokens=skip_special_tokens
+        )
+        self.token_ids: list[int] = []
+        """Every output token, the final EOS or stop token id included."""
+        self.output_text = ""
+        """The text so far (emitted plus held back); the final text once finished."""
+        self.finish_reason: FinishReason | None = None
+        self._num_emitted_chars = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.stop_checker.stop_reason
+
+    def append(self, token_id: int) -> TextDelta:
+        if self.finish_reason is not None:
+            raise RuntimeError("RequestOutputText.append called after the request finished")
+        self.token_ids.append(token_id)
+        count = len(self.token_ids)
+        if self.stop_checker.is_stop_token(token_id, count):
+            self.stop_checker.stop_reason = token_id
+            self.output_text += self.detokenizer.flush()
+            return self._finish("stop")
+
+        at_length = count >= self.params.max_tokens
+        self.output_text += self.detokenizer.append(token_id)
+        if at_length:
+            self.output_text += self.detokenizer.flush()
+
+        stops = self.params.stop
+        if stops and count >= self.params.min_tokens:
+            match = _find_stop(self.output_text, stops, self._num_emitted_chars)
+            if match is not None:
+                start, stop = match
+                self.output_text = self.output_text[:start]
+                self.stop_checker.stop_reason = stop
+                return self._finish("stop")
+        if at_length:
+            return self._finish("length")
+        emit_end = len(self.output_text) - _held_back_len(
+            self.output_text, stops, self._num_emitted_chars
+        )
+        return TextDelta(self._take_text(emit_end), None)
+
+    def _finish(self, reason: FinishReason) -> TextDelta:
+        self.finish_reason = reason
+        return TextDelta(self._take_text(len(self.output_text)), reason)
+
+    def _take_text(self, end: int) -> str:
+        text = self.output_text[self._num_emitted_chars : end]
+        self._num_emitted_chars = max(self._num_emitted_chars, end)
+        return text
+
+
+def _find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
+    """The earliest stop string occurrence beginning at or after `start`."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        i = text.find(stop, start)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, stop)
+    return best
+
+
+def _held_back_len(text: str, stops: Sequence[str], start: int) -> int:
+    """Length of the longest suffix of text[start:] that is a proper prefix of a stop
+    string: it may still become a stop string, so it is not emitted yet."""
+    pending = len(text) - start
+    held = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, pending), held, -1):
+            if text.endswith(stop[:n]):
+                held = n
+                break
+    return held
