@@ -1,0 +1,211 @@
+"""Decode side of the handoff: a registered landing arena carved into per-request regions.
+
+    arena (one registered host buffer, total_bytes)
+    |-- req A --|.....free.....|------ req B ------|--free--|
+    ^ base      ^ free list entries (offset, size), sorted by offset, neighbours merged
+
+Prefill writes a request's KV segments into its region (LandingInfo tells it where);
+decode scatters them into its paged cache and frees the region. When the arena is full,
+`allocate` waits (first come, first served) until frees make room or its timeout ends:
+running out of landing space is back-pressure, not an error. Only a request larger than
+the whole arena is an error, raised at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from protocol.kv_layout import KVLayout
+from protocol.messages import KVSegment, LandingInfo
+from transfer.errors import LandingError, LandingTooLargeError
+from transfer.kv_pack import FULL, KVShard, packed_view, scatter, torch_dtype
+from transfer.transport import Transport
+
+ALIGN_BYTES = 4096
+"""Region starts and sizes are multiples of this: any dtype view is aligned, and RDMA
+page boundaries are not shared between requests."""
+
+
+@dataclass(frozen=True)
+class LandingRegion:
+    """Bytes [offset_bytes, offset_bytes + nbytes) of the arena, held by one request."""
+
+    request_id: str
+    offset_bytes: int
+    nbytes: int
+    addr: int
+    """Absolute address of the region's first byte (what LandingInfo.buffer_addr says)."""
+    buffer: torch.Tensor
+    """uint8 view of the region's bytes."""
+
+
+class LandingArena:
+    """Owns one host buffer (pinned when CUDA is present), registered with `transport`,
+    and the first-fit free list that hands its bytes out as per-request regions.
+    All methods are thread-safe."""
+
+    def __init__(self, total_bytes: int, transport: Transport | None = None) -> None:
+        if total_bytes <= 0 or total_bytes % ALIGN_BYTES:
+            raise LandingError(f"landing size {total_bytes} must be a positive multiple of 4 KiB")
+        self.buffer = torch.empty(
+            total_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+        )
+        self.base_addr = self.buffer.data_ptr()
+        self.transport = transport
+        if transport is not None:
+            transport.register_buffer(self.base_addr, total_bytes)
+        self._total = total_bytes
+        self._cond = threading.Condition()
+        self._free: list[tuple[int, int]] = [(0, total_bytes)]  # (offset, size) by offset
+        self._regions: dict[str, LandingRegion] = {}
+        self._used = 0
+        self._queue: deque[int] = deque()  # tickets of waiting allocate calls, FIFO
+        self._tickets = itertools.count()
+        self._closed = False
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total
+
+    @property
+    def used_bytes(self) -> int:
+        with self._cond:
+            return self._used
+
+    def region(self, request_id: str) -> LandingRegion | None:
+        with self._cond:
+            return self._regions.get(request_id)
+
+    def allocate(self, request_id: str, nbytes: int, timeout_s: float) -> LandingRegion | None:
+        """A region of at least `nbytes` for `request_id`, waiting up to timeout_s for
+        room (behind earlier waiters). None when the time ran out or the arena closed.
+        Raises LandingTooLargeError at once if nbytes exceeds the whole arena."""
+        size = -(-max(nbytes, 1) // ALIGN_BYTES) * ALIGN_BYTES
+        if size > self._total:
+            raise LandingTooLargeError(
+                f"request {request_id} needs {nbytes} landing bytes but the arena holds "
+                f"{self._total}: raise the decode landing size or shorten the prompt"
+            )
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            if request_id in self._regions:
+                raise LandingError(f"request {request_id} already holds a landing region")
+            ticket = next(self._tickets)
+            self._queue.append(ticket)
+            try:
+                while True:
+                    if self._closed:
+                        return None
+                    offset = self._take(size) if self._queue[0] == ticket else None
+                    if offset is not None:
+                        break
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return None
+                    self._cond.wait(remaining)
+            finally:
+                self._queue.remove(ticket)
+                self._cond.notify_all()
+            region = LandingRegion(
+                request_id,
+                offset,
+                size,
+                self.base_addr + offset,
+                self.buffer[offset : offset + size],
+            )
+            self._regions[request_id] = region
+            self._used += size
+            return region
+
+    def free(self, request_id: str) -> bool:
+        """Give the request's region back (on completion and on abort). False if it holds
+        none (already freed, or never got one): aborts may race completion."""
+        with self._cond:
+            region = self._regions.pop(request_id, None)
+            if region is None:
+                return False
+            self._used -= region.nbytes
+            self._give(region.offset_bytes, region.nbytes)
+            self._cond.notify_all()
+            return True
+
+    def landing_info(self, region: LandingRegion, rank: int, layout: KVLayout) -> LandingInfo:
+        """What prefill needs to write into `region` (sent to it in AdmitResponse)."""
+        if self.transport is None:
+            raise LandingError("this arena has no transport: pass one to LandingArena")
+        return LandingInfo(
+            rank=rank,
+            transport=self.transport.name,
+            peer=self.transport.peer_address,
+            buffer_addr=region.addr,
+            capacity_bytes=region.nbytes,
+            layout=layout,
+        )
+
+    def close(self) -> None:
+        """Wake waiters (they get None) and unregister the buffer."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self.transport is not None:
+            self.transport.unregister_buffer(self.base_addr)
+            self.transport = None
+
+    def _take(self, size: int) -> int | None:
+        for i, (off, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + size, free - size)
+                return off
+        return None
+
+    def _give(self, offset: int, size: int) -> None:
+        """Insert [offset, +size) into the free list, merging with touching neighbours."""
+        i = bisect.bisect_left(self._free, (offset, 0))
+        if i < len(self._free) and offset + size == self._free[i][0]:
+            size += self._free.pop(i)[1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
+            offset, prev = self._free[i - 1]
+            size += prev
+            self._free[i - 1] = (offset, size)
+        else:
+            self._free.insert(i, (offset, size))
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        """(offset, size) of every free range, by offset (for tests and status)."""
+        with self._cond:
+            return list(self._free)
+
+
+def scatter_segments(
+    region: LandingRegion,
+    segments: list[KVSegment],
+    layout: KVLayout,
+    kv_caches: list[torch.Tensor],
+    block_table: list[int],
+    shard: KVShard = FULL,
+) -> None:
+    """Unpack every landed segment of `region` into the paged cache (kv_pack.scatter).
+    Each segment must be exactly n tokens of `layout` inside the region."""
+    dtype = torch_dtype(layout)
+    for seg in segments:
+        n = shard.num_tokens(seg.token_start, seg.token_end)
+        if seg.num_bytes != n * layout.bytes_per_token:
+            raise LandingError(
+                f"segment {seg} carries {seg.num_bytes} bytes; {n} tokens of the layout "
+                f"need {n * layout.bytes_per_token}"
+            )
+        if seg.offset_bytes + seg.num_bytes > region.nbytes:
+            raise LandingError(f"segment {seg} ends past region of {region.nbytes} bytes")
+        shape = (layout.num_layers, 2, n, layout.num_kv_heads, layout.head_dim)
+        src = packed_view(region.buffer, seg.offset_bytes, shape, dtype)
+        scatter(src, kv_caches, block_table, seg.token_start, seg.token_end, shard)

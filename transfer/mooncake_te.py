@@ -1,0 +1,111 @@
+"""The "mooncake" transport: Mooncake Transfer Engine, P2P handshake, tcp or rdma.
+
+Addressing (docs MOONCAKE.md §3, §4.1): with P2PHANDSHAKE there is no metadata server;
+a peer is named "host:rpc_port", where rpc_port is picked by Mooncake at initialize.
+Mooncake advertises MC_TCP_BIND_ADDRESS (else the host's first LAN address), so it is set
+here from the configured host; a different value already in the environment (another
+component of this process chose another interface) is a configuration error. The TE's
+listening sockets still bind all interfaces (a Mooncake limitation we cannot narrow).
+
+Mooncake reports failures as integers: initialize/register_memory/batch writes return 0
+or a negative code (-1 for a refused or failed write); they become TransferError here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from transfer.errors import TransferError, TransportConfigError
+from transfer.transport import Transport, TransportConfig, WriteOp, register_transport
+
+MAX_BATCH_OPS = 4096
+"""Entries per Mooncake batch (ATOM caps theirs at 4096); 32 GiB of 8 MiB ops."""
+
+
+def _set_bind_address(host: str) -> None:
+    current = os.environ.get("MC_TCP_BIND_ADDRESS")
+    if current is not None and current != host:
+        raise TransportConfigError(
+            f"MC_TCP_BIND_ADDRESS is {current!r} in this process but the transport host is "
+            f"{host!r}: Mooncake has one advertised address per process; make them agree"
+        )
+    os.environ["MC_TCP_BIND_ADDRESS"] = host
+
+
+@register_transport("mooncake")
+class MooncakeTransport(Transport):
+    """Owns one mooncake.engine.TransferEngine and the memory registered with it.
+    Writes are `batch_transfer_sync_write` (the GIL is released while they run)."""
+
+    def __init__(self, config: TransportConfig) -> None:
+        super().__init__()
+        _set_bind_address(config.host)
+        if config.protocol == "rdma":
+            # Without this Mooncake silently falls back to TCP when it finds no HCA.
+            os.environ.setdefault("MC_FORCE_HCA", "1")
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:
+            raise TransportConfigError(
+                f"the mooncake transport needs the Mooncake Transfer Engine ({e}): install "
+                "kvserve[cpu] (or [cuda]/[rocm]) and the system libraries libibverbs1 "
+                "librdmacm1 (scripts/setup.sh does both)"
+            ) from e
+        self._engine: Any = TransferEngine()
+        rc = self._engine.initialize(
+            config.host, "P2PHANDSHAKE", config.protocol, config.device_name
+        )
+        if rc != 0:
+            raise TransferError(
+                f"Mooncake TransferEngine.initialize({config.host!r}, P2PHANDSHAKE, "
+                f"{config.protocol!r}, {config.device_name!r}) failed with {rc}: check the "
+                "host is an address of this machine and, for rdma, that the devices exist",
+                code=rc,
+            )
+        self._address = f"{config.host}:{self._engine.get_rpc_port()}"
+
+    @property
+    def peer_address(self) -> str:
+        return self._address
+
+    def _register(self, ptr: int, nbytes: int) -> None:
+        rc = self._engine.register_memory(ptr, nbytes)
+        if rc != 0:
+            raise TransferError(
+                f"Mooncake register_memory({ptr:#x}, {nbytes}) failed with {rc}: for RDMA "
+                "the memory must be pinnable (huge pages for large buffers, MC_MAX_MR_SIZE) "
+                "and must not overlap another registration",
+                code=rc,
+            )
+
+    def _unregister(self, ptr: int) -> None:
+        rc = self._engine.unregister_memory(ptr)
+        if rc != 0:
+            raise TransferError(f"Mooncake unregister_memory({ptr:#x}) failed with {rc}", code=rc)
+
+    def _write_batch(self, peer: str, ops: Sequence[WriteOp]) -> None:
+        for i in range(0, len(ops), MAX_BATCH_OPS):
+            batch = ops[i : i + MAX_BATCH_OPS]
+            rc = self._engine.batch_transfer_sync_write(
+                peer,
+                [op.local_ptr for op in batch],
+                [op.remote_addr for op in batch],
+                [op.nbytes for op in batch],
+            )
+            if rc != 0:
+                lo = min(op.remote_addr for op in batch)
+                hi = max(op.remote_addr + op.nbytes for op in batch)
+                raise TransferError(
+                    f"Mooncake write of {len(batch)} ops ({sum(op.nbytes for op in batch)} "
+                    f"bytes) to {peer} failed with {rc}: the peer is down or unreachable, or "
+                    f"[{lo:#x}, {hi:#x}) is not inside a buffer it registered (its log says "
+                    "which)",
+                    code=rc,
+                    peer=peer,
+                )
+
+    def close(self) -> None:
+        super().close()
+        self._engine = None
