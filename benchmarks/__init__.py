@@ -1,0 +1,1 @@
+"""Benchmarks: seeded workloads, each checked against a reference before it is timed."""
