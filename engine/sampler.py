@@ -58,21 +58,30 @@ def _position_seed(seed: int, position: int) -> int:
 
 @dataclass(slots=True)
 class SamplingState:
-    """Sampling state of one request, owned by the engine's request object.
+    """Sampling state of one request: what the Sampler needs to know about its row.
 
     `num_output_tokens` is the number of tokens the request has generated so far; the
     engine advances it after it accepts a sampled token (the Sampler never changes it).
     A prefill→decode handoff creates the decode-side state with the count at handoff.
-    `generator` exists only for seeded, non-greedy requests and lives on the logits' device.
+    `generator` (optional) is used only by seeded, non-greedy requests; the Sampler
+    re-seeds it from (seed, num_output_tokens) before each draw, so its prior state never
+    matters (a seeded row without one uses the Sampler's scratch generator the same way).
+    Unseeded rows draw from the Sampler's shared generator.
     """
 
     params: SamplingParams
-    eos_token_ids: tuple[int, ...] = ()
     num_output_tokens: int = 0
     generator: torch.Generator | None = None
-    min_tokens_mask_ids: list[int] = field(default_factory=list)
+    eos_token_ids: Sequence[int] = ()
+    min_tokens_mask_ids: list[int] = field(init=False)
     """Token ids masked to -inf while num_output_tokens < params.min_tokens: the stop token
     ids, plus the EOS ids unless ignore_eos (then EOS does not stop, so it needs no mask)."""
+
+    def __post_init__(self) -> None:
+        mask_ids = list(dict.fromkeys(self.params.stop_token_ids))
+        if not self.params.ignore_eos:
+            mask_ids += [t for t in self.eos_token_ids if t not in mask_ids]
+        self.min_tokens_mask_ids = mask_ids
 
     @classmethod
     def create(
@@ -83,19 +92,11 @@ class SamplingState:
         num_output_tokens: int = 0,
         device: torch.device | str = "cpu",
     ) -> SamplingState:
+        """A state with a generator on `device` when the request is seeded and samples."""
         generator = None
         if params.seed is not None and not _is_greedy(params):
             generator = torch.Generator(device=device)
-        mask_ids = list(params.stop_token_ids)
-        if not params.ignore_eos:
-            mask_ids += [t for t in eos_token_ids if t not in mask_ids]
-        return cls(
-            params=params,
-            eos_token_ids=tuple(eos_token_ids),
-            num_output_tokens=num_output_tokens,
-            generator=generator,
-            min_tokens_mask_ids=mask_ids,
-        )
+        return cls(params, num_output_tokens, generator, tuple(eos_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -117,12 +118,15 @@ class Sampler:
     """Samples one token per row of a [N, V] float32 logits tensor.
 
     Owns the shared generator of unseeded rows (seeded from `seed` when given, so a whole
-    engine run is reproducible). `sample` mutates only generator states: never the logits
+    engine run is reproducible) and a scratch generator for seeded rows without their own. `sample` mutates only generator states: never the logits
     it is given, never a SamplingState's fields.
     """
 
     def __init__(self, device: torch.device | str = "cpu", seed: int | None = None) -> None:
         self.generator = torch.Generator(device=device)
+        # Seeded rows whose state carries no generator of their own borrow this one; it is
+        # re-seeded per row, so sharing it keeps every row's draw its own.
+        self._seeded_generator = torch.Generator(device=device)
         if seed is None:
             self.generator.seed()
         else:
@@ -189,17 +193,21 @@ class Sampler:
         # p_i (what torch.multinomial does for one sample), and splits into per-row draws.
         # q = -log(u), u uniform in [0, 1): q > 0, and u == 0 gives q = inf, p / q = 0.
         u = torch.empty_like(probs)
-        unseeded = [j for j, s in enumerate(states) if s.generator is None]
+        unseeded = [j for j, s in enumerate(states) if s.params.seed is None]
         if len(unseeded) == num_rows:
             u.uniform_(generator=self.generator)
         elif unseeded:
             idx = torch.tensor(unseeded, device=device)
             u[idx] = torch.rand(len(unseeded), vocab_size, device=device, generator=self.generator)
         for j, s in enumerate(states):
-            if s.generator is not None:
-                assert s.params.seed is not None
-                s.generator.manual_seed(_position_seed(s.params.seed, s.num_output_tokens))
-                u[j].uniform_(generator=s.generator)
+            if s.params.seed is None:
+                continue
+            gen = s.generator if s.generator is not None else self._seeded_generator
+            gen.manual_seed(_position_seed(s.params.seed, s.num_output_tokens))
+            if gen.device == u.device:
+                u[j].uniform_(generator=gen)
+            else:  # e.g. a CPU generator for CUDA logits: draw there, then copy
+                u[j] = torch.rand(vocab_size, generator=gen, device=gen.device)
         q = u.log_().neg_()
         return probs.div_(q).argmax(dim=-1)
 
@@ -208,10 +216,12 @@ def _nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor
     """The smallest probability in each row's nucleus: [R, V], [R] -> [R, 1].
 
     The nucleus is the smallest set of most likely tokens whose mass reaches top_p (the
-    top token always). A full sort of V is slow on CPU (~4 ms per row at V = 49K, a
+    top token always). On CPU a full sort of V is slow (~4 ms per row at V = 49K, a
     top-128 ~0.2 ms), so the nucleus is looked for among the top 128, then 1024 tokens;
-    only rows whose candidates hold less than top_p of the mass sort the whole row.
-    Tokens tied with the threshold stay, as in top-k.
+    only rows whose candidates hold less than top_p of the mass sort the whole row. On
+    an H200 this also beats sorting every row once the batch is large (64 rows of 49K:
+    0.52 vs 0.73 ms; 256 rows: 1.06 vs 2.0 ms). Tokens tied with the threshold stay, as
+    in top-k.
     """
     num_rows, vocab_size = probs.shape
     threshold = torch.empty(num_rows, 1, dtype=probs.dtype, device=probs.device)

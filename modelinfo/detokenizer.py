@@ -10,8 +10,10 @@ Three pieces, each usable alone:
 - `StopChecker(params, eos_token_ids)`: the token-level stop rules, for the engine
   (which has no text): `check(token_id, num_output_tokens) -> "stop" | "length" | None`.
 - `RequestOutputText(tokenizer, params, eos_token_ids)`: both of the above plus stop
-  strings, one per request: `append(token_id) -> TextDelta(text, finish_reason)`.
-  Concatenating every `TextDelta.text` gives the final text (`output_text`).
+  strings, one per request: `append(token_id) -> TextDelta(text, finish_reason)`, and
+  `finish(reason) -> TextDelta` when the request ends for a reason decided elsewhere
+  (the engine's context limit). Concatenating every `TextDelta.text` gives the final
+  text (`output_text`); `stop_reason` says which EOS/stop id or stop string ended it.
 
 Stop rules (OpenAI / vLLM):
 - "stop": an EOS id (unless ignore_eos), a stop_token_id, or a stop string in the text;
@@ -184,34 +186,46 @@ class RequestOutputText:
         return self.stop_checker.stop_reason
 
     def append(self, token_id: int) -> TextDelta:
+        """Adds the next output token; returns the text safe to emit and, on the last
+        token, the finish reason. Raises RuntimeError once the request has finished."""
         if self.finish_reason is not None:
             raise RuntimeError("RequestOutputText.append called after the request finished")
         self.token_ids.append(token_id)
         count = len(self.token_ids)
         if self.stop_checker.is_stop_token(token_id, count):
             self.stop_checker.stop_reason = token_id
-            self.output_text += self.detokenizer.flush()
-            return self._finish("stop")
-
-        at_length = count >= self.params.max_tokens
+            return self.finish("stop")
         self.output_text += self.detokenizer.append(token_id)
-        if at_length:
-            self.output_text += self.detokenizer.flush()
+        if count >= self.params.max_tokens:
+            return self.finish("length")
+        if self._cut_at_stop_string():
+            return self._finish("stop")
+        held = _held_back_len(self.output_text, self.params.stop, self._num_emitted_chars)
+        return TextDelta(self._take_text(len(self.output_text) - held), None)
 
-        stops = self.params.stop
-        if stops and count >= self.params.min_tokens:
-            match = _find_stop(self.output_text, stops, self._num_emitted_chars)
-            if match is not None:
-                start, stop = match
-                self.output_text = self.output_text[:start]
-                self.stop_checker.stop_reason = stop
-                return self._finish("stop")
-        if at_length:
-            return self._finish("length")
-        emit_end = len(self.output_text) - _held_back_len(
-            self.output_text, stops, self._num_emitted_chars
-        )
-        return TextDelta(self._take_text(emit_end), None)
+    def finish(self, reason: FinishReason) -> TextDelta:
+        """Ends the request and returns the rest of its text: what the detokenizer and the
+        stop-string hold-back kept. Use it when the request ends for a reason decided
+        elsewhere (the engine's context limit: "length"); append calls it itself. A stop
+        string completed by the flushed text still cuts it and makes the reason "stop"."""
+        if self.finish_reason is not None:
+            raise RuntimeError("RequestOutputText.finish called after the request finished")
+        self.output_text += self.detokenizer.flush()
+        if self._cut_at_stop_string():
+            reason = "stop"
+        return self._finish(reason)
+
+    def _cut_at_stop_string(self) -> bool:
+        """Cuts output_text before the first stop string not yet emitted; True if found."""
+        if not self.params.stop or len(self.token_ids) < self.params.min_tokens:
+            return False
+        match = _find_stop(self.output_text, self.params.stop, self._num_emitted_chars)
+        if match is None:
+            return False
+        start, stop = match
+        self.output_text = self.output_text[:start]
+        self.stop_checker.stop_reason = stop
+        return True
 
     def _finish(self, reason: FinishReason) -> TextDelta:
         self.finish_reason = reason

@@ -174,6 +174,18 @@ def test_min_tokens_delays_eos_stop_ids_and_stop_strings(tok: Tokenizer) -> None
     assert "".join(d.text for d in deltas) == out.output_text
 
 
+def test_finish_from_outside_flushes_held_text(tok: Tokenizer) -> None:
+    """The engine ends a request (its context limit) while text is held back."""
+    ids = tok.encode("so ##ST 😀").ids[:-1]  # ends inside the emoji
+    deltas, out = _run(tok, ids, stop=("##STOP##",))
+    assert deltas[-1].finish_reason is None
+    rest = out.finish("length")
+    assert rest.finish_reason == "length" and out.finish_reason == "length"
+    assert "".join(d.text for d in deltas) + rest.text == out.output_text == tok.decode(ids)
+    with pytest.raises(RuntimeError):
+        out.finish("length")
+
+
 def test_stop_checker_token_rules() -> None:
     params = SamplingParams(max_tokens=5, min_tokens=2, stop_token_ids=(7,))
     checker = StopChecker(params, eos_token_ids=(2,))

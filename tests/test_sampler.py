@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.sampler import Sampler, SamplingState
@@ -99,6 +100,19 @@ def test_seeded_state_can_resume_at_a_position() -> None:
         full.num_output_tokens += 1
     resumed = _state(temperature=1.0, seed=3, num_output_tokens=4)
     assert Sampler(seed=99).sample(logits, [resumed]).token_ids[0] == tokens[4]
+
+
+def test_state_built_directly_masks_and_seeds_like_create() -> None:
+    """The engine builds SamplingState(params, num_output_tokens, generator, eos_ids)."""
+    logits = _logits(1, seed=11)
+    logits[0, EOS] = 20.0
+    params = SamplingParams(temperature=1.0, seed=5, min_tokens=2)
+    with_gen = SamplingState(params, 1, torch.Generator().manual_seed(123), (EOS,))
+    without_gen = SamplingState(params, 1, None, (EOS,))
+    assert with_gen.min_tokens_mask_ids == [EOS]
+    a = Sampler(seed=0).sample(logits, [with_gen]).token_ids
+    b = Sampler(seed=1).sample(logits, [without_gen]).token_ids
+    assert a == b and a[0] != EOS
 
 
 def test_different_seeds_differ() -> None:
@@ -224,3 +238,34 @@ def test_logprobs_are_log_softmax_of_raw_logits_at_the_chosen_token() -> None:
         lp = out.logprobs[i]
         assert lp is not None
         assert abs(lp - float(reference[i, out.token_ids[i]])) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_logits_with_cuda_and_cpu_generators() -> None:
+    """On the GPU: greedy is argmax, filters keep their sets, and a seeded row is the same
+    alone and in a batch, whether its generator lives on the GPU or (as the engine's
+    Request makes it) on the CPU."""
+    vocab = 49152
+    logits = _logits(8, seed=12, vocab=vocab).cuda()
+    greedy = [_state(temperature=0.0) for _ in range(8)]
+    assert Sampler("cuda", seed=0).sample(logits, greedy).token_ids == logits.argmax(-1).tolist()
+
+    target = logits[3:4]
+    params = SamplingParams(temperature=1.0, top_p=0.95, top_k=200, seed=42)
+    for device in ("cuda", "cpu"):
+        alone, batched = [], []
+        for step in range(8):
+            state = SamplingState(params, step, torch.Generator(device=device), (EOS,))
+            alone.append(Sampler("cuda", seed=step).sample(target, [state]).token_ids[0])
+            states = [_state(temperature=0.8) for _ in range(8)]
+            states[3] = SamplingState(params, step, torch.Generator(device=device), (EOS,))
+            batched.append(Sampler("cuda", seed=99).sample(logits, states).token_ids[3])
+        assert alone == batched, device
+        assert set(alone) <= set(target[0].topk(200).indices.tolist())
+
+    n = 2000
+    row = logits[0]
+    states = [_state(temperature=1.0, top_k=20) for _ in range(n)]
+    draws = Sampler("cuda", seed=0).sample(row.expand(n, -1).contiguous(), states).token_ids
+    assert set(draws) == set(row.topk(20).indices.tolist())
