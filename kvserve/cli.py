@@ -44,7 +44,78 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive chat with a model (Ctrl-D to quit)")
     _add_engine_args(c)
     c.add_argument("--system", default=None, help="system message")
+    _add_cluster_commands(sub)
     return parser
+
+
+def _default_cluster_file() -> str | None:
+    """deploy/examples/local.yaml of this checkout (the embedded default), if present."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "deploy" / "examples" / "local.yaml"
+    return str(path) if path.is_file() else None
+
+
+def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    default = _default_cluster_file()
+
+    def common(p: argparse.ArgumentParser, state: bool = True) -> None:
+        p.add_argument(
+            "-c",
+            "--config",
+            default=default,
+            required=default is None,
+            help=f"cluster.yaml (default: {default or 'none'})",
+        )
+        if state:
+            p.add_argument(
+                "--state-dir",
+                default=None,
+                help="run directories (state file, logs); default ~/.local/state/kvserve",
+            )
+
+    u = sub.add_parser("up", help="start this host's part of a cluster and supervise it")
+    common(u)
+    u.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        help="node to start (repeatable); default: "
+        "every node whose host is an address of this machine",
+    )
+    u.add_argument("--detach", action="store_true", help="return once healthy; run in background")
+    u.add_argument(
+        "--health-timeout", type=float, default=600.0, help="seconds per start stage (600)"
+    )
+    u.add_argument("--stop-grace", type=float, default=10.0, help="SIGTERM→SIGKILL seconds (10)")
+    d = sub.add_parser("down", help="stop the cluster this host runs")
+    common(d)
+    d.add_argument("--stop-grace", type=float, default=10.0, help="SIGTERM→SIGKILL seconds (10)")
+    s = sub.add_parser("status", help="health of every component; exit 1 if any is down")
+    common(s)
+    s.add_argument("--node", action="append", default=[], help="only these nodes (repeatable)")
+    s.add_argument("--timeout", type=float, default=2.0, help="seconds per HTTP probe (2)")
+    k = sub.add_parser("check", help="validate cluster.yaml and print a summary")
+    common(k, state=False)
+
+
+def _run_cluster_command(args: argparse.Namespace) -> int:
+    from kvserve import launcher
+
+    if args.command == "up":
+        options = launcher.LaunchOptions(
+            state_dir=args.state_dir,
+            nodes=tuple(args.node),
+            detach=args.detach,
+            health_timeout_s=args.health_timeout,
+            stop_grace_s=args.stop_grace,
+        )
+        return launcher.up(args.config, options)
+    if args.command == "down":
+        return launcher.down(args.config, args.state_dir, args.stop_grace)
+    if args.command == "status":
+        return launcher.status(args.config, args.state_dir, tuple(args.node), args.timeout)
+    return launcher.check(args.config)
 
 
 def _engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -142,7 +213,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_generate(args)
         if args.command == "chat":
             return _run_chat(args)
+        if args.command in ("up", "down", "status", "check"):
+            return _run_cluster_command(args)
     except KvserveError as e:
+        from kvserve.supervisor import LaunchError
+
+        if isinstance(e, LaunchError):
+            print(f"kvserve: {e}", file=sys.stderr)
+            return 1
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

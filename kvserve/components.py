@@ -1,0 +1,149 @@
+"""What `kvserve up` starts on this host: one ComponentSpec per process, in start stages.
+
+The command line of each component kind is a template (`DEFAULT_COMMANDS`), so tests and
+operators can swap in another program without touching the launcher:
+
+    {"prefill": ["{python}", "-m", "prefill_worker", "-c", "{config}", "--name", "{name}"]}
+
+Placeholders: {python} {config} {name} {kind} {node} {host} {port}.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from protocol.cluster import ClusterConfig, NodeConfig, is_loopback_host
+from protocol.config_errors import ConfigError
+
+DEFAULT_COMMANDS: dict[str, tuple[str, ...]] = {
+    "router": ("{python}", "-m", "router", "-c", "{config}"),
+    "prefill": ("{python}", "-m", "prefill_worker", "-c", "{config}", "--name", "{name}"),
+    "decode": ("{python}", "-m", "decode_worker", "-c", "{config}", "--name", "{name}"),
+}
+"""Command template per component kind (pool processes join with the pool issue)."""
+
+START_ORDER: tuple[tuple[str, ...], ...] = (("prefill", "decode"), ("router",))
+"""Kinds started together, stage by stage; a stage starts when the previous is healthy
+(the router comes up only when the workers it routes to answer)."""
+
+WORKER_KINDS = ("prefill", "decode")
+
+# The directory holding the kvserve package: children import the same checkout.
+_SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """One process the launcher starts and supervises, fully resolved."""
+
+    name: str
+    kind: str
+    node: str
+    host: str
+    """Address the component is reached at (its node's host)."""
+    port: int
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables set on top of the launcher's environment."""
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def health_url(self) -> str:
+        return f"{self.base_url}/health"
+
+    @property
+    def status_url(self) -> str | None:
+        """GET /status → protocol.messages.InstanceStatus; workers only."""
+        return f"{self.base_url}/status" if self.kind in WORKER_KINDS else None
+
+
+def component_env(
+    node: NodeConfig, dist_port: int | None, extra: Mapping[str, str]
+) -> dict[str, str]:
+    """Environment a component on `node` needs beyond the launcher's own.
+
+    Mooncake advertises the host's first LAN address unless MC_TCP_BIND_ADDRESS is set,
+    and gloo/NCCL pick an interface on their own; on a loopback node all of them must stay
+    on `lo`. Section `env` entries win over everything.
+    """
+    env = {
+        "MC_TCP_BIND_ADDRESS": node.host,
+        "MASTER_ADDR": node.host,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (_SOURCE_ROOT, os.environ.get("PYTHONPATH", "")) if p
+        ),
+    }
+    if is_loopback_host(node.host):
+        env.update(
+            MC_TCP_BIND_ADDRESS="127.0.0.1",
+            MASTER_ADDR="127.0.0.1",
+            GLOO_SOCKET_IFNAME="lo",
+            NCCL_SOCKET_IFNAME="lo",
+        )
+    if dist_port is not None:
+        env["MASTER_PORT"] = str(dist_port)
+    env.update(extra)
+    return env
+
+
+def plan_components(
+    cluster: ClusterConfig,
+    config_path: str | Path,
+    node_names: Sequence[str],
+    commands: Mapping[str, Sequence[str]] | None = None,
+) -> list[list[ComponentSpec]]:
+    """The components of `node_names`, grouped into start stages (empty stages dropped)."""
+    templates: dict[str, Sequence[str]] = {**DEFAULT_COMMANDS, **(commands or {})}
+    config = str(Path(config_path).expanduser().resolve())
+    selected = set(node_names)
+    for name in selected:
+        cluster.node(name)  # ConfigError naming the valid nodes
+    by_kind: dict[str, list[ComponentSpec]] = {kind: [] for stage in START_ORDER for kind in stage}
+
+    def spec(
+        name: str, kind: str, node: NodeConfig, host: str, port: int, env: dict[str, str]
+    ) -> ComponentSpec:
+        if kind not in templates:
+            raise ConfigError("", f"no command for component kind {kind!r}")
+        values = dict(
+            python=sys.executable,
+            config=config,
+            name=name,
+            kind=kind,
+            node=node.name,
+            host=host,
+            port=str(port),
+        )
+        argv = tuple(arg.format(**values) for arg in templates[kind])
+        return ComponentSpec(name, kind, node.name, host, port, argv, env)
+
+    for inst in cluster.prefill:
+        node = cluster.node(inst.node)
+        if node.name in selected:
+            env = component_env(node, inst.dist_port, inst.env)
+            by_kind["prefill"].append(spec(inst.name, "prefill", node, node.host, inst.port, env))
+    for dec in cluster.decode:
+        node = cluster.node(dec.node)
+        if node.name in selected:
+            env = component_env(node, dec.dist_port, dec.env)
+            by_kind["decode"].append(spec(dec.name, "decode", node, node.host, dec.port, env))
+    router_node = cluster.router_node
+    if router_node.name in selected:
+        env = component_env(router_node, None, cluster.router.env)
+        host = cluster.router_bind_host
+        if host in ("0.0.0.0", "::"):
+            host = router_node.host  # reachable from this node whatever the wildcard
+        by_kind["router"].append(
+            spec("router", "router", router_node, host, cluster.router.port, env)
+        )
+    stages = [[s for kind in stage for s in by_kind[kind]] for stage in START_ORDER]
+    return [stage for stage in stages if stage]

@@ -1,0 +1,280 @@
+"""`kvserve up / down / status / check`: run the part of a cluster that lives on this host.
+
+    up      load cluster.yaml → plan this host's components → free-port check → lock the
+            run dir → Supervisor (foreground, or forked into the background with --detach)
+    down    state file → SIGTERM the launcher → stop whatever process group is left
+    status  GET /health (+ /status for workers) of every component → table, exit 1 if any
+            is down
+    check   validate and summarise, start nothing
+
+Component command lines are templates (components.DEFAULT_COMMANDS); `commands=` replaces
+them per kind, which is how tests run stand-in components.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from kvserve.cluster_status import status
+from kvserve.cluster_summary import summarize
+from kvserve.components import ComponentSpec, plan_components
+from kvserve.process_groups import group_members, pid_alive, stop_groups
+from kvserve.run_state import ComponentState, RunDir, RunState
+from kvserve.supervisor import LaunchError, Supervisor
+from protocol.cluster import ClusterConfig, load_cluster, local_nodes
+from protocol.cluster_checks import cluster_ports
+
+__all__ = ["LaunchError", "LaunchOptions", "check", "down", "status", "up"]
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How `up` runs; every field has a CLI flag of the same name."""
+
+    state_dir: str | Path | None = None
+    """Where run directories live; None: ~/.local/state/kvserve."""
+    nodes: Sequence[str] = ()
+    """Nodes to start; empty: every node whose host is an address of this machine."""
+    detach: bool = False
+    """Return once healthy, leaving a background launcher to supervise."""
+    health_timeout_s: float = 600.0
+    """Per stage: how long components may take to answer GET /health with 200."""
+    stop_grace_s: float = 10.0
+    """Between SIGTERM and SIGKILL when stopping."""
+    commands: Mapping[str, Sequence[str]] | None = None
+    """Command template per component kind, replacing the defaults."""
+
+
+def _select_nodes(cluster: ClusterConfig, nodes: Sequence[str]) -> list[str]:
+    if nodes:
+        return [cluster.node(n).name for n in nodes]
+    local = [n.name for n in local_nodes(cluster)]
+    if not local:
+        hosts = ", ".join(f"{n.name}={n.host}" for n in cluster.nodes)
+        raise LaunchError(
+            f"no node of cluster {cluster.name!r} has an address of this machine ({hosts}); "
+            "pass --node NAME to choose"
+        )
+    return local
+
+
+def _check_ports_free(cluster: ClusterConfig, nodes: list[str]) -> None:
+    """Fail before starting anything if a port this host's components need is taken."""
+    hosts = {cluster.node(n).host for n in nodes}
+    for host, path, port in cluster_ports(cluster):
+        if host not in hosts or path.startswith("pool."):
+            continue  # the pool's processes are started by a later version
+        bind_host = cluster.router_bind_host if path.startswith("router.") else host
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((bind_host, port))
+            except OSError as e:
+                raise LaunchError(
+                    f"{path}: cannot listen on {bind_host}:{port} ({e.strerror}); "
+                    "another process holds it, or the address is not this machine's "
+                    "(kvserve status -c FILE shows a running cluster)"
+                ) from None
+
+
+def _leftover_groups(state: RunState) -> list[ComponentState]:
+    """Components of a state file whose process group still has live members. A leader
+    pid now owned by another process (other start time) is not ours to signal."""
+    return [
+        c
+        for c in state.components
+        if (pid_alive(c.pid, c.start_time) or not pid_alive(c.pid)) and group_members(c.pid)
+    ]
+
+
+def _check_no_leftovers(run: RunDir) -> None:
+    """A launcher that was killed (SIGKILL, OOM) leaves its state file and maybe processes."""
+    state = run.read()
+    if state is None:
+        return
+    left = _leftover_groups(state)
+    if left:
+        names = ", ".join(f"{c.name} (pgid {c.pid})" for c in left)
+        raise LaunchError(
+            f"processes of a previous run are still alive: {names}; "
+            "stop them with: kvserve down -c FILE"
+        )
+    run.remove()
+
+
+def _lock(run: RunDir) -> int:
+    """Take the run directory's lock for this launcher's lifetime (fd stays open)."""
+    run.root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        state = run.read()
+        who = f" (launcher pid {state.launcher_pid})" if state else ""
+        raise LaunchError(
+            f"cluster {run.root.name!r} is already running on this host{who}; "
+            "stop it first with: kvserve down -c FILE"
+        ) from None
+    return fd
+
+
+def up(
+    config_path: str | Path, options: LaunchOptions = LaunchOptions(), out: IO[str] = sys.stdout
+) -> int:
+    """Start this host's components and supervise them; returns the exit code.
+
+    Foreground: returns when stopped (0 on a signal or `kvserve down`, 1 if a component
+    failed). With options.detach: returns 0 once every component is healthy (a background
+    launcher keeps supervising), 1 if the launch failed.
+    """
+    cluster = load_cluster(config_path)
+    config = str(Path(config_path).expanduser().resolve())
+    nodes = _select_nodes(cluster, options.nodes)
+    stages = plan_components(cluster, config, nodes, options.commands)
+    if not stages:
+        raise LaunchError(f"nothing runs on node(s) {', '.join(nodes)} in this cluster file")
+    run = RunDir(options.state_dir, cluster.name)
+    lock_fd = _lock(run)
+    try:
+        _check_no_leftovers(run)
+        _check_ports_free(cluster, nodes)
+        run.rotate_logs()
+        specs = [s for stage in stages for s in stage]
+        runs_router = any(s.kind == "router" for s in specs)
+        endpoint = cluster.api_base_url if runs_router else None
+        if cluster.pool_enabled:
+            print("[kvserve] note: pool processes are not started by this version", file=out)
+        sup = Supervisor(
+            run,
+            stages,
+            cluster_name=cluster.name,
+            config_path=config,
+            endpoint=endpoint,
+            health_timeout_s=options.health_timeout_s,
+            stop_grace_s=options.stop_grace_s,
+            out=out,
+        )
+        if options.detach:
+            return _detach(sup, run, specs, endpoint, out)
+
+        def ready(error: str | None) -> None:
+            if error is None:
+                _print_ready(out, cluster.name, specs, endpoint, run, detached=False)
+
+        return sup.serve(ready)
+    finally:
+        os.close(lock_fd)
+
+
+def _print_ready(
+    out: IO[str],
+    name: str,
+    specs: list[ComponentSpec],
+    endpoint: str | None,
+    run: RunDir,
+    detached: bool,
+) -> None:
+    print(f"[kvserve] cluster {name!r} is up: {', '.join(s.name for s in specs)}", file=out)
+    if endpoint:
+        print(f"[kvserve] endpoint: {endpoint}", file=out)
+    print(f"[kvserve] logs: {run.logs}", file=out)
+    stop = "kvserve down -c FILE" if detached else "Ctrl-C (or kvserve down -c FILE)"
+    print(f"[kvserve] stop with: {stop}", file=out, flush=True)
+
+
+def _detach(
+    sup: Supervisor, run: RunDir, specs: list[ComponentSpec], endpoint: str | None, out: IO[str]
+) -> int:
+    """Fork a background launcher (own session, output to launcher.log) and wait until it
+    reports ready or failed through a pipe."""
+    read_fd, write_fd = os.pipe()
+    out.flush()
+    pid = os.fork()
+    if pid == 0:  # the background launcher: never returns into the caller
+        code = 1
+        try:
+            os.close(read_fd)
+            os.setsid()
+            log = open(run.launcher_log, "a", buffering=1)  # noqa: SIM115
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            sys.stdout = sys.stderr = log
+            sup.out = log
+
+            def report(error: str | None) -> None:
+                os.write(write_fd, (json.dumps({"error": error}) + "\n").encode())
+                os.close(write_fd)
+
+            code = sup.serve(report)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        line = pipe.readline()
+    try:
+        error = json.loads(line)["error"] if line else "the background launcher exited"
+    except (ValueError, KeyError):
+        error = f"unexpected report from the background launcher: {line!r}"
+    if error is not None:
+        print(f"kvserve: launch failed: {error}", file=sys.stderr)
+        print(f"kvserve: launcher log: {run.launcher_log}", file=sys.stderr)
+        return 1
+    _print_ready(out, run.root.name, specs, endpoint, run, detached=True)
+    print(f"[kvserve] background launcher pid {pid}, log {run.launcher_log}", file=out, flush=True)
+    return 0
+
+
+def down(
+    config_path: str | Path,
+    state_dir: str | Path | None = None,
+    stop_grace_s: float = 10.0,
+    out: IO[str] = sys.stdout,
+) -> int:
+    """Stop the cluster this host runs (foreground or detached), from any shell."""
+    cluster = load_cluster(config_path)
+    run = RunDir(state_dir, cluster.name)
+    state = run.read()
+    if state is None:
+        print(f"[kvserve] cluster {cluster.name!r} is not running on this host", file=out)
+        return 0
+    if pid_alive(state.launcher_pid, state.launcher_start_time):
+        print(f"[kvserve] stopping launcher pid {state.launcher_pid}", file=out, flush=True)
+        os.kill(state.launcher_pid, signal.SIGTERM)
+        deadline = time.monotonic() + stop_grace_s + 10.0
+        while pid_alive(state.launcher_pid, state.launcher_start_time):
+            if time.monotonic() > deadline:
+                print("[kvserve] the launcher did not stop; stopping components directly", file=out)
+                break
+            time.sleep(0.05)
+    # Whatever is left (the launcher was killed, or hung): stop the groups directly.
+    left = _leftover_groups(state)
+    if left:
+        print(f"[kvserve] stopping {', '.join(c.name for c in left)}", file=out, flush=True)
+        stop_groups([c.pid for c in left], stop_grace_s)
+    run.remove()
+    print(f"[kvserve] cluster {cluster.name!r} stopped", file=out)
+    return 0
+
+
+def check(config_path: str | Path, out: IO[str] = sys.stdout) -> int:
+    """Validate cluster.yaml and print what it describes; ConfigError if invalid."""
+    cluster = load_cluster(config_path)
+    print(summarize(cluster, str(config_path)), file=out)
+    return 0

@@ -1,0 +1,245 @@
+"""The supervisor of one `kvserve up`: start stages, wait for health, watch, stop.
+
+    start stage 1 ─ wait /health ─ start stage 2 ─ wait /health ─ ready ─ watch ─┐
+          │ a component exits / times out / signal                               │
+          └──────────────────────────▶ stop every group (TERM, grace, KILL) ◀────┘
+
+Any component that exits, or is not healthy in time, stops the whole launch: a cluster
+with a hole in it is worse than no cluster. The state file mirrors what is running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO
+
+from kvserve.components import ComponentSpec
+from kvserve.health import http_get
+from kvserve.process_groups import process_start_time, spawn_group, stop_groups
+from kvserve.run_state import ComponentState, Phase, RunDir, RunState
+from protocol.errors import KvserveError
+
+LOG_TAIL_LINES = 40
+_POLL_S = 0.2
+
+
+class LaunchError(KvserveError):
+    """The cluster could not be started (a component failed, a port is busy, ...)."""
+
+
+def log_tail(path: os.PathLike[str] | str, num_lines: int = LOG_TAIL_LINES) -> str:
+    """The last lines of a log file ("" if it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            data = f.read()
+    except FileNotFoundError:
+        return ""
+    lines = data.decode(errors="replace").splitlines()[-num_lines:]
+    return "\n".join(lines)
+
+
+@dataclass
+class _Running:
+    spec: ComponentSpec
+    proc: subprocess.Popen[bytes]
+    log: IO[bytes]
+    state: ComponentState
+
+
+@dataclass
+class _Signals:
+    """Set by signal handlers, read by the loops: the first signal stops, a second hurries."""
+
+    stop: int | None = None
+    force: bool = False
+    previous: dict[int, object] = field(default_factory=dict)
+
+    def handle(self, signum: int, _frame: object) -> None:
+        if self.stop is None:
+            self.stop = signum
+        else:
+            self.force = True
+
+
+class _Stopped(Exception):
+    """A stop signal arrived while starting."""
+
+
+class Supervisor:
+    """Owns the component processes of one launch, its state file and its signals."""
+
+    def __init__(
+        self,
+        run: RunDir,
+        stages: list[list[ComponentSpec]],
+        *,
+        cluster_name: str,
+        config_path: str,
+        endpoint: str | None,
+        health_timeout_s: float,
+        stop_grace_s: float,
+        out: IO[str],
+    ) -> None:
+        self.run = run
+        self.stages = stages
+        self.health_timeout_s = health_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.out = out
+        self.endpoint = endpoint
+        self.running: list[_Running] = []
+        self.signals = _Signals()
+        self.cluster_name = cluster_name
+        self.config_path = config_path
+        self.started_at = time.time()
+        self.launcher_pid = os.getpid()
+
+    def say(self, msg: str) -> None:
+        print(f"[kvserve] {msg}", file=self.out, flush=True)
+
+    def serve(self, on_ready: Callable[[str | None], None]) -> int:
+        """Start, report readiness (None) or the failure (its message) through `on_ready`,
+        then watch until a signal (exit 0) or a component exit (exit 1). Runs in the
+        process that owns the children (the background one with --detach)."""
+        self.launcher_pid = os.getpid()
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            self.signals.previous[signum] = signal.signal(signum, self.signals.handle)
+        try:
+            try:
+                for stage in self.stages:
+                    self._start_stage(stage)
+                    self._wait_healthy(stage)
+            except LaunchError as e:
+                self.say(f"launch failed: {e}")
+                self._stop_all()
+                on_ready(str(e))
+                return 1
+            except _Stopped:
+                self.say(f"stopping before ready ({signal.Signals(self.signals.stop or 15).name})")
+                self._stop_all()
+                on_ready("stopped by a signal before the cluster was ready")
+                return 130
+            self._write("running")
+            on_ready(None)
+            return self._watch()
+        finally:
+            for restored, handler in self.signals.previous.items():
+                signal.signal(restored, handler)  # type: ignore[arg-type]
+            for r in self.running:
+                r.log.close()
+
+    # -- stages ---------------------------------------------------------------------------
+
+    def _start_stage(self, stage: list[ComponentSpec]) -> None:
+        env_base = dict(os.environ)
+        for spec in stage:
+            log_path = self.run.log_of(spec.name)
+            log = open(log_path, "ab")  # noqa: SIM115 (lives as long as the process)
+            header = f"[kvserve] {time.strftime('%F %T')} starting: {' '.join(spec.argv)}\n"
+            log.write(header.encode())
+            log.flush()
+            try:
+                proc = spawn_group(spec.argv, {**env_base, **spec.env}, log)
+            except OSError as e:
+                log.close()
+                raise LaunchError(f"{spec.name}: cannot start {spec.argv[0]!r}: {e}") from None
+            state = ComponentState(
+                name=spec.name,
+                kind=spec.kind,
+                node=spec.node,
+                host=spec.host,
+                port=spec.port,
+                pid=proc.pid,
+                start_time=process_start_time(proc.pid),
+                log=str(log_path),
+                health_url=spec.health_url,
+                status_url=spec.status_url,
+            )
+            self.running.append(_Running(spec, proc, log, state))
+            self.say(f"started {spec.name} ({spec.kind}, pid {proc.pid}) on {spec.base_url}")
+        self._write("starting")
+
+    def _wait_healthy(self, stage: list[ComponentSpec]) -> None:
+        t0 = time.monotonic()
+        pending = [r for r in self.running if r.spec in stage]
+        while pending:
+            if self.signals.stop is not None:
+                raise _Stopped
+            for r in list(pending):
+                rc = r.proc.poll()
+                if rc is not None:
+                    raise LaunchError(self._failure(r, f"exited with code {rc} while starting"))
+                if http_get(r.spec.health_url, timeout_s=1.0).ok:
+                    pending.remove(r)
+                    self.say(f"{r.spec.name} is healthy ({time.monotonic() - t0:.1f}s)")
+            if pending and time.monotonic() - t0 > self.health_timeout_s:
+                r = pending[0]
+                probe = http_get(r.spec.health_url, timeout_s=1.0)
+                why = f"HTTP {probe.status} {probe.error}" if probe.status else probe.error
+                raise LaunchError(
+                    self._failure(
+                        r,
+                        f"not healthy after {self.health_timeout_s:g}s "
+                        f"(GET {r.spec.health_url}: {why})",
+                    )
+                )
+            if pending:
+                time.sleep(_POLL_S)
+
+    def _watch(self) -> int:
+        while self.signals.stop is None:
+            for r in self.running:
+                rc = r.proc.poll()
+                if rc is not None:
+                    self.say(self._failure(r, f"exited with code {rc}; stopping the cluster"))
+                    self._stop_all()
+                    return 1
+            time.sleep(_POLL_S)
+        self.say(f"{signal.Signals(self.signals.stop).name}: stopping the cluster")
+        self._stop_all()
+        self.say("stopped")
+        return 0
+
+    # -- stopping and bookkeeping --------------------------------------------------------
+
+    def _stop_all(self) -> None:
+        if not self.running:
+            self.run.remove()
+            return
+        self._write("stopping")
+        # Routers first (reverse start order), though all groups get SIGTERM at once.
+        groups = [r.proc.pid for r in reversed(self.running)]
+        killed = stop_groups(
+            groups,
+            self.stop_grace_s,
+            reap=[r.proc for r in self.running],
+            force_now=self.signals,
+        )
+        for r in self.running:
+            if r.proc.pid in killed:
+                self.say(f"{r.spec.name} ignored SIGTERM for {self.stop_grace_s:g}s: killed")
+        self.run.remove()
+
+    def _failure(self, r: _Running, what: str) -> str:
+        tail = log_tail(r.state.log)
+        body = "\n".join(f"    {line}" for line in tail.splitlines()) or "    (empty)"
+        return f"{r.spec.name} {what}\n  log {r.state.log} (last lines):\n{body}"
+
+    def _write(self, phase: Phase) -> None:
+        state = RunState(
+            cluster=self.cluster_name,
+            config=self.config_path,
+            launcher_pid=self.launcher_pid,
+            launcher_start_time=process_start_time(self.launcher_pid),
+            started_at=self.started_at,
+            phase=phase,
+            endpoint=self.endpoint,
+            components=tuple(r.state for r in self.running),
+        )
+        self.run.write(state)

@@ -1,0 +1,393 @@
+"""Validation of cluster.yaml beyond types: references, names, devices, layouts, ports.
+
+Also turns msgspec's type errors ("Expected `int` >= 1 - at `$.decode[0].port`") into
+ConfigErrors that name the key path the way the YAML file spells it and say what is valid.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+import msgspec
+
+from protocol.cluster_types import BYTE_SIZE_HELP, ByteSize, device_name
+from protocol.config_errors import ConfigError
+
+if TYPE_CHECKING:
+    from protocol.cluster import ClusterConfig, DecodeConfig, PrefillConfig
+
+_WILDCARDS = ("0.0.0.0", "::", "")
+_HOST_RE = re.compile(r"^[A-Za-z0-9_.:%-]+$")
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_RESERVED_NAMES = ("router", "launcher")
+
+
+def check_cluster(c: ClusterConfig) -> None:
+    """Raise ConfigError for the first cross-field problem of a typed cluster config."""
+    _check_model(c)
+    if c.cache.chunk_size % c.cache.block_size:
+        raise ConfigError(
+            "cache.chunk_size",
+            f"{c.cache.chunk_size} is not a multiple of block_size {c.cache.block_size}",
+        )
+    _check_nodes(c)
+    if not c.prefill:
+        raise ConfigError("prefill", "at least one prefill instance is required")
+    if not c.decode:
+        raise ConfigError("decode", "at least one decode instance is required")
+    seen: dict[str, str] = {}
+    for path, inst in _instances(c):
+        if inst.name in seen:
+            raise ConfigError(f"{path}.name", f"{inst.name!r} is also {seen[inst.name]}.name")
+        if inst.name in _RESERVED_NAMES:
+            raise ConfigError(f"{path}.name", f"{inst.name!r} is reserved; choose another name")
+        seen[inst.name] = path
+        _check_ref(c, f"{path}.node", inst.node)
+        _check_env(f"{path}.env", inst.env)
+        for field in ("kv_cache_memory", "landing_memory", "pool_buffer_memory"):
+            if getattr(inst, field, 1) == 0:
+                raise ConfigError(f"{path}.{field}", "must be larger than 0")
+    for i, p in enumerate(c.prefill):
+        _check_prefill_layout(f"prefill[{i}]", p)
+    for i, d in enumerate(c.decode):
+        _check_decode_layout(f"decode[{i}]", d)
+    _check_gpu_sharing(c)
+    _check_router(c)
+    _check_pool(c)
+    _check_ports(c)
+
+
+def _instances(c: ClusterConfig) -> Iterator[tuple[str, PrefillConfig | DecodeConfig]]:
+    for i, p in enumerate(c.prefill):
+        yield f"prefill[{i}]", p
+    for i, d in enumerate(c.decode):
+        yield f"decode[{i}]", d
+
+
+def _check_model(c: ClusterConfig) -> None:
+    if not c.model.strip():
+        raise ConfigError("model", "must name an HF folder, a .gguf file or builtin:<name>")
+    if c.model.startswith("builtin:") and not c.model[len("builtin:") :]:
+        raise ConfigError("model", "builtin: needs a name, e.g. builtin:smollm2-135m-instruct")
+
+
+def _check_nodes(c: ClusterConfig) -> None:
+    if not c.nodes:
+        raise ConfigError(
+            "nodes", "at least one node is required, e.g. {name: local, host: 127.0.0.1}"
+        )
+    names: set[str] = set()
+    for i, n in enumerate(c.nodes):
+        if n.name in names:
+            raise ConfigError(f"nodes[{i}].name", f"{n.name!r} is used by another node")
+        names.add(n.name)
+        if n.host in _WILDCARDS:
+            raise ConfigError(
+                f"nodes[{i}].host",
+                f"{n.host!r} is a wildcard; give the address peers connect to (127.0.0.1 locally)",
+            )
+        if not _HOST_RE.match(n.host):
+            raise ConfigError(f"nodes[{i}].host", f"{n.host!r} is not an IP address or host name")
+
+
+def _check_ref(c: ClusterConfig, path: str, node: str) -> None:
+    if all(n.name != node for n in c.nodes):
+        valid = ", ".join(n.name for n in c.nodes)
+        raise ConfigError(path, f"unknown node {node!r}; nodes: {valid}")
+
+
+def _check_env(path: str, env: dict[str, str]) -> None:
+    for key in env:
+        if not _ENV_RE.match(key):
+            raise ConfigError(f"{path}.{key}", "is not a valid environment variable name")
+
+
+def _check_devices(path: str, devices: tuple[int | str, ...], num: int, what: str) -> None:
+    if len(devices) != num:
+        raise ConfigError(
+            f"{path}.devices",
+            f"lists {len(devices)} device(s) for {what}; give exactly one device per "
+            f"{'stage' if 'pipeline' in what else 'rank'}",
+        )
+    names = []
+    for j, dev in enumerate(devices):
+        name = device_name(dev)
+        if name is None:
+            raise ConfigError(
+                f"{path}.devices[{j}]", f"{dev!r} is not a device; valid: a GPU index, cuda:N, cpu"
+            )
+        if name != "cpu" and name in names:
+            raise ConfigError(f"{path}.devices[{j}]", f"{name} is listed twice")
+        names.append(name)
+    if "cpu" in names and any(n != "cpu" for n in names):
+        raise ConfigError(f"{path}.devices", "mixes cpu and GPUs; use one kind per instance")
+
+
+def _check_prefill_layout(path: str, p: PrefillConfig) -> None:
+    pp = p.pipeline_parallel
+    _check_devices(path, p.devices, pp, f"pipeline_parallel {pp}")
+    if p.layer_split is not None and len(p.layer_split) != pp:
+        raise ConfigError(
+            f"{path}.layer_split",
+            f"has {len(p.layer_split)} entries for pipeline_parallel {pp}; give one layer "
+            "count per stage, or null for an even split",
+        )
+
+
+def _check_decode_layout(path: str, d: DecodeConfig) -> None:
+    tp, dcp = d.tensor_parallel, d.decode_context_parallel
+    _check_devices(path, d.devices, tp, f"tensor_parallel {tp}")
+    if tp % dcp:
+        valid = ", ".join(str(k) for k in range(1, tp + 1) if tp % k == 0)
+        raise ConfigError(
+            f"{path}.decode_context_parallel",
+            f"{dcp} does not divide tensor_parallel {tp}; valid: {valid}",
+        )
+
+
+def _check_gpu_sharing(c: ClusterConfig) -> None:
+    owner: dict[tuple[str, str], str] = {}
+    for path, inst in _instances(c):
+        host = c.node(inst.node).host
+        for j, dev in enumerate(inst.devices):
+            name = device_name(dev)
+            if name is None or name == "cpu":
+                continue
+            key = (host, name)
+            if key in owner:
+                raise ConfigError(
+                    f"{path}.devices[{j}]", f"{name} on host {host} is already used by {owner[key]}"
+                )
+            owner[key] = path
+
+
+def _check_router(c: ClusterConfig) -> None:
+    r = c.router
+    if r.node is not None:
+        _check_ref(c, "router.node", r.node)
+    if r.host is not None and not _HOST_RE.match(r.host) and r.host not in _WILDCARDS:
+        raise ConfigError("router.host", f"{r.host!r} is not an IP address or host name")
+    if r.api_key is not None and r.api_key_env is not None:
+        raise ConfigError("router.api_key_env", "give api_key or api_key_env, not both")
+    if r.api_key is not None and not r.api_key.strip():
+        raise ConfigError("router.api_key", "is empty; remove it or give a key")
+    if r.api_key_env is not None and not _ENV_RE.match(r.api_key_env):
+        raise ConfigError("router.api_key_env", "is not a valid environment variable name")
+    _check_env("router.env", r.env)
+
+
+def _check_pool(c: ClusterConfig) -> None:
+    pool = c.pool
+    if pool is None:
+        return
+    _check_ref(c, "pool.master.node", pool.master.node)
+    if pool.enabled and not pool.stores:
+        raise ConfigError("pool.stores", "an enabled pool needs at least one store")
+    per_node: dict[str, list[int]] = {}
+    for i, s in enumerate(pool.stores):
+        _check_ref(c, f"pool.stores[{i}].node", s.node)
+        if s.size == 0:
+            raise ConfigError(f"pool.stores[{i}].size", "must be larger than 0")
+        per_node.setdefault(s.node, []).append(i)
+    for node, idx in per_node.items():
+        if len(idx) < 2:
+            continue
+        numas: set[int] = set()
+        for i in idx:
+            numa = pool.stores[i].numa_node
+            if numa is None or numa in numas:
+                raise ConfigError(
+                    f"pool.stores[{i}].numa_node",
+                    f"node {node} runs {len(idx)} stores; give each a distinct numa_node",
+                )
+            numas.add(numa)
+    if pool.enabled and not pool.shared:
+        for i, p in enumerate(c.prefill):
+            if p.node not in per_node:
+                raise ConfigError(
+                    f"prefill[{i}].node",
+                    f"pool.shared is false but node {p.node} has no store; add one to pool.stores",
+                )
+
+
+def cluster_ports(c: ClusterConfig) -> Iterator[tuple[str, str, int]]:
+    """(host, key path, port) of every fixed port the cluster listens on."""
+    r = c.router
+    rhost = c.router_node.host
+    yield rhost, "router.port", r.port
+    if r.metrics_port is not None:
+        yield rhost, "router.metrics_port", r.metrics_port
+    for path, inst in _instances(c):
+        host = c.node(inst.node).host
+        yield host, f"{path}.port", inst.port
+        for field in ("metrics_port", "dist_port"):
+            if getattr(inst, field) is not None:
+                yield host, f"{path}.{field}", getattr(inst, field)
+    for i, d in enumerate(c.decode):
+        if d.transfer.port is not None:
+            host = c.node(d.node).host
+            for rank in range(d.tensor_parallel):
+                suffix = f" (rank {rank})" if rank else ""
+                yield host, f"decode[{i}].transfer.port{suffix}", d.transfer.port + rank
+    pool = c.pool
+    if pool is None or not pool.enabled:
+        return
+    master_nodes = {pool.master.node} if pool.shared else {s.node for s in pool.stores}
+    for node in sorted(master_nodes):
+        host = c.node(node).host
+        yield host, "pool.master.port", pool.master.port
+        yield host, "pool.master.metrics_port", pool.master.metrics_port
+    for i, s in enumerate(pool.stores):
+        for field in ("port", "metrics_port"):
+            if getattr(s, field) is not None:
+                yield c.node(s.node).host, f"pool.stores[{i}].{field}", getattr(s, field)
+
+
+def _check_ports(c: ClusterConfig) -> None:
+    used: dict[tuple[str, int], str] = {}
+    for host, path, port in cluster_ports(c):
+        if port > 65535:
+            raise ConfigError(path, f"port {port} is beyond 65535")
+        key = (host, port)
+        if key in used:
+            raise ConfigError(
+                path,
+                f"port {port} on host {host} is also {used[key]}; give each component its own port",
+            )
+        used[key] = path
+
+
+# -- msgspec errors → key paths ---------------------------------------------------------
+
+_AT_RE = re.compile(r"^(.*) - at `\$(.*)`$", re.S)
+_TOKEN_RE = re.compile(r"\.([^.\[\]]+)|\[(\d+)\]")
+
+
+def translate_validation_error(
+    e: msgspec.ValidationError, root: type, data: object, source: str | None
+) -> ConfigError:
+    """A ConfigError naming the key path of a msgspec type error and what is valid;
+    `data` is the raw YAML value that failed to convert to `root`."""
+    text = str(e)
+    m = _AT_RE.match(text)
+    where, msg = (m.group(2), m.group(1)) if m else ("", text)
+    tokens: list[str | int] = [name if name else int(idx) for name, idx in _TOKEN_RE.findall(where)]
+    path = _format_path(tokens)
+    tp = _type_at(root, tokens)
+    unknown = re.match(r"Object contains unknown field `(.+)`", msg)
+    if unknown:
+        struct = _struct_of(tp)
+        valid = ", ".join(f.name for f in msgspec.structs.fields(struct)) if struct else "?"
+        return ConfigError(
+            _join(path, unknown.group(1)), f"unknown key; valid keys: {valid}", source
+        )
+    missing = re.match(r"Object missing required field `(.+)`", msg)
+    if missing:
+        field_tp = _type_at(root, [*tokens, missing.group(1)])
+        hint = _describe(field_tp)
+        return ConfigError(
+            _join(path, missing.group(1)),
+            "required key is missing" + (f"; expected {hint}" if hint else ""),
+            source,
+        )
+    message = msg[:1].lower() + msg[1:]
+    message = message.replace("invalid enum value", "invalid value")
+    found, value = _value_at(data, tokens)
+    if found and "got" not in message and "value" not in message:
+        message += f", got {value!r}"
+    hint = _describe(tp)
+    if hint and hint not in message:
+        message += f" (valid: {hint})"
+    return ConfigError(path, message, source)
+
+
+def _value_at(data: object, tokens: list[str | int]) -> tuple[bool, object]:
+    """(found, value) of the raw YAML value at a key path."""
+    for tok in tokens:
+        in_dict = isinstance(tok, str) and isinstance(data, dict) and tok in data
+        in_list = isinstance(tok, int) and isinstance(data, list) and tok < len(data)
+        if not (in_dict or in_list):
+            return False, None
+        data = data[tok]  # type: ignore[index]
+    return True, data
+
+
+def _format_path(tokens: list[str | int]) -> str:
+    out = ""
+    for t in tokens:
+        out += f"[{t}]" if isinstance(t, int) else (f".{t}" if out else t)
+    return out
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _strip(tp: Any) -> tuple[Any, list[Any]]:
+    """(type without Annotated, its metadata)."""
+    meta: list[Any] = []
+    while typing.get_origin(tp) is typing.Annotated:
+        meta.extend(tp.__metadata__)
+        tp = tp.__origin__
+    return tp, meta
+
+
+def _members(tp: Any) -> tuple[Any, ...]:
+    """The alternatives of a union (None left out), each with its Annotated metadata."""
+    base, _ = _strip(tp)
+    if typing.get_origin(base) in (Union, types.UnionType):
+        return tuple(a for a in typing.get_args(base) if a is not type(None))
+    return (tp,)
+
+
+def _struct_of(tp: Any) -> type[msgspec.Struct] | None:
+    for m in _members(tp):
+        m, _ = _strip(m)
+        if isinstance(m, type) and issubclass(m, msgspec.Struct):
+            return m
+    return None
+
+
+def _type_at(root: Any, tokens: list[str | int]) -> Any:
+    """The declared type at a key path (None if it cannot be followed)."""
+    tp = root
+    for tok in tokens:
+        if isinstance(tok, str):
+            struct = _struct_of(tp)
+            if struct is None:
+                return None
+            hints = typing.get_type_hints(struct, include_extras=True)
+            tp = hints.get(tok)
+        else:
+            inner = None
+            for m in _members(tp):
+                args = typing.get_args(_strip(m)[0])
+                if typing.get_origin(_strip(m)[0]) in (tuple, list) and args:
+                    inner = args[0]
+            tp = inner
+        if tp is None:
+            return None
+    return tp
+
+
+def _describe(tp: Any) -> str:
+    """What a valid value of `tp` looks like, for error messages."""
+    if tp is None:
+        return ""
+    parts: list[str] = []
+    for m in _members(tp):
+        base, meta = _strip(m)
+        descs = [x.description for x in meta if isinstance(x, msgspec.Meta) and x.description]
+        if descs:
+            parts.append(descs[0])
+        elif typing.get_origin(base) is Literal:
+            parts.append("one of " + ", ".join(str(a) for a in typing.get_args(base)))
+        elif base is ByteSize:
+            parts.append(BYTE_SIZE_HELP)
+    if any(a is type(None) for a in typing.get_args(_strip(tp)[0])):
+        parts.append("null")
+    return " or ".join(dict.fromkeys(parts))

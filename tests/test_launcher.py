@@ -1,0 +1,330 @@
+"""kvserve up/down/status with stand-in components (the real ones are tested end to end
+elsewhere): a small HTTP server per component that can crash, hang, ignore SIGTERM or
+die later, and that records its environment and the pid of a grandchild it spawns."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvserve import launcher
+from kvserve.launcher import LaunchOptions
+from kvserve.supervisor import LaunchError
+
+REPO = Path(__file__).resolve().parent.parent
+
+STANDIN = r"""
+import http.server, json, os, signal, subprocess, sys, threading, time
+name, kind, host, port, out = sys.argv[1:6]
+mode = json.loads(open(os.path.join(out, "modes.json")).read()).get(name, "ok")
+with open(os.path.join(out, name + ".env.json"), "w") as f:
+    json.dump(dict(os.environ), f)
+child = subprocess.Popen(["sleep", "600"])  # a grandchild of the launcher
+with open(os.path.join(out, name + ".pids"), "w") as f:
+    f.write(f"{os.getpid()} {child.pid}")
+if mode == "crash":
+    print("boom: cannot load the model", flush=True)
+    sys.exit(3)
+if mode == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if mode.startswith("die_after"):
+    delay = float(mode.split(":")[1])
+    threading.Timer(delay, lambda: (print("dying now", flush=True), os._exit(4))).start()
+status = {"name": name, "role": kind, "healthy": True, "num_running": 1, "num_waiting": 2,
+          "kv_blocks_total": 100, "kv_blocks_free": 97}
+
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/health":
+            code, body = (503, b"loading") if mode == "never" else (200, b"ok")
+        elif self.path == "/status" and kind != "router":
+            code, body = 200, json.dumps(status).encode()
+        else:
+            code, body = 404, b""
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+
+print(f"{name} listening on {host}:{port}", flush=True)
+http.server.HTTPServer((host, int(port)), H).serve_forever()
+"""
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Cluster:
+    """A cluster.yaml of stand-ins in a tmp dir, with their modes and outputs."""
+
+    def __init__(self, tmp: Path, modes: dict[str, str] | None = None) -> None:
+        self.out = tmp / "out"
+        self.out.mkdir()
+        self.state_dir = tmp / "state"
+        (self.out / "modes.json").write_text(json.dumps(modes or {}))
+        script = tmp / "standin.py"
+        script.write_text(STANDIN)
+        argv = [sys.executable, str(script), "{name}", "{kind}", "{host}", "{port}", str(self.out)]
+        self.commands = {kind: argv for kind in ("router", "prefill", "decode")}
+        self.router_port, p_port, d_port, dist = free_ports(4)
+        self.config = tmp / "cluster.yaml"
+        self.config.write_text(
+            f"""
+name: standin
+model: builtin:smollm2-135m-instruct
+dtype: float32
+nodes: [{{name: local, host: 127.0.0.1}}]
+prefill:
+  - {{name: prefill-0, node: local, port: {p_port}, devices: [cpu]}}
+decode:
+  - name: decode-0
+    node: local
+    port: {d_port}
+    devices: [cpu]
+    dist_port: {dist}
+    env: {{KVSERVE_TEST_EXTRA: "yes"}}
+router: {{port: {self.router_port}}}
+"""
+        )
+        self.dist_port = dist
+
+    def options(self, **kw: object) -> LaunchOptions:
+        base: dict[str, object] = dict(
+            state_dir=self.state_dir,
+            commands=self.commands,
+            health_timeout_s=15.0,
+            stop_grace_s=3.0,
+        )
+        base.update(kw)
+        return LaunchOptions(**base)  # type: ignore[arg-type]
+
+    def cleanup(self, proc: subprocess.Popen[str]) -> None:
+        """After a failed test: leave nothing running."""
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        self.cli("down", "--stop-grace", "1")
+
+    def driver(self, detach: bool = False) -> subprocess.Popen[str]:
+        """`up` in its own process, as a terminal user would run it."""
+        code = (
+            "import json, sys; from kvserve.launcher import up, LaunchOptions; "
+            "sys.exit(up(sys.argv[1], LaunchOptions(state_dir=sys.argv[2], "
+            "commands=json.loads(sys.argv[3]), health_timeout_s=15, stop_grace_s=1.0, "
+            f"detach={detach})))"
+        )
+        argv = [sys.executable, "-c", code, str(self.config), str(self.state_dir)]
+        argv.append(json.dumps(self.commands))
+        return subprocess.Popen(
+            argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    def pids(self, name: str) -> list[int]:
+        return [int(p) for p in (self.out / f"{name}.pids").read_text().split()]
+
+    def env(self, name: str) -> dict[str, str]:
+        return json.loads((self.out / f"{name}.env.json").read_text())
+
+    def state(self) -> dict | None:
+        path = self.state_dir / "standin" / "state.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def wait_phase(self, phase: str, timeout_s: float = 20.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            st = self.state()
+            if st and st["phase"] == phase:
+                return st
+            time.sleep(0.05)
+        raise AssertionError(f"state never reached {phase}: {self.state()}")
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "kvserve.cli", *args, "-c", str(self.config)]
+        if args[0] != "check":
+            argv += ["--state-dir", str(self.state_dir)]
+        return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=30)
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rfind(")") + 2] not in "ZX"
+
+
+def assert_all_gone(c: Cluster, names: list[str], timeout_s: float = 5.0) -> None:
+    pids = [p for n in names if (c.out / f"{n}.pids").exists() for p in c.pids(n)]
+    assert pids
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)], "processes left behind"
+
+
+ALL = ["router", "prefill-0", "decode-0"]
+
+
+def test_up_status_down_foreground(tmp_path: Path) -> None:
+    c = Cluster(tmp_path)
+    proc = c.driver()
+    try:
+        st = c.wait_phase("running")
+        assert [x["name"] for x in st["components"]] == ["prefill-0", "decode-0", "router"]
+        assert st["endpoint"] == f"http://127.0.0.1:{c.router_port}/v1"
+
+        res = c.cli("status")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "prefill-0" in res.stdout and "decode-0" in res.stdout and "router" in res.stdout
+        assert "97/100" in res.stdout  # /status → InstanceStatus of the workers
+        rows = [
+            line.split()
+            for line in res.stdout.splitlines()
+            if line.split()[:1] in (["prefill-0"], ["decode-0"], ["router"])
+        ]
+        assert len(rows) == 3 and all(row[-1] == "up" for row in rows), res.stdout
+
+        with pytest.raises(LaunchError, match="already running"):
+            launcher.up(c.config, c.options(), out=io.StringIO())
+
+        res = c.cli("down")
+        assert res.returncode == 0, res.stdout + res.stderr
+        output, _ = proc.communicate(timeout=15)
+    finally:
+        c.cleanup(proc)
+    assert proc.returncode == 0, output
+    assert f"endpoint: http://127.0.0.1:{c.router_port}/v1" in output
+    assert str(c.state_dir / "standin" / "logs") in output
+    assert_all_gone(c, ALL)  # components and their grandchildren
+    assert c.state() is None
+    assert c.cli("status").returncode == 1
+
+
+def test_children_get_env_from_config(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, modes={"router": "die_after:0.3"})
+    code = launcher.up(c.config, c.options(), out=io.StringIO())
+    assert code == 1  # the router died after the launch: everything stops
+    for name in ALL:
+        env = c.env(name)
+        assert env["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"
+        assert env["GLOO_SOCKET_IFNAME"] == "lo"
+        assert env["NCCL_SOCKET_IFNAME"] == "lo"
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
+    assert c.env("decode-0")["MASTER_PORT"] == str(c.dist_port)
+    assert c.env("decode-0")["KVSERVE_TEST_EXTRA"] == "yes"
+    assert "MASTER_PORT" not in c.env("prefill-0")
+    assert_all_gone(c, ALL)
+
+
+def test_crash_at_start_stops_the_others(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, modes={"prefill-0": "crash"})
+    out = io.StringIO()
+    assert launcher.up(c.config, c.options(), out=out) == 1
+    text = out.getvalue()
+    assert "prefill-0 exited with code 3" in text
+    assert "boom: cannot load the model" in text  # the log tail
+    assert "router" not in [line.split()[1] for line in text.splitlines() if "started" in line]
+    assert_all_gone(c, ["prefill-0", "decode-0"])
+    assert c.state() is None
+
+
+def test_never_healthy_times_out(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, modes={"decode-0": "never"})
+    out = io.StringIO()
+    assert launcher.up(c.config, c.options(health_timeout_s=1.0), out=out) == 1
+    assert "decode-0 not healthy after 1s" in out.getvalue()
+    assert "503" in out.getvalue()
+    assert_all_gone(c, ["prefill-0", "decode-0"])
+
+
+def test_detach_then_down_kills_a_stubborn_component(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, modes={"decode-0": "stubborn"})
+    proc = c.driver(detach=True)
+    output, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, output
+    assert f"endpoint: http://127.0.0.1:{c.router_port}/v1" in output
+    st = c.state()
+    assert st is not None and st["phase"] == "running"
+    assert all(alive(c.pids(n)[0]) for n in ALL)
+    assert alive(st["launcher_pid"])
+
+    res = c.cli("down", "--stop-grace", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert_all_gone(c, ALL)
+    assert not alive(st["launcher_pid"])
+    log = (c.state_dir / "standin" / "launcher.log").read_text()
+    assert "decode-0 ignored SIGTERM" in log
+
+
+def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    c = Cluster(tmp_path)
+    proc = c.driver()
+    try:
+        c.wait_phase("running")
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=15)
+    finally:
+        c.cleanup(proc)
+    assert proc.returncode == 0, output
+    assert "SIGINT: stopping the cluster" in output
+    assert_all_gone(c, ALL)
+
+
+def test_busy_port_fails_before_starting(tmp_path: Path) -> None:
+    c = Cluster(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", c.router_port))
+        s.listen()
+        with pytest.raises(LaunchError, match=r"router\.port: cannot listen"):
+            launcher.up(c.config, c.options(), out=io.StringIO())
+    assert not (c.out / "prefill-0.pids").exists()
+
+
+def test_down_and_status_when_nothing_runs(tmp_path: Path) -> None:
+    c = Cluster(tmp_path)
+    res = c.cli("down")
+    assert res.returncode == 0 and "not running" in res.stdout
+    res = c.cli("status")
+    assert res.returncode == 1
+    assert "connection refused" in res.stdout
+
+
+def test_down_cleans_up_after_a_killed_launcher(tmp_path: Path) -> None:
+    c = Cluster(tmp_path)
+    proc = c.driver()
+    try:
+        c.wait_phase("running")
+        proc.kill()  # SIGKILL: no cleanup; components die by PDEATHSIG, grandchildren stay
+        proc.wait()
+        grandchildren = [c.pids(n)[1] for n in ALL]
+        time.sleep(0.3)
+        assert all(alive(p) for p in grandchildren)
+        with pytest.raises(LaunchError, match="previous run are still alive"):
+            launcher.up(c.config, c.options(), out=io.StringIO())
+        res = c.cli("down", "--stop-grace", "1")
+        assert res.returncode == 0, res.stdout + res.stderr
+    finally:
+        c.cleanup(proc)
+    assert_all_gone(c, ALL)
+    assert c.state() is None
