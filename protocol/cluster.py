@@ -21,6 +21,7 @@ from typing import Literal
 import msgspec
 import yaml
 
+from protocol.cluster_checks import check_cluster, translate_validation_error
 from protocol.cluster_types import (
     ByteSize,
     Device,
@@ -259,8 +260,6 @@ class ClusterConfig(_Section, frozen=True, kw_only=True):
     router: RouterConfig = RouterConfig()
 
     def __post_init__(self) -> None:
-        from protocol.cluster_checks import check_cluster
-
         check_cluster(self)
 
     # -- lookups ------------------------------------------------------------------------
@@ -360,8 +359,6 @@ _UniqueKeyLoader.add_constructor(
 
 def parse_cluster(data: object, source: str | None = None) -> ClusterConfig:
     """Validate already-parsed YAML (a dict) into a ClusterConfig; ConfigError if invalid."""
-    from protocol.cluster_checks import translate_validation_error
-
     if not isinstance(data, dict):
         raise ConfigError(
             "", f"expected a mapping of keys at top level, got {type(data).__name__}", source
