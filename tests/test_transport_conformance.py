@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import signal
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -208,3 +210,30 @@ def test_unknown_transport_and_protocol_are_config_errors() -> None:
         TransportConfig(name="carrier-pigeon")
     with pytest.raises(TransportConfigError, match="protocol"):
         TransportConfig(name="mooncake", protocol="udp")
+
+
+def test_mooncake_stalled_peer_fails_within_the_write_timeout() -> None:
+    """A decode process that stops answering (SIGSTOP) fails the write, bounded by
+    write_timeout_s; the same transport works again once the peer resumes."""
+    config = TransportConfig(name="mooncake", host="127.0.0.1", write_timeout_s=5)
+    with ProbeProcess(config, 1 << 20) as peer:
+        sender = create_transport(config)
+        source = torch.zeros(1 << 20, dtype=torch.uint8)
+        sender.register_buffer(source.data_ptr(), 1 << 20)
+        try:
+            sender.write(peer.peer, source.data_ptr(), peer.buffer_addr, 4096)
+            os.kill(peer.pid, signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                with pytest.raises(TransferError):
+                    bounded(
+                        lambda: sender.write(
+                            peer.peer, source.data_ptr(), peer.buffer_addr, 1 << 20
+                        )
+                    )
+                assert 4 < time.monotonic() - start < 15
+            finally:
+                os.kill(peer.pid, signal.SIGCONT)
+            bounded(lambda: sender.write(peer.peer, source.data_ptr(), peer.buffer_addr, 4096))
+        finally:
+            sender.close()

@@ -55,7 +55,16 @@ class MooncakeTransport(Transport):
                 "kvserve[cpu] (or [cuda]/[rocm]) and the system libraries libibverbs1 "
                 "librdmacm1 (scripts/setup.sh does both)"
             ) from e
-        self._engine: Any = TransferEngine()
+        # Read once, by the engine's constructor: set it for this engine only.
+        saved = os.environ.get("MC_TRANSFER_TIMEOUT")
+        os.environ["MC_TRANSFER_TIMEOUT"] = str(config.write_timeout_s)
+        try:
+            self._engine: Any = TransferEngine()
+        finally:
+            if saved is None:
+                del os.environ["MC_TRANSFER_TIMEOUT"]
+            else:
+                os.environ["MC_TRANSFER_TIMEOUT"] = saved
         rc = self._engine.initialize(
             config.host, "P2PHANDSHAKE", config.protocol, config.device_name
         )
@@ -88,6 +97,8 @@ class MooncakeTransport(Transport):
             raise TransferError(f"Mooncake unregister_memory({ptr:#x}) failed with {rc}", code=rc)
 
     def _write_batch(self, peer: str, ops: Sequence[WriteOp]) -> None:
+        if self._engine is None:
+            raise TransferError("this mooncake transport is closed", peer=peer)
         for i in range(0, len(ops), MAX_BATCH_OPS):
             batch = ops[i : i + MAX_BATCH_OPS]
             rc = self._engine.batch_transfer_sync_write(

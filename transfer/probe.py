@@ -58,6 +58,10 @@ class ProbeProcess:
         self.nbytes: int = hello["nbytes"]
         self.bind_address: str | None = hello["bind_address"]
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
     def fill(self, value: int) -> None:
         self._request({"op": "fill", "value": value})
 

@@ -73,6 +73,9 @@ class TransportConfig:
     """Mooncake protocol: "tcp", or "rdma" (then missing HCAs are an error, not TCP)."""
     device_name: str = ""
     """RDMA devices for Mooncake, comma-separated; "" lets Mooncake discover them."""
+    write_timeout_s: int = 30
+    """A write to a stalled peer fails after this (plus 1 s per GiB moved); Mooncake's
+    minimum is 5."""
 
     def __post_init__(self) -> None:
         if self.name not in _REGISTRY:
@@ -82,6 +85,10 @@ class TransportConfig:
         if self.protocol not in PROTOCOLS:
             raise TransportConfigError(
                 f"transport.protocol: {self.protocol!r} is not one of {list(PROTOCOLS)}"
+            )
+        if self.write_timeout_s < 5:
+            raise TransportConfigError(
+                f"transport.write_timeout_s: {self.write_timeout_s} is below Mooncake's minimum of 5"
             )
         if self.host in ("", "0.0.0.0", "::", "[::]"):
             raise TransportConfigError(
@@ -108,8 +115,8 @@ class Transport(abc.ABC):
       TransferError (overlap, or the backend refused it).
     - `write` reads local memory and mutates the peer's memory only; it returns when
       every op has landed, or raises TransferError (never returns partial success
-      silently). A failed write leaves the remote range undefined. Mooncake bounds a
-      stuck write by its own timeout (30 s + 1 s per GiB, env MC_TRANSFER_TIMEOUT).
+      silently). A failed write leaves the remote range undefined. A stalled peer
+      fails the write after config.write_timeout_s + 1 s per GiB.
     - `close` unregisters everything; the transport is unusable afterwards.
     Methods are not thread-safe unless an implementation says so.
     """
