@@ -48,7 +48,9 @@ def _pieces(
         return
     step = staging_bytes // tok_bytes
     if step == 0:
-        raise PackLayoutError(f"staging of {staging_bytes} bytes cannot hold one token row")
+        raise PackLayoutError(
+            f"staging of {staging_bytes} bytes cannot hold one token of one layer ({tok_bytes} bytes)"
+        )
     for r in range(num_rows):
         for a in range(0, n, step):
             yield r, r + 1, a, min(a + step, n)
