@@ -105,7 +105,7 @@ class LLMEngine:
             rope=rope_key(info),
         )
         self._hash_root = namespace_seed(self.namespace.key())
-        weights = load_weights(info, cache_dir=config.cache_dir)
+        weights = load_weights(info.source.kind, info.source.path, mc, config.cache_dir)
         backend = get_backend(config.attention_backend)
         model = build_model(
             mc, dtype=self.dtype, device=self.device, backend=backend, weights=weights
@@ -147,7 +147,7 @@ class LLMEngine:
             params,
             block_size=self.config.block_size,
             hash_root=self._hash_root,
-            eos_token_ids=self.info.config.eos_token_ids or self.info.tokenizer.eos_token_ids,
+            eos_token_ids=self.info.eos_token_ids,
         )
         self._requests[rid] = req
         self._texts[rid] = RequestOutputText(self.info.tokenizer, params, req.eos_token_ids)

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol.sampling import SamplingParams
 
-from .conftest import SMOLLM2_GGUF_NAME
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 PROMPTS = [
     "The capital of France is",
