@@ -6,7 +6,7 @@ step():  scheduler.schedule() -> model_runner.execute() -> sampler.sample()
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import count
 
@@ -26,7 +26,7 @@ from modelinfo.detokenizer import RequestOutputText
 from modelinfo.info import ModelInfo, load_model_info
 from protocol.errors import InvalidRequestError, PromptTooLongError
 from protocol.hashing import namespace_seed
-from protocol.ids import RequestId
+from protocol.ids import BlockId, RequestId
 from protocol.kv_layout import KVLayout
 from protocol.namespace import KVNamespace
 from protocol.sampling import SamplingParams
@@ -46,10 +46,13 @@ class RequestOutput:
     num_cached_tokens: int
     """Prompt tokens served from this engine's prefix cache."""
     num_output_tokens: int
+    prefill_done: bool = False
+    """A prefill-only request sampled its first token and left the engine (its KV was
+    handed on through the KV observer); finish_reason stays None: decode continues it."""
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.finish_reason is not None or self.prefill_done
 
 
 @dataclass
@@ -63,6 +66,10 @@ class Completion:
     logprobs: list[float | None]
     num_prompt_tokens: int
     num_cached_tokens: int
+
+
+KVObserver = Callable[["Request", int, int, list[BlockId]], None]
+"""(request, token_start, token_end, block_table) for KV just computed in a step."""
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -123,6 +130,9 @@ class LLMEngine:
         self._texts: dict[RequestId, RequestOutputText] = {}
         self._requests: dict[RequestId, Request] = {}
         self._ids = count()
+        self.kv_observer: KVObserver | None = None
+        """Called in step() after the model wrote KV for tokens [start, end) of a request,
+        before its blocks can be freed: the prefill worker streams the handoff from it."""
 
     @classmethod
     def from_spec(cls, model: str, config: EngineConfig | None = None) -> LLMEngine:
@@ -135,8 +145,21 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        *,
+        prefill_only: bool = False,
     ) -> RequestId:
-        """Queue a request. Raises InvalidRequestError / PromptTooLongError (user errors)."""
+        """Queue a request. Raises InvalidRequestError / PromptTooLongError (user errors).
+
+        prefill_only: leave the engine right after the first sampled token (a prefill
+        instance); the output says prefill_done unless the token already finished it."""
+        req = self._new_request(prompt_token_ids, params, request_id)
+        req.prefill_only = prefill_only
+        self.scheduler.add(req)
+        return req.request_id
+
+    def _new_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None
+    ) -> Request:
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
         self.validate(prompt_token_ids, params)
         if rid in self._requests:
@@ -151,8 +174,42 @@ class LLMEngine:
         )
         self._requests[rid] = req
         self._texts[rid] = RequestOutputText(self.info.tokenizer, params, req.eos_token_ids)
-        self.scheduler.add(req)
-        return rid
+        return req
+
+    def admit_prefilled(
+        self,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        first_logprob: float | None,
+        params: SamplingParams,
+        request_id: str,
+        fill_kv: Callable[[list[torch.Tensor], list[BlockId]], None],
+    ) -> RequestOutput | None:
+        """Start decoding a request whose prompt KV was computed elsewhere (a decode
+        instance). Allocates blocks for the prompt, lets `fill_kv(kv_caches, block_table)`
+        write the prompt's KV into them, and continues after `first_token_id`.
+
+        Returns the first token's output (finished if that token already ends it); None,
+        with nothing changed, when blocks or running slots are short (retry later).
+        Raises InvalidRequestError / PromptTooLongError for requests that can never fit."""
+        sched = self.scheduler
+        if len(sched.running) >= sched.max_num_seqs:
+            return None
+        req = self._new_request(prompt_token_ids, params, request_id)
+        if not self.kv.allocate_slots(req, req.num_prompt_tokens):
+            del self._requests[req.request_id], self._texts[req.request_id]
+            return None
+        try:
+            fill_kv(self.runner.kv_caches, list(self.kv.block_table(req.request_id)))
+        except BaseException:
+            self.kv.free(req)
+            del self._requests[req.request_id], self._texts[req.request_id]
+            raise
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_cached_prompt_tokens = 0
+        self.kv.cache_full_blocks(req)
+        sched.add_running(req)
+        return self._append_token(req, first_token_id, first_logprob)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Check a request against this engine's limits without queueing it."""
@@ -166,12 +223,16 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        total = len(prompt_token_ids) + params.max_tokens
+        self.check_fits(len(prompt_token_ids), params.max_tokens)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise PromptTooLongError unless prompt + max_tokens fits the context and cache."""
+        total = num_prompt_tokens + max_tokens
         if total > self.max_model_len:
             raise PromptTooLongError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{total} were requested ({len(prompt_token_ids)} in the prompt, "
-                f"{params.max_tokens} for the completion); shorten the prompt or max_tokens"
+                f"{total} were requested ({num_prompt_tokens} in the prompt, "
+                f"{max_tokens} for the completion); shorten the prompt or max_tokens"
             )
         capacity = self.pool.num_blocks * self.config.block_size
         if total > capacity:
@@ -188,6 +249,13 @@ class LLMEngine:
         self._texts.pop(req.request_id, None)
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         return True
+
+    def abort_all(self) -> int:
+        """Abort every live request (after a failed step); returns how many."""
+        ids = list(self._requests)
+        for rid in ids:
+            self.abort(rid)
+        return len(ids)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -209,8 +277,13 @@ class LLMEngine:
             result = self.sampler.sample(logits, states)
             tokens, logprobs = result.token_ids, result.logprobs
         for s in plan.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(s.request)
+            r = s.request
+            start = r.num_computed_tokens
+            r.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(r)
+            if self.kv_observer is not None:
+                table = self.kv.block_table(r.request_id)
+                self.kv_observer(r, start, r.num_computed_tokens, table)
         outputs = []
         for req, tok, lp in zip(sampling, tokens, logprobs, strict=True):
             outputs.append(self._append_token(req, tok, lp))
@@ -219,7 +292,8 @@ class LLMEngine:
     def _append_token(self, req: Request, token: int, logprob: float | None) -> RequestOutput:
         req.append_output(token, logprob)
         delta, reason = self._texts[req.request_id].append(token)
-        if reason is not None:
+        prefill_done = reason is None and req.prefill_only
+        if reason is not None or prefill_done:
             status = (
                 RequestStatus.FINISHED_LENGTH
                 if reason == "length"
@@ -237,6 +311,7 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_prompt_tokens or 0,
             num_output_tokens=req.num_output_tokens,
+            prefill_done=prefill_done,
         )
 
     # -- helpers -----------------------------------------------------------------------

@@ -61,6 +61,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.arrival_time_s = time.monotonic()
         self.num_preemptions = 0
+        self.prefill_only = False
+        """Leave the engine after the first sampled token (see LLMEngine.add_request)."""
         # Prompt tokens served from the prefix cache at first admission (None before it).
         self.num_cached_prompt_tokens: int | None = None
         self._block_size = block_size

@@ -67,6 +67,11 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """Adopt a request whose KV is already in place (decode after a handoff)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -1,0 +1,80 @@
+"""The HTTP surface every worker shares: /health, /status, /abort, /metrics, error replies.
+
+A worker builds its FastAPI app with `base_app(...)` and adds its own routes. Error
+answers carry an ErrorEvent body (protocol/messages.py), which the router turns into the
+client's status and message.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from enginehost.host import EngineHost
+from protocol.messages import AbortRequest, ErrorEvent, InstanceStatus
+
+log = logging.getLogger(__name__)
+
+
+def error_response(status: int, message: str, request_id: str = "") -> Response:
+    body = msgspec.json.encode(ErrorEvent(request_id=request_id, status=status, message=message))
+    return Response(body, status_code=status, media_type="application/json")
+
+
+def json_response(obj: msgspec.Struct) -> Response:
+    return Response(msgspec.json.encode(obj), media_type="application/json")
+
+
+async def read_message(request: Request, typ: type[msgspec.Struct]) -> msgspec.Struct | Response:
+    """Decode a request body as `typ`, or an error response naming what is wrong."""
+    try:
+        return msgspec.json.decode(await request.body(), type=typ)
+    except msgspec.ValidationError as e:
+        return error_response(400, f"invalid {typ.__name__}: {e}")
+    except msgspec.DecodeError as e:
+        return error_response(400, f"malformed JSON for {typ.__name__}: {e}")
+
+
+def base_app(
+    host: EngineHost,
+    status: Callable[[], InstanceStatus],
+    registry: CollectorRegistry,
+    on_abort: Callable[[str], object] | None = None,
+) -> FastAPI:
+    """FastAPI app with the shared endpoints. `status` runs in the engine thread.
+    `on_abort(request_id)` frees what the worker holds besides the engine's KV."""
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        alive = host.loop.is_alive()
+        return Response(
+            b"ok" if alive else b"engine thread stopped", status_code=200 if alive else 503
+        )
+
+    @app.get("/status")
+    async def get_status() -> Response:
+        return json_response(await host.call(lambda _e: status()))
+
+    @app.post("/abort")
+    async def abort(request: Request) -> Response:
+        msg = await read_message(request, AbortRequest)
+        if isinstance(msg, Response):
+            return msg
+        assert isinstance(msg, AbortRequest)
+        live = await host.abort(msg.request_id)
+        if on_abort is not None:
+            on_abort(msg.request_id)
+        log.info("aborted %s (%s, was live: %s)", msg.request_id, msg.reason, live)
+        return Response(b"{}", media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,81 @@
+"""EngineHost: an EngineLoop bridged to the asyncio event loop of a worker's HTTP server.
+
+    handler ── await host.call(fn) ──▶ engine thread runs fn(engine)
+    handler ◀─ stream.get() ◀── call_soon_threadsafe ◀── RequestOutput of a step
+
+Each request with an open stream has one asyncio.Queue; outputs for requests without a
+stream are dropped (they were aborted). Runs on the event loop unless said otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.loop import EngineLoop
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class StepFailed(Exception):
+    """Delivered into every open stream when an engine step raised: the request is lost."""
+
+
+class EngineHost:
+    """Owns the engine loop and the per-request output queues of one worker process."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self.loop = EngineLoop(engine, self._deliver, self._step_failed)
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will read the streams."""
+        self._aloop = asyncio.get_running_loop()
+        self.loop.start()
+
+    def stop(self) -> None:
+        self.loop.stop()
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run fn(engine) in the engine thread; its result or exception comes back here."""
+        return await asyncio.wrap_future(self.loop.submit(fn))
+
+    def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | BaseException]:
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> bool:
+        """Free the request in the engine and end its stream. True if it was live."""
+        self.close_stream(request_id)
+        return await self.call(lambda e: e.abort(request_id))
+
+    # -- engine thread side --------------------------------------------------------------
+    def _deliver(self, out: RequestOutput) -> None:
+        assert self._aloop is not None
+        self._aloop.call_soon_threadsafe(self._put, out.request_id, out)
+
+    def _put(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        q = self._streams.get(request_id)
+        if q is not None:
+            q.put_nowait(item)
+
+    def _step_failed(self, err: BaseException) -> None:
+        """A step raised: the engine's requests are in an unknown state. Abort them all
+        (engine thread) and fail every open stream with the cause."""
+        self.engine.abort_all()
+        assert self._aloop is not None
+        self._aloop.call_soon_threadsafe(self._fail_all, err)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for rid in list(self._streams):
+            self._put(rid, StepFailed(f"engine step failed: {type(err).__name__}: {err}"))
