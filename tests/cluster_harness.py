@@ -1,0 +1,125 @@
+"""Start a real kvserve cluster with `kvserve up --detach` for end-to-end tests, on
+127.0.0.1 with free ports, and stop it with `kvserve down`."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def kvserve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@dataclass
+class Cluster:
+    config: Path
+    state_dir: Path
+    router_url: str
+    prefill_url: str
+    decode_url: str
+    served_name: str
+
+    @property
+    def api_base(self) -> str:
+        return self.router_url + "/v1"
+
+    def status(self, url: str) -> dict:
+        return httpx.get(url + "/status", timeout=5).json()
+
+    def pids(self) -> dict[str, int]:
+        state = json.loads((self.state_dir / "e2e" / "state.json").read_text())
+        return {c["name"]: c["pid"] for c in state["components"]}
+
+    def down(self) -> subprocess.CompletedProcess[str]:
+        return kvserve("down", "-c", str(self.config), "--state-dir", str(self.state_dir))
+
+
+def start_cluster(tmp: Path, model: str, *, cache_dir: str, extra: dict | None = None) -> Cluster:
+    router_port, prefill_port, decode_port = free_ports(3)
+    served = "e2e-model"
+    cfg = {
+        "name": "e2e",
+        "model": model,
+        "dtype": "float32",
+        "cache": {"block_size": 16, "chunk_size": 256, "weights_cache_dir": cache_dir},
+        "nodes": [{"name": "local", "host": "127.0.0.1"}],
+        "prefill": [
+            {
+                "name": "prefill-0",
+                "node": "local",
+                "port": prefill_port,
+                "devices": ["cpu"],
+                "max_batched_tokens": 512,
+                "max_num_seqs": 32,
+                "kv_cache_memory": "64MiB",
+            }
+        ],
+        "decode": [
+            {
+                "name": "decode-0",
+                "node": "local",
+                "port": decode_port,
+                "devices": ["cpu"],
+                "max_num_seqs": 32,
+                "kv_cache_memory": "64MiB",
+                "landing_memory": "32MiB",
+            }
+        ],
+        "router": {
+            "host": "127.0.0.1",
+            "port": router_port,
+            "policy": "round_robin",
+            "served_model_name": served,
+            "request_timeout_s": 60,
+        },
+    }
+    for key, value in (extra or {}).items():
+        cfg[key] = value
+    config = tmp / "cluster.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    state = tmp / "state"
+    res = kvserve("up", "-c", str(config), "--detach", "--state-dir", str(state))
+    assert res.returncode == 0, f"kvserve up failed:\n{res.stdout}\n{res.stderr}"
+    return Cluster(
+        config,
+        state,
+        f"http://127.0.0.1:{router_port}",
+        f"http://127.0.0.1:{prefill_port}",
+        f"http://127.0.0.1:{decode_port}",
+        served,
+    )
+
+
+def wait_until(cond, timeout_s: float, interval_s: float = 0.05) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(interval_s)
+    return bool(cond())
