@@ -10,7 +10,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from cluster_harness import kvserve, start_cluster, wait_until
 
 pytestmark = pytest.mark.timeout(600)

@@ -11,12 +11,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from cluster_harness import Cluster, start_cluster, wait_until
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol.sampling import SamplingParams
-
-from cluster_harness import Cluster, start_cluster, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
