@@ -1,0 +1,155 @@
+"""The router's FastAPI app: OpenAI routes, admin fan-out, health, metrics, error shapes.
+
+    POST /v1/chat/completions, /v1/completions   generation (router/serving.py)
+    GET  /v1/models                               the one served model
+    POST /v1/admin/reset_prefix_cache             fan out to every prefill instance
+    GET  /health                                  the router is up (+ instance health)
+    GET  /metrics                                 Prometheus text
+
+Every error, FastAPI's own included (404 path, 405 method, validation), is answered in
+OpenAI's {"error": {...}} shape. /v1 routes need the API key when one is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import msgspec
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from modelinfo.info import ModelInfo
+from router.config import RouterSettings
+from router.errors import APIError, InvalidRequest, NotFound
+from router.health import HealthMonitor
+from router.instances import Instance, InstanceRegistry
+from router.metrics import RouterMetrics
+from router.policies import make_policy
+from router.preprocess import Preprocessor
+from router.relay import RelayServices
+from router.serving import ServingContext, error_response, serve_generation
+from router.worker_client import WorkerClient
+
+log = logging.getLogger(__name__)
+RESET_TIMEOUT_S = 30.0
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
+
+
+def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
+    """The app for `settings`, serving `model` (loaded once by the caller)."""
+    registry = InstanceRegistry(
+        [Instance(e.name, "prefill", e.url.rstrip("/")) for e in settings.prefill],
+        [Instance(e.name, "decode", e.url.rstrip("/")) for e in settings.decode],
+    )
+    client = WorkerClient(connect_timeout_s=settings.connect_timeout_s)
+    metrics = RouterMetrics()
+    metrics.watch_instances(registry)
+    served_name = settings.served_model_name or model.served_name
+    ctx = ServingContext(
+        model=model,
+        preprocessor=Preprocessor(model, served_name, settings.max_input_tokens),
+        services=RelayServices(
+            registry=registry,
+            policy=make_policy(settings.policy, settings.policy_seed),
+            client=client,
+            on_route=metrics.on_route,
+        ),
+        metrics=metrics,
+        request_timeout_s=settings.request_timeout_s,
+        api_key=settings.api_key,
+    )
+    health = HealthMonitor(registry, client, settings.health_interval_s)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        health.start()
+        try:
+            yield
+        finally:
+            await health.stop()
+            await client.aclose()
+
+    app = FastAPI(title="kvserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.serving = ctx
+    app.state.registry = registry
+    app.state.metrics = metrics
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve_generation(ctx, request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve_generation(ctx, request, "completion")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        ctx.check_auth(request)
+        card = {
+            "id": served_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvserve",
+            "root": model.source.spec,
+            "max_model_len": model.max_context_len,
+        }
+        return _json({"object": "list", "data": [card]})
+
+    @app.post("/v1/admin/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        ctx.check_auth(request)
+        prefills = registry.instances("prefill")
+        results = await asyncio.gather(
+            *(client.reset_prefix_cache(i, RESET_TIMEOUT_S) for i in prefills)
+        )
+        per_instance = {
+            inst.name: {"status": status, "body": body}
+            for inst, (status, body) in zip(prefills, results, strict=True)
+        }
+        ok = all(status == 200 for status, _ in results)
+        return _json({"success": ok, "instances": per_instance}, 200 if ok else 502)
+
+    @app.get("/health")
+    async def health_route() -> Response:
+        return _json({"status": "ok", **registry.summary()})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    _install_error_handlers(app)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = f"invalid value for `{param}`: {first.get('msg', 'invalid request')}"
+        return error_response(InvalidRequest(message, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 404:
+            error: APIError = NotFound(f"no route {request.method} {request.url.path}")
+        else:
+            error = APIError(str(exc.detail), status=exc.status_code)
+            error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        error.headers = dict(exc.headers or {})
+        return error_response(error)

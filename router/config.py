@@ -1,0 +1,99 @@
+"""RouterSettings: the router's frozen configuration, built from cluster.yaml's `router`
+section (plus the instance lists and the model) or directly by tests and benchmarks."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Annotated
+
+import msgspec
+
+from protocol.cluster import ClusterConfig
+from router.policies import policy_names
+
+log = logging.getLogger(__name__)
+
+FALLBACK_POLICY = "round_robin"
+
+
+class InstanceEndpoint(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the router reaches one worker instance."""
+
+    name: str
+    url: str
+    """Base URL, e.g. "http://127.0.0.1:8101"."""
+
+
+class RouterSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the router process needs; see cluster.yaml's `router` section for the
+    meaning of the shared fields."""
+
+    model: str
+    """Model spec (HF folder, .gguf, builtin:...): tokenizer, chat template, context length."""
+    served_model_name: str | None = None
+    """Name clients use; None: the model's own name. The spec itself is accepted too."""
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    """0: an ephemeral port (tests)."""
+    policy: str = FALLBACK_POLICY
+    policy_seed: int | None = None
+    """Seed of the random policy (reproducible runs)."""
+    api_key: str | None = None
+    max_input_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    """Connecting to a worker; a refused connection fails at once anyway."""
+    health_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    """Period of the GET /health poll of every instance."""
+    metrics_port: int | None = None
+    """Also serve /metrics on this port (prometheus_client's own server); None: only on
+    the API port."""
+    prefill: tuple[InstanceEndpoint, ...] = ()
+    decode: tuple[InstanceEndpoint, ...] = ()
+    block_size: int = 16
+    """Tokens per KV block, for policies that hash the prompt."""
+
+
+def settings_from_cluster(cluster: ClusterConfig) -> RouterSettings:
+    """The router's view of a validated cluster.yaml.
+
+    A policy cluster.yaml allows but this router does not implement yet (kv_aware,
+    session) falls back to round_robin with a warning, so the default config serves.
+    """
+    r = cluster.router
+    policy: str = r.policy
+    if policy not in policy_names():
+        log.warning(
+            "routing policy %r is not implemented yet; using %r (implemented: %s)",
+            policy,
+            FALLBACK_POLICY,
+            ", ".join(policy_names()),
+        )
+        policy = FALLBACK_POLICY
+    api_key = r.api_key
+    if api_key is None and r.api_key_env:
+        api_key = os.environ.get(r.api_key_env) or None
+        if api_key is None:
+            raise ValueError(
+                f"router.api_key_env names {r.api_key_env!r} but that environment variable "
+                "is unset or empty; set it or remove api_key_env"
+            )
+    return RouterSettings(
+        model=cluster.model,
+        served_model_name=r.served_model_name,
+        host=cluster.router_bind_host,
+        port=r.port,
+        policy=policy,
+        api_key=api_key,
+        max_input_tokens=r.max_input_tokens,
+        request_timeout_s=r.request_timeout_s,
+        metrics_port=r.metrics_port,
+        prefill=tuple(
+            InstanceEndpoint(name=p.name, url=cluster.instance_url(p)) for p in cluster.prefill
+        ),
+        decode=tuple(
+            InstanceEndpoint(name=d.name, url=cluster.instance_url(d)) for d in cluster.decode
+        ),
+        block_size=cluster.cache.block_size,
+    )

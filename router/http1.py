@@ -1,0 +1,255 @@
+"""A minimal HTTP/1.1 client for the worker serving path (admit, prefill, decode).
+
+Why not httpx here: on the 2-core dev machine httpx does ~600 calls/s on one connection
+and ~120 calls/s with 32 concurrent requests through one pool (its pool bookkeeping grows
+with concurrency), while the same calls over plain asyncio reach ~6,000-9,000/s. The
+router makes three worker calls per request, so httpx alone would cap it near 40 req/s.
+httpx stays for the low-rate control calls (health, abort, admin).
+
+What it does: keep-alive connections pooled per (host, port); POST with a body;
+response status and body, the body streamed as it arrives (chunked or Content-Length),
+parsed by httptools (the parser uvicorn uses). A reused idle connection that turns out
+closed before any response byte is retried once on a fresh one (the server never read
+the request). Timeouts: connecting is bounded here; everything else by the caller's
+asyncio timeout (cancelling closes the connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import AsyncIterator
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+_MAX_BUFFERED_CHUNKS = 256
+"""Unread body chunks after which reading from the socket pauses (flow control)."""
+_STALE = "the connection closed before any response byte"
+
+
+class ConnectFailed(OSError):
+    """No connection could be made (refused, unreachable, timed out): the server never
+    saw the request."""
+
+
+class ConnectionBroken(OSError):
+    """The connection failed after the request was sent, or the answer was not HTTP."""
+
+
+class Response:
+    """One response: `status`, then the body via `chunks()` or `read()`. `close()` must be
+    called (it returns a finished keep-alive connection to the pool)."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+        self.status = 0
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._headers_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.complete = False
+        self.error: Exception | None = None
+        self.got_bytes = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            while self._chunks:
+                if len(self._chunks) <= _MAX_BUFFERED_CHUNKS // 2:
+                    self._conn.resume()
+                yield self._chunks.popleft()
+            if self.error is not None:
+                raise self.error
+            if self.complete:
+                return
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.chunks()])
+
+    def close(self) -> None:
+        self._conn.release(self)
+
+    # -- fed by the connection ---------------------------------------------------------------
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _fail(self, error: Exception) -> None:
+        if self.error is None and not self.complete:
+            self.error = error
+        if not self._headers_done.done():
+            self._headers_done.set_exception(error)
+        self._wake()
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive TCP connection; at most one exchange at a time."""
+
+    def __init__(self, pool: Http1Pool, key: tuple[str, int]) -> None:
+        self._pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._parser = httptools.HttpResponseParser(self)
+        self._response: Response | None = None
+        self._paused = False
+        self._keep_alive = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        if self._response is not None:
+            self._response.got_bytes = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._abandon(ConnectionBroken(f"invalid HTTP response: {e}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._response is not None:
+            self._response._fail(
+                ConnectionBroken(f"connection closed by the server ({exc or 'EOF'})")
+            )
+
+    # httptools callbacks
+    def on_headers_complete(self) -> None:
+        resp = self._response
+        if resp is not None:
+            resp.status = self._parser.get_status_code()
+            if not resp._headers_done.done():
+                resp._headers_done.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        resp = self._response
+        if resp is not None:
+            resp._chunks.append(body)
+            if len(resp._chunks) >= _MAX_BUFFERED_CHUNKS and not self._paused:
+                self._paused = True
+                assert self.transport is not None
+                self.transport.pause_reading()
+            resp._wake()
+
+    def on_message_complete(self) -> None:
+        resp = self._response
+        if resp is not None:
+            resp.complete = True
+            # llhttp answers this only inside the callbacks.
+            self._keep_alive = self._parser.should_keep_alive()
+            resp._wake()
+
+    # used by Response / pool
+    def resume(self) -> None:
+        if self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def release(self, resp: Response) -> None:
+        if self._response is not resp:
+            return
+        self._response = None
+        if resp.complete and resp.error is None and self._keep_alive and not self.closed:
+            self._pool._idle[self.key].append(self)
+        else:
+            self._abandon(None)
+
+    def send(self, request: bytes) -> Response:
+        assert self.transport is not None and self._response is None
+        self._parser = httptools.HttpResponseParser(self)
+        self._keep_alive = False
+        self._response = Response(self)
+        self.transport.write(request)
+        return self._response
+
+    def _abandon(self, error: Exception | None) -> None:
+        self.closed = True
+        if error is not None and self._response is not None:
+            self._response._fail(error)
+        if self.transport is not None:
+            self.transport.close()
+
+
+class Http1Pool:
+    """Owns keep-alive connections to the workers. Event-loop bound, no locks."""
+
+    def __init__(self, connect_timeout_s: float) -> None:
+        self._connect_timeout_s = connect_timeout_s
+        self._idle: dict[tuple[str, int], list[_Connection]] = collections.defaultdict(list)
+        self._addresses: dict[str, tuple[str, int]] = {}
+
+    async def post(
+        self, url: str, body: bytes, content_type: bytes = b"application/json"
+    ) -> Response:
+        """POST `body` to `url`; returns once the response headers arrived."""
+        key, path = self._split(url)
+        head = (
+            b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
+            % (path.encode(), key[0].encode(), key[1], content_type, len(body))
+        )
+        conn = self._take_idle(key)
+        if conn is not None:
+            try:
+                return await self._exchange(conn, head + body)
+            except ConnectionBroken as e:
+                if e.args[0] != _STALE:
+                    raise
+                # A stale keep-alive connection: the server never read the request.
+        return await self._exchange(await self._connect(key), head + body)
+
+    @staticmethod
+    async def _exchange(conn: _Connection, request: bytes) -> Response:
+        resp = conn.send(request)
+        try:
+            await resp._headers_done
+        except ConnectionBroken:
+            conn._abandon(None)
+            if not resp.got_bytes:
+                raise ConnectionBroken(_STALE) from None
+            raise
+        except BaseException:  # cancelled (deadline, client gone): the exchange is lost
+            conn._abandon(None)
+            raise
+        return resp
+
+    def close(self) -> None:
+        for conns in self._idle.values():
+            for conn in conns:
+                conn._abandon(None)
+        self._idle.clear()
+
+    def _take_idle(self, key: tuple[str, int]) -> _Connection | None:
+        idle = self._idle[key]
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
+                return conn
+        return None
+
+    async def _connect(self, key: tuple[str, int]) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                _, conn = await loop.create_connection(lambda: _Connection(self, key), *key)
+        except TimeoutError:
+            raise ConnectFailed(f"connecting to {key[0]}:{key[1]} timed out") from None
+        except OSError as e:
+            raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: {e.strerror or e}") from None
+        return conn
+
+    def _split(self, url: str) -> tuple[tuple[str, int], str]:
+        base, _, rest = url.partition("://")
+        hostport, slash, path = rest.partition("/")
+        key = self._addresses.get(hostport)
+        if key is None:
+            parts = urlsplit(f"{base}://{hostport}")
+            key = (parts.hostname or "127.0.0.1", parts.port or 80)
+            self._addresses[hostport] = key
+        return key, slash + path if slash else "/"

@@ -1,0 +1,83 @@
+"""The worker instances the router knows, and whether each is routable right now.
+
+Health is two-sided: a failed connection marks an instance unhealthy at once (the request
+that saw it retries elsewhere when nothing was sent yet), and the HealthMonitor
+(router/health.py) polls GET /health on every instance and restores or marks them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass(eq=False)
+class Instance:
+    """One prefill or decode instance: its address and its health as the router sees it.
+
+    Mutated only on the router's event loop (no locks needed). Compared by identity.
+    """
+
+    name: str
+    role: Role
+    url: str
+    """Base URL, e.g. "http://127.0.0.1:8101"."""
+    healthy: bool = True
+    last_error: str | None = None
+    changed_at: float = field(default_factory=time.monotonic)
+
+    def describe(self) -> str:
+        """How error messages name it: "decode instance d0 (http://127.0.0.1:8201)"."""
+        return f"{self.role} instance {self.name} ({self.url})"
+
+
+class InstanceRegistry:
+    """Owns the Instance records of both roles; answers "who can take work now"."""
+
+    def __init__(self, prefill: Iterable[Instance], decode: Iterable[Instance]) -> None:
+        self._by_role: dict[Role, list[Instance]] = {
+            "prefill": list(prefill),
+            "decode": list(decode),
+        }
+        for role, instances in self._by_role.items():
+            assert all(i.role == role for i in instances), f"mislabelled {role} instance"
+
+    def instances(self, role: Role) -> Sequence[Instance]:
+        return self._by_role[role]
+
+    def all(self) -> list[Instance]:
+        return [*self._by_role["prefill"], *self._by_role["decode"]]
+
+    def candidates(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[Instance]:
+        """Healthy instances of `role`, minus those named in `exclude` (already tried)."""
+        return [i for i in self._by_role[role] if i.healthy and i.name not in exclude]
+
+    def mark_unhealthy(self, instance: Instance, reason: str) -> None:
+        instance.last_error = reason
+        if instance.healthy:
+            instance.healthy = False
+            instance.changed_at = time.monotonic()
+
+    def mark_healthy(self, instance: Instance) -> None:
+        if not instance.healthy:
+            instance.healthy = True
+            instance.last_error = None
+            instance.changed_at = time.monotonic()
+
+    def summary(self) -> dict[str, dict[str, object]]:
+        """For the router's /health body."""
+        return {
+            role: {
+                "total": len(instances),
+                "healthy": sum(i.healthy for i in instances),
+                "instances": [
+                    {"name": i.name, "url": i.url, "healthy": i.healthy, "error": i.last_error}
+                    for i in instances
+                ],
+            }
+            for role, instances in self._by_role.items()
+        }

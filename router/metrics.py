@@ -1,0 +1,150 @@
+"""Prometheus metrics of the router, in a registry the app owns (no global state).
+
+kvserve_router_requests_total{endpoint, status}     finished requests by HTTP status
+                                                    (499: the client went away)
+kvserve_router_time_to_first_token_seconds          arrival -> first token from prefill
+kvserve_router_inter_token_latency_seconds          gap between output tokens
+kvserve_router_e2e_request_latency_seconds          arrival -> last token (200s only)
+kvserve_router_prompt_tokens_total{source}          gpu | pool | computed (PromptUsage)
+kvserve_router_generation_tokens_total
+kvserve_router_requests_in_flight
+kvserve_router_routed_total{role, instance}         routing decisions
+kvserve_router_instance_healthy{role, instance}     1 healthy, 0 not
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from protocol.messages import PromptUsage
+from router.instances import Instance, InstanceRegistry
+from router.output import RequestTiming
+
+_TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.2,
+    0.35,
+    0.5,
+    0.75,
+    1,
+    1.5,
+    2,
+    3,
+    5,
+    7.5,
+    10,
+    15,
+    20,
+    30,
+    60,
+    120,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1,
+    2.5,
+)
+_E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
+CLIENT_CLOSED_STATUS = 499
+
+
+class RouterMetrics:
+    """Owns the router's collectors; `registry` is what /metrics exposes."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        p = "kvserve_router_"
+        self.requests = Counter(
+            p + "requests", "Finished requests", ["endpoint", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds",
+            "Inter-token latency",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds",
+            "End-to-end latency",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            p + "prompt_tokens", "Prompt tokens by source", ["source"], registry=r
+        )
+        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens", registry=r)
+        self.in_flight = Gauge(p + "requests_in_flight", "Requests being served", registry=r)
+        self.routed = Counter(p + "routed", "Routing decisions", ["role", "instance"], registry=r)
+        self.healthy = Gauge(
+            p + "instance_healthy", "Instance health (1 healthy)", ["role", "instance"], registry=r
+        )
+
+    def watch_instances(self, instances: InstanceRegistry) -> None:
+        """Export every instance's health, read at scrape time."""
+        for inst in instances.all():
+            self.healthy.labels(inst.role, inst.name).set_function(
+                lambda i=inst: 1.0 if i.healthy else 0.0  # type: ignore[misc]
+            )
+
+    def on_route(self, inst: Instance) -> None:
+        self.routed.labels(inst.role, inst.name).inc()
+
+
+class RequestRecord:
+    """One request's metrics, counted exactly once by `finish` (in-flight until then)."""
+
+    def __init__(self, metrics: RouterMetrics, endpoint: str) -> None:
+        self._m = metrics
+        self.endpoint = endpoint
+        self.timing = RequestTiming(arrival=time.monotonic())
+        self._finished = False
+        metrics.in_flight.inc()
+
+    def finish(
+        self, status: int, usage: PromptUsage | None = None, num_output_tokens: int = 0
+    ) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        m, t = self._m, self.timing
+        m.in_flight.dec()
+        m.requests.labels(self.endpoint, str(status)).inc()
+        if t.first_token is not None:
+            m.ttft.observe(t.first_token - t.arrival)
+        for gap in t.token_gaps:
+            m.itl.observe(gap)
+        if status == 200:
+            m.e2e.observe((t.last_token or time.monotonic()) - t.arrival)
+        if usage is not None:
+            m.prompt_tokens.labels("gpu").inc(max(0, usage.gpu_tokens))
+            m.prompt_tokens.labels("pool").inc(max(0, usage.pool_tokens))
+            m.prompt_tokens.labels("computed").inc(max(0, usage.computed_tokens))
+        if num_output_tokens:
+            m.generation_tokens.inc(num_output_tokens)

@@ -1,0 +1,98 @@
+"""Worker tokens -> client-visible text deltas, and the request's timing for metrics.
+
+The router's text is the truth the client sees: modelinfo's RequestOutputText applies
+EOS, stop token ids, stop strings (holding back a possible stop prefix) and max_tokens.
+Workers apply the same rules; if one finishes for a reason the router did not see, its
+reason wins and the held-back text is flushed (RequestOutputText.finish). If the router finishes first (a stop string
+the worker has not matched yet), iteration ends and the run aborts the worker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from modelinfo.detokenizer import RequestOutputText
+from router.relay import RequestRun, WorkerTokens
+
+
+@dataclass
+class OutputDelta:
+    """What to send the client next: new text, the tokens behind it, their logprobs."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float | None]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestTiming:
+    """Monotonic timestamps of one request (seconds), for TTFT / ITL / E2E."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    token_gaps: list[float] = field(default_factory=list)
+    """Inter-token latencies: a batch of k tokens after a gap g adds k entries of g / k."""
+
+    def on_tokens(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+            num_tokens -= 1
+        elif self.last_token is not None and num_tokens > 0:
+            gap = (now - self.last_token) / num_tokens
+            self.token_gaps.extend([gap] * num_tokens)
+        self.last_token = now
+
+
+class OutputStream:
+    """Owns one request's RequestOutputText; turns `run.events()` into OutputDeltas."""
+
+    def __init__(self, run: RequestRun, text: RequestOutputText, timing: RequestTiming) -> None:
+        self.run = run
+        self.text = text
+        self.timing = timing
+        self.finish_reason: str | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.text.num_output_tokens
+
+    async def deltas(self) -> AsyncGenerator[OutputDelta, None]:
+        """Deltas until a finish; the last one carries the finish reason. Closing this
+        generator closes the run's event stream (which aborts the workers if unfinished)."""
+        async with aclosing(self.run.events()) as events:
+            async for batch in events:
+                delta = self._convert(batch)
+                yield delta
+                if delta.finish_reason is not None:
+                    self.finish_reason = delta.finish_reason
+                    return
+
+    def _convert(self, batch: WorkerTokens) -> OutputDelta:
+        self.timing.on_tokens(len(batch.token_ids))
+        parts: list[str] = []
+        ids: list[int] = []
+        logprobs: list[float | None] = []
+        finish: str | None = None
+        for i, token_id in enumerate(batch.token_ids):
+            delta = self.text.append(token_id)
+            parts.append(delta.text)
+            ids.append(token_id)
+            logprobs.append(batch.logprobs[i] if i < len(batch.logprobs) else None)
+            if delta.finish_reason is not None:
+                finish = delta.finish_reason
+                break
+        if finish is None and batch.finish_reason is not None:
+            # The worker finished for a reason the router's rules did not see (yet).
+            worker = batch.finish_reason
+            rest = self.text.finish("length" if worker == "length" else "stop")
+            parts.append(rest.text)
+            finish = rest.finish_reason if worker in ("stop", "length") else worker
+        elif finish is not None and batch.finish_reason is None:
+            self.run.finish_early()
+        return OutputDelta("".join(parts), ids, logprobs, finish)

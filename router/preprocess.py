@@ -1,0 +1,286 @@
+"""OpenAI request -> PreparedRequest: validated sampling params and prompt token ids.
+
+Runs once per request, on the router: chat template and tokenization happen here and
+nowhere else (workers get token ids). Every rejection is a 400 naming the field, or a
+404 for an unknown model; nothing here can be a 5xx for user input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from modelinfo.info import ModelInfo
+from protocol.errors import InvalidRequestError
+from protocol.sampling import SamplingParams
+from router.api_types import ChatCompletionRequest, CompletionRequest, GenerationFields
+from router.errors import InvalidRequest, NotFound
+
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_THREAD_TOKENIZE_CHARS = 16_384
+"""Longer prompts are templated and tokenized off the event loop."""
+_SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+@dataclass
+class PreparedRequest:
+    """One validated request, ready to route."""
+
+    request_id: str
+    kind: Literal["chat", "completion"]
+    model: str
+    """Model name echoed in responses."""
+    created: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    top_logprobs: int
+    """Alternatives per token asked for (completions' logprobs=1 -> 1; else 0)."""
+    user: str | None
+    skip_special_tokens: bool
+
+
+class Preprocessor:
+    """Owns the model's tokenizer, chat template and limits (immutable, shared)."""
+
+    def __init__(self, model: ModelInfo, served_name: str, max_input_tokens: int | None) -> None:
+        self.model = model
+        self.served_name = served_name
+        self.context_len = model.max_context_len
+        self.max_input_tokens = min(max_input_tokens or self.context_len, self.context_len)
+        self._accepted_names = {served_name, model.source.spec, model.served_name}
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self._accepted_names:
+            raise NotFound(
+                f"The model `{name}` does not exist. This server serves `{self.served_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+        self.check_model(req.model)
+        _check_common(req)
+        if req.top_logprobs:
+            raise InvalidRequest(
+                "top_logprobs > 0 is not supported yet; use logprobs=true for the sampled "
+                "token's logprob",
+                param="top_logprobs",
+            )
+        if not req.messages:
+            raise InvalidRequest("messages must hold at least one message", param="messages")
+        messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+        template = self.model.chat_template
+        if template is None:
+            raise InvalidRequest(
+                f"model `{self.served_name}` has no chat template; use /v1/completions",
+                param="messages",
+            )
+
+        def render_and_encode() -> list[int]:
+            text = template.render(messages, add_generation_prompt=True, tools=req.tools)
+            return self.model.tokenizer.encode(text, add_special_tokens=False)
+
+        size = sum(len(str(m.get("content") or "")) for m in messages)
+        ids = await _maybe_in_thread(render_and_encode, size)
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        return self._prepare(req, "chat", ids, max_tokens, param, bool(req.logprobs), "messages")
+
+    async def completion(self, req: CompletionRequest) -> PreparedRequest:
+        self.check_model(req.model)
+        _check_common(req)
+        if req.logprobs is not None and not 0 <= req.logprobs <= 1:
+            raise InvalidRequest(
+                "logprobs must be 0 or 1 (the sampled token's logprob); more alternatives "
+                "are not supported yet",
+                param="logprobs",
+            )
+        if req.echo:
+            raise InvalidRequest("echo is not supported", param="echo")
+        if req.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != 1:
+            raise InvalidRequest("best_of other than 1 is not supported", param="best_of")
+        prompt = _single_prompt(req.prompt)
+        if isinstance(prompt, str):
+            tokenizer = self.model.tokenizer
+            ids = await _maybe_in_thread(lambda: tokenizer.encode(prompt), len(prompt))
+        else:
+            vocab = self.model.config.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
+                    param="prompt",
+                )
+            ids = prompt
+        logprobs = req.logprobs is not None
+        return self._prepare(
+            req, "completion", ids, req.max_tokens, "max_tokens", logprobs, "prompt"
+        )
+
+    def _prepare(
+        self,
+        req: GenerationFields,
+        kind: Literal["chat", "completion"],
+        ids: list[int],
+        max_tokens: int | None,
+        max_tokens_param: str,
+        logprobs: bool,
+        prompt_param: str,
+    ) -> PreparedRequest:
+        num_prompt = len(ids)
+        if num_prompt == 0:
+            raise InvalidRequest("the prompt is empty", param=prompt_param)
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidRequest(
+                f"{max_tokens_param} must be at least 1, got {max_tokens}", param=max_tokens_param
+            )
+        if num_prompt > self.max_input_tokens or num_prompt >= self.context_len:
+            limit = min(self.max_input_tokens, self.context_len - 1)
+            raise InvalidRequest(
+                f"This model's maximum input length is {limit} tokens. However, your "
+                f"{prompt_param} has {num_prompt} tokens. Please shorten it.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = self.context_len - num_prompt
+        elif num_prompt + max_tokens > self.context_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.context_len} tokens. However, "
+                f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the "
+                f"{prompt_param}, {max_tokens} in the completion). Please reduce the length "
+                f"of the {prompt_param} or {max_tokens_param}.",
+                param=max_tokens_param,
+                code="context_length_exceeded",
+            )
+        params = _sampling_params(req, max_tokens, logprobs, self.model.config.vocab_size)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        options = req.stream_options
+        return PreparedRequest(
+            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            kind=kind,
+            model=self.served_name,
+            created=int(time.time()),
+            prompt_token_ids=ids,
+            params=params,
+            stream=bool(req.stream),
+            include_usage=bool(req.stream and options is not None and options.include_usage),
+            logprobs=logprobs,
+            top_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.logprobs else 0,
+            user=req.user,
+            skip_special_tokens=req.skip_special_tokens is not False,
+        )
+
+
+def _check_common(req: GenerationFields) -> None:
+    if req.n is not None and req.n != 1:
+        if req.n > 1:
+            raise InvalidRequest("n > 1 is not supported yet", param="n")
+        raise InvalidRequest(f"n must be at least 1, got {req.n}", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise InvalidRequest(f"{name} is not supported yet; send 0 or omit it", param=name)
+    if req.seed is not None and not _SEED_RANGE[0] <= req.seed <= _SEED_RANGE[1]:
+        raise InvalidRequest("seed must fit in 64 bits", param="seed")
+
+
+def _sampling_params(
+    req: GenerationFields, max_tokens: int, logprobs: bool, vocab_size: int
+) -> SamplingParams:
+    stop = req.stop
+    stop_ids = tuple(req.stop_token_ids or ())
+    if any(not 0 <= t < vocab_size for t in stop_ids):
+        raise InvalidRequest(
+            f"stop_token_ids must lie in the vocabulary [0, {vocab_size})", param="stop_token_ids"
+        )
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens or 0,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        seed=req.seed,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        stop_token_ids=stop_ids,
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=logprobs,
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        message = str(e)
+        field = message.split(" ", 1)[0]
+        param = field if field in SamplingParams.__struct_fields__ else None
+        if "stop sequence" in message:
+            param = "stop"
+        raise InvalidRequest(message, param=param) from None
+    return params
+
+
+def _message_dict(index: int, message: Any) -> dict[str, Any]:
+    """A ChatMessage as the dict a chat template reads; bad roles and parts are 400s."""
+    if message.role not in CHAT_ROLES:
+        raise InvalidRequest(
+            f"messages[{index}].role {message.role!r} is not one of "
+            f"{', '.join(sorted(CHAT_ROLES))}",
+            param=f"messages[{index}].role",
+        )
+    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role}
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise InvalidRequest(
+                    f"messages[{index}].content[{j}]: only text parts "
+                    f'({{"type": "text", "text": ...}}) are supported, got type {part.type!r}',
+                    param=f"messages[{index}].content[{j}]",
+                )
+            texts.append(part.text)
+        content = "\n".join(texts)
+    if content is not None:
+        out["content"] = content
+    for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+        value = getattr(message, key)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _single_prompt(prompt: str | list[Any]) -> str | list[int]:
+    """The one prompt of a completions request: text or token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        inner = prompt[0]
+        if isinstance(inner, str):
+            return inner
+        prompt = inner
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise InvalidRequest(
+        "prompt must be a string, a list of token ids, or a one-element list of either "
+        "(batched prompts are not supported; send one request per prompt)",
+        param="prompt",
+    )
+
+
+async def _maybe_in_thread(fn: Any, size: int) -> list[int]:
+    """Run `fn` here for small inputs, in a worker thread for large ones. Template
+    errors (InvalidRequestError) become 400s."""
+    try:
+        if size > _THREAD_TOKENIZE_CHARS:
+            return await asyncio.to_thread(fn)
+        return fn()
+    except InvalidRequestError as e:
+        raise InvalidRequest(str(e), param="messages") from None

@@ -1,0 +1,279 @@
+"""One request's trip through a decode and a prefill instance (protocol/messages.py):
+
+    pick decode ──AdmitRequest──▶ decode      (skipped when max_tokens == 1)
+    pick prefill ─PrefillRequest─▶ prefill ──▶ FirstToken (yielded at once), HandoffDone
+                 ─DecodeRequest──▶ decode  ──▶ TokenBatch ... (yielded as they arrive)
+
+Retries: an instance that cannot be connected to never saw the request, so it is marked
+unhealthy and another one is tried. Anything later is an error for the client.
+
+Aborts (AbortRequest, sent in the background, never awaited):
+- the run fails (client gone, worker error, timeout): every instance that was sent the
+  request gets one, finished or not, so each frees whatever it still holds;
+- the router finishes first (a stop string the worker has not matched yet, see
+  `finish_early`): only the instances still working on it;
+- prefill finishes at its first token: decode, to free the landing space it reserved.
+A run that ends normally (a worker reported the finish) sends none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    AdmitRequest,
+    DecodeRequest,
+    ErrorEvent,
+    FirstToken,
+    HandoffDone,
+    LandingInfo,
+    PrefillEvent,
+    PrefillRequest,
+    PromptUsage,
+)
+from protocol.sampling import SamplingParams
+from router.errors import UpstreamTimeout, WorkerError, WorkerFailed, WorkerUnavailable
+from router.instances import Instance, InstanceRegistry, Role
+from router.policies import RouteContext, RoutingPolicy
+from router.worker_client import AbortReason, InstanceUnreachable, WorkerClient
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class WorkerTokens:
+    """Tokens as a worker reported them; finish_reason is the worker's view."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    finish_reason: str | None
+
+
+@dataclass
+class RelayServices:
+    """What every run shares: instances, policy, HTTP client, and a decision hook."""
+
+    registry: InstanceRegistry
+    policy: RoutingPolicy
+    client: WorkerClient
+    on_route: Callable[[Instance], None] = lambda _: None
+
+
+class RequestRun:
+    """Owns one request's worker-side state: chosen instances, which of them still hold
+    work, the prompt usage reported by prefill. `events()` may be iterated once."""
+
+    def __init__(
+        self,
+        services: RelayServices,
+        ctx: RouteContext,
+        params: SamplingParams,
+        timeout_s: float,
+    ) -> None:
+        self._s = services
+        self.ctx = ctx
+        self.params = params
+        self.deadline = asyncio.get_running_loop().time() + timeout_s
+        self.timeout_s = timeout_s
+        self.prefill: Instance | None = None
+        self.decode: Instance | None = None
+        self.usage: PromptUsage | None = None
+        self._contacted: list[Instance] = []
+        """Instances that were sent the request (abort targets on failure)."""
+        self._open: list[Instance] = []
+        """Instances still working on it (abort targets on an early finish)."""
+        self._completed = False
+        self._closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self.ctx.request_id
+
+    async def events(self) -> AsyncGenerator[WorkerTokens, None]:
+        """First token, then decode's token batches, until a worker reports a finish."""
+        reason: AbortReason = "error"
+        try:
+            async for tokens in self._run():
+                yield tokens
+        except (asyncio.CancelledError, GeneratorExit):
+            reason = "client_disconnected"
+            raise
+        except TimeoutError:
+            reason = "timeout"
+            raise UpstreamTimeout(
+                f"request {self.request_id} did not finish within {self.timeout_s:g} s "
+                "(router.request_timeout_s)"
+            ) from None
+        finally:
+            if not self._completed:
+                self.close(reason)
+            self._closed = True
+
+    def close(self, reason: AbortReason) -> None:
+        """The run failed: abort every instance that was sent it. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            for inst in self._contacted:
+                self._s.client.abort_soon(inst, self.request_id, reason)
+
+    def finish_early(self) -> None:
+        """The router has its finish before the workers: stop those still working."""
+        if not self._closed:
+            self._closed = True
+            for inst in self._open:
+                self._s.client.abort_soon(inst, self.request_id, "client_disconnected")
+
+    # -- the serving path -------------------------------------------------------------------
+
+    async def _run(self) -> AsyncIterator[WorkerTokens]:
+        needs_decode = self.params.max_tokens > 1
+        landing: list[LandingInfo] = await self._admit() if needs_decode else []
+        first, handoff = None, None
+        async for event in self._prefill_events(landing):
+            if isinstance(event, FirstToken):
+                first = event
+                self.usage = event.usage
+                if event.finish_reason is not None:
+                    self._release(self.decode)  # its landing space is not needed
+                    self._done(self.prefill)
+                    self._completed = True
+                elif handoff is not None:
+                    self._done(self.prefill)
+                yield WorkerTokens([event.token_id], [event.logprob], event.finish_reason)
+            elif isinstance(event, HandoffDone):
+                handoff = event
+                if first is not None:
+                    self._done(self.prefill)
+            else:
+                raise WorkerError(event.status, event.message)
+        self._done(self.prefill)
+        if first is None:
+            raise WorkerFailed(f"{_name(self.prefill)} ended its stream without a FirstToken")
+        if first.finish_reason is not None:
+            self._completed = True
+            return
+        if not needs_decode:
+            raise WorkerFailed(f"{_name(self.prefill)} did not finish a max_tokens=1 request")
+        if handoff is None:
+            raise WorkerFailed(f"{_name(self.prefill)} ended its stream without HandoffDone")
+        assert self.decode is not None
+        req = DecodeRequest(
+            version=PROTOCOL_VERSION,
+            request_id=self.request_id,
+            prompt_token_ids=list(self.ctx.prompt_token_ids),
+            first_token_id=first.token_id,
+            first_logprob=first.logprob,
+            params=self.params,
+            segments=handoff.segments,
+        )
+        async for batch in self._guard(
+            self.decode, self._s.client.decode(self.decode, req, self.deadline)
+        ):
+            if isinstance(batch, ErrorEvent):
+                raise WorkerError(batch.status, batch.message)
+            if batch.finish_reason is not None:
+                self._done(self.decode)
+                self._completed = True
+            yield WorkerTokens(batch.token_ids, batch.logprobs, batch.finish_reason)
+            if batch.finish_reason is not None:
+                return
+        raise WorkerFailed(f"{_name(self.decode)} ended its stream without a finish_reason")
+
+    async def _admit(self) -> list[LandingInfo]:
+        req = AdmitRequest(
+            version=PROTOCOL_VERSION,
+            request_id=self.request_id,
+            num_prompt_tokens=len(self.ctx.prompt_token_ids),
+            max_tokens=self.params.max_tokens,
+        )
+        tried: set[str] = set()
+        while True:
+            inst = self._pick("decode", tried)
+            try:
+                self._start(inst)
+                resp = await self._s.client.admit(inst, req, self.deadline)
+            except InstanceUnreachable as e:
+                self._forget(inst, e, tried)
+                continue
+            except WorkerFailed as e:
+                self._s.registry.mark_unhealthy(inst, e.message)
+                raise
+            self.decode = inst
+            return resp.landing
+
+    async def _prefill_events(self, landing: list[LandingInfo]) -> AsyncIterator[PrefillEvent]:
+        req = PrefillRequest(
+            version=PROTOCOL_VERSION,
+            request_id=self.request_id,
+            prompt_token_ids=list(self.ctx.prompt_token_ids),
+            params=self.params,
+            landing=landing,
+        )
+        tried: set[str] = set()
+        while True:
+            inst = self._pick("prefill", tried)
+            self.prefill = inst
+            self._start(inst)
+            started = False
+            try:
+                async for event in self._guard(
+                    inst, self._s.client.prefill(inst, req, self.deadline)
+                ):
+                    started = True
+                    yield event
+                return
+            except InstanceUnreachable as e:
+                assert not started
+                self._forget(inst, e, tried)
+
+    async def _guard(self, inst: Instance, events: AsyncIterator[_T]) -> AsyncIterator[_T]:
+        """Pass events through; a worker that broke mid-stream is marked unhealthy."""
+        try:
+            async for event in events:
+                yield event
+        except WorkerFailed as e:
+            self._s.registry.mark_unhealthy(inst, e.message)
+            raise
+
+    def _pick(self, role: Role, tried: set[str]) -> Instance:
+        candidates = self._s.registry.candidates(role, frozenset(tried))
+        if not candidates:
+            total = len(self._s.registry.instances(role))
+            raise WorkerUnavailable(
+                f"no healthy {role} instance can take the request ({total} configured, "
+                f"{len(tried)} tried for this request); retry shortly",
+                code="no_healthy_instance",
+                headers={"retry-after": "1"},
+            )
+        inst = self._s.policy.choose(role, self.ctx, candidates)
+        self._s.on_route(inst)
+        return inst
+
+    def _forget(self, inst: Instance, error: InstanceUnreachable, tried: set[str]) -> None:
+        """`inst` never got the request: mark it, don't abort it, try another."""
+        self._s.registry.mark_unhealthy(inst, error.message)
+        tried.add(inst.name)
+        self._done(inst)
+        self._contacted.remove(inst)
+
+    def _start(self, inst: Instance) -> None:
+        self._contacted.append(inst)
+        self._open.append(inst)
+
+    def _done(self, inst: Instance | None) -> None:
+        if inst is not None and inst in self._open:
+            self._open.remove(inst)
+
+    def _release(self, inst: Instance | None) -> None:
+        if inst is not None and inst in self._open:
+            self._open.remove(inst)
+            self._contacted.remove(inst)
+            self._s.client.abort_soon(inst, self.request_id, "client_disconnected")
+
+
+def _name(inst: Instance | None) -> str:
+    return inst.describe() if inst is not None else "the instance"

@@ -1,0 +1,63 @@
+"""Running the router app under uvicorn: uvloop, httptools, TCP_NODELAY on every client
+connection (a streamed chunk must leave at once, not wait for the previous one's ACK)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client import start_http_server
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from modelinfo.info import load_model_info
+from router.app import create_app
+from router.config import RouterSettings
+
+log = logging.getLogger(__name__)
+
+
+class NoDelayHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with Nagle's algorithm turned off explicitly."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().connection_made(transport)
+
+
+def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="uvloop",
+        http=NoDelayHttpToolsProtocol,
+        log_level=log_level,
+        access_log=False,
+        timeout_keep_alive=30,
+        backlog=4096,
+    )
+
+
+def run_router(settings: RouterSettings, log_level: str = "info") -> None:
+    """Load the model's tokenizer and template, then serve until interrupted."""
+    model = load_model_info(settings.model, served_name=settings.served_model_name)
+    app = create_app(settings, model)
+    if settings.metrics_port is not None:
+        start_http_server(
+            settings.metrics_port, addr=settings.host, registry=app.state.metrics.registry
+        )
+    log.info(
+        "router serving %s on http://%s:%d (policy %s, %d prefill, %d decode)",
+        settings.served_model_name or model.served_name,
+        settings.host,
+        settings.port,
+        settings.policy,
+        len(settings.prefill),
+        len(settings.decode),
+    )
+    uvicorn.Server(uvicorn_config(app, settings.host, settings.port, log_level)).run()

@@ -1,0 +1,237 @@
+"""HTTP client side of the router <-> worker protocol (protocol/messages.py), typed errors out.
+
+Endpoints the router calls (JSON bodies are the msgspec structs named):
+
+    decode   POST /admit       AdmitRequest   -> 200 AdmitResponse
+             POST /decode      DecodeRequest  -> 200 NDJSON stream of DecodeEvent
+    prefill  POST /prefill     PrefillRequest -> 200 NDJSON stream of PrefillEvent
+             POST /admin/reset_prefix_cache   -> 200 (any JSON)
+    both     POST /abort       AbortRequest   -> 2xx (body ignored)
+             GET  /health                     -> 200 when ready
+
+Serving calls go over router/http1.py (keep-alive HTTP/1.1), control calls over httpx.
+A non-2xx answer should carry an ErrorEvent body ({"type": "error", "status", "message",
+"request_id"}); its status and message reach the client. Every call is bounded: connecting
+by connect_timeout_s, the serving calls by the request's deadline (an event-loop time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Literal, TypeVar
+
+import httpx
+import msgspec
+
+from protocol.messages import (
+    AbortRequest,
+    AdmitRequest,
+    AdmitResponse,
+    DecodeEvent,
+    DecodeRequest,
+    ErrorEvent,
+    PrefillEvent,
+    PrefillRequest,
+)
+from router.errors import WorkerError, WorkerFailed, WorkerUnavailable
+from router.http1 import ConnectFailed, ConnectionBroken, Http1Pool, Response
+from router.instances import Instance
+
+log = logging.getLogger(__name__)
+
+ADMIT_PATH = "/admit"
+DECODE_PATH = "/decode"
+PREFILL_PATH = "/prefill"
+ABORT_PATH = "/abort"
+HEALTH_PATH = "/health"
+RESET_PREFIX_CACHE_PATH = "/admin/reset_prefix_cache"
+
+_JSON_HEADERS = {"content-type": "application/json"}
+_E = TypeVar("_E")
+AbortReason = Literal["client_disconnected", "error", "timeout"]
+
+
+class InstanceUnreachable(WorkerUnavailable):
+    """503: connecting to `instance` failed, so it never saw the request (safe to retry)."""
+
+    def __init__(self, instance: Instance, cause: Exception) -> None:
+        super().__init__(f"{instance.describe()} is unreachable: {type(cause).__name__}: {cause}")
+        self.instance = instance
+
+
+class WorkerClient:
+    """Owns the pooled HTTP connections to every worker. Runs on the router's event loop."""
+
+    def __init__(self, *, connect_timeout_s: float = 2.0, control_timeout_s: float = 1.0) -> None:
+        self._pool = Http1Pool(connect_timeout_s)
+        """The serving path (admit, prefill, decode): see router/http1.py for why."""
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(control_timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+            trust_env=False,  # worker traffic never goes through a proxy
+        )
+        """Control calls: health, abort, admin."""
+        self._control_timeout_s = control_timeout_s
+        self._admit_decoder = msgspec.json.Decoder(AdmitResponse)
+        self._prefill_decoder = msgspec.json.Decoder(PrefillEvent)
+        self._decode_decoder = msgspec.json.Decoder(DecodeEvent)
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def aclose(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=self._control_timeout_s)
+        await self._http.aclose()
+        self._pool.close()
+
+    # -- serving path ---------------------------------------------------------------------
+
+    async def admit(self, inst: Instance, req: AdmitRequest, deadline: float) -> AdmitResponse:
+        """Reserve landing space on a decode instance (it may wait while it is full)."""
+        async with self._post(inst, ADMIT_PATH, req, deadline) as resp:
+            body = await _read_body(resp, deadline)
+        try:
+            return self._admit_decoder.decode(body)
+        except msgspec.DecodeError as e:
+            raise WorkerFailed(f"{inst.describe()} sent an invalid AdmitResponse: {e}") from None
+
+    def prefill(
+        self, inst: Instance, req: PrefillRequest, deadline: float
+    ) -> AsyncIterator[PrefillEvent]:
+        """The prefill instance's event stream for `req`."""
+        return self._events(inst, PREFILL_PATH, req, self._prefill_decoder, deadline)
+
+    def decode(
+        self, inst: Instance, req: DecodeRequest, deadline: float
+    ) -> AsyncIterator[DecodeEvent]:
+        """The decode instance's event stream for `req`."""
+        return self._events(inst, DECODE_PATH, req, self._decode_decoder, deadline)
+
+    def abort_soon(self, inst: Instance, request_id: str, reason: AbortReason) -> None:
+        """Send AbortRequest now without waiting for the answer (safe inside cancellation)."""
+        task = asyncio.get_running_loop().create_task(self.abort(inst, request_id, reason))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def abort(self, inst: Instance, request_id: str, reason: AbortReason) -> None:
+        """Tell `inst` to free `request_id`; failures are logged, never raised."""
+        body = msgspec.json.encode(AbortRequest(request_id=request_id, reason=reason))
+        try:
+            await self._http.post(
+                inst.url + ABORT_PATH,
+                content=body,
+                headers=_JSON_HEADERS,
+                timeout=self._control_timeout_s,
+            )
+        except httpx.HTTPError as e:
+            log.warning("abort of %s on %s failed: %s", request_id, inst.describe(), e)
+
+    # -- control ----------------------------------------------------------------------------
+
+    async def health(self, inst: Instance) -> str | None:
+        """None when GET /health answers 200, else what went wrong."""
+        try:
+            resp = await self._http.get(inst.url + HEALTH_PATH, timeout=self._control_timeout_s)
+        except httpx.HTTPError as e:
+            return f"{type(e).__name__}: {e}"
+        return None if resp.status_code == 200 else f"GET /health answered {resp.status_code}"
+
+    async def reset_prefix_cache(self, inst: Instance, timeout_s: float) -> tuple[int, Any]:
+        """POST /admin/reset_prefix_cache: (status, JSON body or text); 503 when unreachable."""
+        try:
+            resp = await self._http.post(inst.url + RESET_PREFIX_CACHE_PATH, timeout=timeout_s)
+        except httpx.HTTPError as e:
+            return 503, f"{type(e).__name__}: {e}"
+        try:
+            return resp.status_code, resp.json()
+        except ValueError:
+            return resp.status_code, resp.text
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def _post(
+        self, inst: Instance, path: str, msg: msgspec.Struct, deadline: float
+    ) -> AsyncIterator[Response]:
+        """POST `msg`; yields the 200 response with its body unread. Typed errors out."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                resp = await self._pool.post(inst.url + path, msgspec.json.encode(msg))
+        except ConnectFailed as e:
+            raise InstanceUnreachable(inst, e) from None
+        except ConnectionBroken as e:
+            raise _failed(inst, path, e) from None
+        try:
+            if resp.status != 200:
+                raise _error_answer(inst, path, resp.status, await _read_body(resp, deadline))
+            yield resp
+        except ConnectionBroken as e:
+            raise _failed(inst, path, e) from None
+        finally:
+            resp.close()
+
+    async def _events(
+        self,
+        inst: Instance,
+        path: str,
+        msg: msgspec.Struct,
+        decoder: msgspec.json.Decoder[_E],
+        deadline: float,
+    ) -> AsyncIterator[_E]:
+        """Decoded NDJSON events of a streaming POST, each read bounded by `deadline`."""
+        async with self._post(inst, path, msg, deadline) as resp:
+            chunks = resp.chunks()
+            pending = b""
+            while True:
+                async with asyncio.timeout_at(deadline):
+                    try:
+                        chunk = await anext(chunks)
+                    except StopAsyncIteration:
+                        break
+                pending += chunk
+                while (end := pending.find(b"\n")) >= 0:
+                    line, pending = pending[:end], pending[end + 1 :]
+                    if line.strip():
+                        yield _decode_event(inst, decoder, line)
+            if pending.strip():
+                yield _decode_event(inst, decoder, pending)
+
+
+async def _read_body(resp: Response, deadline: float) -> bytes:
+    async with asyncio.timeout_at(deadline):
+        return await resp.read()
+
+
+def _decode_event(inst: Instance, decoder: msgspec.json.Decoder[_E], line: bytes) -> _E:
+    try:
+        return decoder.decode(line)
+    except msgspec.DecodeError as e:
+        raise WorkerFailed(
+            f"{inst.describe()} sent an invalid event ({e}): {line[:200]!r}"
+        ) from None
+
+
+def _failed(inst: Instance, path: str, e: Exception) -> WorkerFailed:
+    return WorkerFailed(
+        f"{inst.describe()} failed during POST {path} "
+        f"(the worker crashed or dropped the connection): {type(e).__name__}: {e}"
+    )
+
+
+def _error_answer(inst: Instance, path: str, status: int, body: bytes) -> Exception:
+    """A worker's non-200 answer: its ErrorEvent when it sent one, else a 502."""
+    try:
+        event = msgspec.json.decode(body, type=ErrorEvent)
+        return WorkerError(event.status, event.message)
+    except msgspec.DecodeError:
+        pass
+    try:
+        detail = msgspec.json.decode(body)
+        if isinstance(detail, dict) and isinstance(detail.get("message"), str):
+            return WorkerError(status, detail["message"])
+    except msgspec.DecodeError:
+        pass
+    text = body[:300].decode("utf-8", "replace")
+    return WorkerFailed(f"{inst.describe()} answered POST {path} with HTTP {status}: {text}")

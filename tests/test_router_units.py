@@ -1,0 +1,155 @@
+"""Router pieces on their own: routing policies, the instance registry, settings from
+cluster.yaml, and the `python -m router -c cluster.yaml` entry point."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from router_standin import ServerThread, StandinWorker
+
+from protocol.cluster import parse_cluster_yaml
+from protocol.hashing import hash_chain, namespace_seed
+from router.config import settings_from_cluster
+from router.instances import Instance, InstanceRegistry
+from router.policies import RouteContext, make_policy, policy_names
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _instances(role: str, n: int) -> list[Instance]:
+    return [Instance(f"{role[0]}{i}", role, f"http://127.0.0.1:{9000 + i}") for i in range(n)]  # type: ignore[arg-type]
+
+
+def test_round_robin_cycles_per_role() -> None:
+    policy = make_policy("round_robin")
+    ctx = RouteContext("r", [1, 2, 3])
+    prefill, decode = _instances("prefill", 3), _instances("decode", 2)
+    assert [policy.choose("prefill", ctx, prefill).name for _ in range(4)] == [
+        "p0",
+        "p1",
+        "p2",
+        "p0",
+    ]
+    assert [policy.choose("decode", ctx, decode).name for _ in range(3)] == ["d0", "d1", "d0"]
+
+
+def test_random_is_seeded_and_uses_every_candidate() -> None:
+    candidates = _instances("prefill", 4)
+    ctx = RouteContext("r", [1])
+    picks = [
+        make_policy("random", seed=7).choose("prefill", ctx, candidates).name for _ in range(3)
+    ]
+    assert len(set(picks)) == 1  # same seed, same first choice
+    policy = make_policy("random", seed=1)
+    assert {policy.choose("prefill", ctx, candidates).name for _ in range(200)} == {
+        "p0",
+        "p1",
+        "p2",
+        "p3",
+    }
+
+
+def test_unknown_policy_names_the_known_ones() -> None:
+    assert set(policy_names()) >= {"round_robin", "random"}
+    with pytest.raises(ValueError, match="round_robin"):
+        make_policy("telepathy")
+
+
+def test_registry_skips_unhealthy_and_tried() -> None:
+    prefill = _instances("prefill", 3)
+    registry = InstanceRegistry(prefill, _instances("decode", 1))
+    registry.mark_unhealthy(prefill[1], "refused")
+    assert [i.name for i in registry.candidates("prefill")] == ["p0", "p2"]
+    assert [i.name for i in registry.candidates("prefill", frozenset({"p0"}))] == ["p2"]
+    registry.mark_healthy(prefill[1])
+    assert len(registry.candidates("prefill")) == 3
+    assert registry.summary()["prefill"]["healthy"] == 3
+
+
+def test_route_context_hashes_once() -> None:
+    tokens = list(range(40))
+    ctx = RouteContext("r", tokens)
+    root = namespace_seed("ns")
+    hashes = ctx.block_hashes(16, root)
+    assert hashes == hash_chain(tokens, 16, root) and len(hashes) == 2
+    assert ctx.block_hashes(16, root) is hashes
+
+
+def _cluster_yaml(prefill_port: int, decode_port: int, router_port: int, policy: str) -> str:
+    text = (REPO / "deploy/examples/local.yaml").read_text()
+    text = text.replace("port: 8100", f"port: {prefill_port}").replace(
+        "port: 8200", f"port: {decode_port}"
+    )
+    text = text.replace("port: 8000", f"port: {router_port}")
+    return text.replace("policy: round_robin", f"policy: {policy}")
+
+
+def test_settings_from_cluster() -> None:
+    cluster = parse_cluster_yaml(_cluster_yaml(8101, 8201, 8001, "kv_aware"))
+    s = settings_from_cluster(cluster)
+    assert s.policy == "round_robin"  # kv_aware is not implemented yet: falls back
+    assert [(e.name, e.url) for e in s.prefill] == [("prefill-0", "http://127.0.0.1:8101")]
+    assert [(e.name, e.url) for e in s.decode] == [("decode-0", "http://127.0.0.1:8201")]
+    assert (s.host, s.port, s.request_timeout_s) == ("127.0.0.1", 8001, 300)
+    assert s.served_model_name == "smollm2-135m-instruct"
+    assert s.model == "builtin:smollm2-135m-instruct"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_python_m_router_serves_a_cluster_file(tmp_path: Path) -> None:
+    workers = [StandinWorker(tokens=[100, 101, 102]) for _ in range(2)]
+    servers = [ServerThread(w.app()) for w in workers]
+    for s in servers:
+        s.start()
+    router_port = _free_port()
+    config = tmp_path / "cluster.yaml"
+    config.write_text(_cluster_yaml(servers[0].port, servers[1].port, router_port, "random"))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router", "-c", str(config)], env=env, cwd=tmp_path
+    )
+    url = f"http://127.0.0.1:{router_port}"
+    try:
+        deadline = time.monotonic() + 40
+        while True:
+            assert proc.poll() is None, "the router exited"
+            try:
+                if httpx.get(url + "/health", trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the router did not come up"
+            time.sleep(0.1)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": "smollm2-135m-instruct", "prompt": "hi", "max_tokens": 3},
+            trust_env=False,
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        for s in servers:
+            s.stop()
+
+
+def test_bad_cluster_file_is_a_clear_error(tmp_path: Path) -> None:
+    config = tmp_path / "cluster.yaml"
+    config.write_text("name: x\nrouter: {port: nope}\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-m", "router", "-c", str(config)], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "router:" in out.stderr and "Traceback" not in out.stderr
