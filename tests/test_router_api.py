@@ -256,3 +256,15 @@ def test_worker_finish_first_flushes_held_back_text(h: RouterHarness) -> None:
         model=h.served_name, prompt="x", max_tokens=500, stop=["42.!"]
     )
     assert r.choices[0].text == TEXT and r.choices[0].finish_reason == "length"
+
+
+def test_client_connections_have_tcp_nodelay(h: RouterHarness) -> None:
+    import socket
+
+    with httpx.Client(trust_env=False) as client:  # keep-alive: the connection stays open
+        assert client.get(h.url + "/health").status_code == 200
+        connections = list(h.router.server.server_state.connections)
+        assert connections
+        for conn in connections:
+            sock = conn.transport.get_extra_info("socket")  # type: ignore[attr-defined]
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
