@@ -8,7 +8,7 @@ import sys
 
 from decode_worker.service import DecodeService
 from enginehost.host import EngineHost
-from enginehost.startup import build_engine, serve, setup_logging
+from enginehost.startup import build_engine, cpu_threads_per_engine, serve, setup_logging
 from protocol.cluster import load_cluster
 from transfer import LandingArena, TransportConfig, create_transport
 
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         device=inst.devices[0],
         kv_cache_bytes=int(inst.kv_cache_memory),
         max_num_seqs=inst.max_num_seqs,
+        cpu_threads=cpu_threads_per_engine(cluster, inst.node),
     )
     transport = create_transport(
         TransportConfig(name="mooncake", host=node.host, protocol=inst.transfer.protocol)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 
+import torch
 import uvicorn
 from fastapi import FastAPI
 
@@ -24,6 +26,17 @@ def torch_device(device: object) -> str:
     return "cpu" if str(device) == "cpu" else f"cuda:{device}"
 
 
+def cpu_threads_per_engine(cluster: ClusterConfig, node: str) -> int:
+    """Split this host's cores evenly among the engine processes the cluster puts on it.
+
+    Every torch CPU engine defaults to one thread per core; several of them on one host
+    oversubscribe the cores, and OpenMP's spinning barriers then make each step many
+    times slower than with fewer threads."""
+    n = sum(i.pipeline_parallel for i in cluster.prefill if i.node == node)
+    n += sum(i.tensor_parallel for i in cluster.decode if i.node == node)
+    return max(1, (os.cpu_count() or 1) // max(1, n))
+
+
 def build_engine(
     cluster: ClusterConfig,
     *,
@@ -31,7 +44,10 @@ def build_engine(
     kv_cache_bytes: int,
     max_num_seqs: int,
     max_batched_tokens: int = 2048,
+    cpu_threads: int | None = None,
 ) -> LLMEngine:
+    if cpu_threads is not None and str(device) == "cpu":
+        torch.set_num_threads(cpu_threads)
     config = EngineConfig(
         block_size=cluster.cache.block_size,
         kv_cache_bytes=kv_cache_bytes,

@@ -7,7 +7,7 @@ import asyncio
 import sys
 
 from enginehost.host import EngineHost
-from enginehost.startup import build_engine, serve, setup_logging
+from enginehost.startup import build_engine, cpu_threads_per_engine, serve, setup_logging
 from prefill_worker.handoff import HandoffTable
 from prefill_worker.service import PrefillService
 from protocol.cluster import load_cluster
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         device=inst.devices[0],
         kv_cache_bytes=int(inst.kv_cache_memory),
         max_num_seqs=inst.max_num_seqs,
+        cpu_threads=cpu_threads_per_engine(cluster, inst.node),
         max_batched_tokens=inst.max_batched_tokens,
     )
     protocol = cluster.decode[0].transfer.protocol if cluster.decode else "tcp"
