@@ -42,9 +42,56 @@ def hf_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def make_tiny_tokenizer(out: Path, vocab_size: int = 49152) -> Path:
+    """A byte-level BPE tokenizer folder with `vocab_size` ids and a ChatML template,
+    built without any download: ids 0-2 are special, 3-258 the 256 byte symbols (so any
+    text encodes), the rest decodable filler tokens (so random ids detokenize)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    byte_symbols = pre_tokenizers.ByteLevel.alphabet()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for sym in sorted(byte_symbols):
+        vocab[sym] = len(vocab)
+    while len(vocab) < vocab_size:
+        vocab[f"w{len(vocab)}"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": CHATML_TEMPLATE,
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "unk_token": "<|endoftext|>",
+                "add_bos_token": False,
+            }
+        )
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tok"))
+
+
 def make_tiny_model(out: Path, tokenizer_dir: Path, arch: str, seed: int = 0) -> Path:
-    """Save a small random-weight model of `arch` ("llama", "qwen2", "qwen3") with
-    SmolLM2's tokenizer. Weights are scaled up so greedy choices have clear margins."""
+    """Save a small random-weight model of `arch` ("llama", "qwen2", "qwen3") with the
+    tokenizer files of `tokenizer_dir`. Weights are scaled up so greedy choices have clear margins."""
     import shutil
 
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
@@ -80,5 +127,5 @@ def make_tiny_model(out: Path, tokenizer_dir: Path, arch: str, seed: int = 0) ->
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer_dir: Path) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), hf_tokenizer_dir, "llama")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tiny_tokenizer_dir, "llama")
