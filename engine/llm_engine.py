@@ -2,6 +2,9 @@
 
 step():  scheduler.schedule() -> model_runner.execute() -> sampler.sample()
          -> append tokens, check stops, free finished -> RequestOutput per request
+
+An external KV store plugs in with `set_kv_connector` (engine/kv_connector.py): the
+scheduler asks it on admission, and every step reports computed KV to it (saves).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from engine.attention.base import get_backend
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnector, NoKVConnector
 from engine.model_runner import ModelRunner
 from engine.models.registry import build_model
 from engine.request import Request, RequestStatus
@@ -46,6 +50,9 @@ class RequestOutput:
     num_cached_tokens: int
     """Prompt tokens served from this engine's prefix cache."""
     num_output_tokens: int
+    num_pool_tokens: int = 0
+    """Prompt tokens loaded through the KV connector (the pool); gpu + pool + computed =
+    prompt, so computed = num_prompt_tokens - num_cached_tokens - num_pool_tokens."""
     prefill_done: bool = False
     """A prefill-only request sampled its first token and left the engine (its KV was
     handed on through the KV observer); finish_reason stays None: decode continues it."""
@@ -66,10 +73,16 @@ class Completion:
     logprobs: list[float | None]
     num_prompt_tokens: int
     num_cached_tokens: int
+    num_pool_tokens: int = 0
 
 
 KVObserver = Callable[["Request", int, int, list[BlockId]], None]
 """(request, token_start, token_end, block_table) for KV just computed in a step."""
+
+
+_LOAD_POLL_S = 0.02
+"""Longest the engine thread waits for a load when nothing else can run (it then goes
+back to its inbox: new requests and aborts are not held up longer than this)."""
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -133,11 +146,18 @@ class LLMEngine:
         self.kv_observer: KVObserver | None = None
         """Called in step() after the model wrote KV for tokens [start, end) of a request,
         before its blocks can be freed: the prefill worker streams the handoff from it."""
+        self.kv_connector: KVConnector = NoKVConnector()
 
     @classmethod
     def from_spec(cls, model: str, config: EngineConfig | None = None) -> LLMEngine:
         """Load a model by path or `builtin:` name and build an engine for it."""
         return cls(load_model_info(model), config or EngineConfig())
+
+    def set_kv_connector(self, connector: KVConnector) -> None:
+        """Plug in an external KV store (before the first request)."""
+        assert not self.scheduler.has_work(), "set the connector before adding requests"
+        self.kv_connector = connector
+        self.scheduler.connector = connector
 
     # -- the API -----------------------------------------------------------------------
     def add_request(
@@ -264,6 +284,8 @@ class LLMEngine:
         """Run one scheduling step; return outputs of requests that produced tokens."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
+            if self.scheduler.loading or self.scheduler.abandoned:
+                self.kv_connector.wait(_LOAD_POLL_S)  # nothing runnable until a load ends
             return []
         logits = self.runner.execute(plan.scheduled, self.kv)
         sampling = [s.request for s in plan.scheduled if s.samples]
@@ -281,9 +303,10 @@ class LLMEngine:
             start = r.num_computed_tokens
             r.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(r)
+            table = self.kv.block_table(r.request_id)
             if self.kv_observer is not None:
-                table = self.kv.block_table(r.request_id)
                 self.kv_observer(r, start, r.num_computed_tokens, table)
+            self.kv_connector.on_computed(r, start, r.num_computed_tokens, table)
         outputs = []
         for req, tok, lp in zip(sampling, tokens, logprobs, strict=True):
             outputs.append(self._append_token(req, tok, lp))
@@ -311,6 +334,7 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_prompt_tokens or 0,
             num_output_tokens=req.num_output_tokens,
+            num_pool_tokens=req.num_pool_prompt_tokens,
             prefill_done=prefill_done,
         )
 
@@ -335,6 +359,7 @@ class LLMEngine:
                 c.logprobs.extend(out.new_logprobs)
                 c.text += out.text_delta
                 c.num_cached_tokens = out.num_cached_tokens
+                c.num_pool_tokens = out.num_pool_tokens
                 if out.finished:
                     c.finish_reason = out.finish_reason or ""
                     pending.discard(out.request_id)
@@ -356,7 +381,13 @@ class LLMEngine:
             self.abort(rid)
 
     def reset_prefix_cache(self) -> int:
+        """Forget the GPU prefix cache (an external store behind the connector keeps its
+        contents). Returns how many block hashes were dropped."""
         return self.pool.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the KV connector's threads (the engine itself holds no threads)."""
+        self.kv_connector.close()
 
     @property
     def counters(self) -> SchedulerCounters:

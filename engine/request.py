@@ -14,6 +14,8 @@ from protocol.sampling import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
+    """Admitted with blocks, its prefix loading from an external store (KVConnector)."""
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -65,6 +67,8 @@ class Request:
         """Leave the engine after the first sampled token (see LLMEngine.add_request)."""
         # Prompt tokens served from the prefix cache at first admission (None before it).
         self.num_cached_prompt_tokens: int | None = None
+        # Prompt tokens loaded from the external store (KVConnector) at first admission.
+        self.num_pool_prompt_tokens = 0
         self._block_size = block_size
         self._hash_root = hash_root
         self.block_hashes: list[BlockHash] = []

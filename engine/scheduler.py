@@ -8,6 +8,14 @@ after, front first, each starting from its longest cached prefix. When blocks ru
 the most recently admitted running request is preempted: its blocks are freed, its
 progress reset to 0 (recompute; its output tokens are kept), and it goes back to the front
 of the waiting queue. Nothing else is mutated; `update` applies a step's results.
+
+With a KVConnector (engine/kv_connector.py), admission also asks how many tokens after the
+GPU prefix the external store holds; when it holds some, the request gets its blocks, its
+load starts and it waits in `loading` (status WAITING_FOR_KV) without taking token budget;
+it counts against max_num_seqs. Each schedule() first collects finished loads: the request
+joins `running` at the end, from its GPU prefix plus the tokens actually loaded. A loading
+request that is finished (aborted) keeps its blocks in `abandoned` until its load reports:
+the connector may still be writing into them.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnector, NoKVConnector
 from engine.request import Request, RequestStatus
 from protocol.ids import RequestId
 
@@ -45,23 +54,41 @@ class SchedulerOutput:
 
 @dataclass
 class SchedulerCounters:
-    """Prompt tokens by source (counted once per request, at first admission) and events."""
+    """Prompt tokens by source (counted once per request, at first admission) and events.
+    prompt_tokens_cached is the GPU prefix cache, prompt_tokens_pool the KVConnector."""
 
     prompt_tokens_cached: int = 0
+    prompt_tokens_pool: int = 0
     prompt_tokens_computed: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0
+    loads_started: int = 0
+    loads_short: int = 0
+    """Loads that brought fewer tokens than matched (failed or partial: recomputed)."""
 
 
 class Scheduler:
-    """Owns the waiting queue and the running list; decides each step's work."""
+    """Owns the waiting queue, the running list and the requests loading external KV;
+    decides each step's work."""
 
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        connector: KVConnector | None = None,
+    ):
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.connector: KVConnector = connector or NoKVConnector()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[RequestId, Request] = {}
+        """WAITING_FOR_KV requests, by id; _load_span has each one's [start, end)."""
+        self.abandoned: dict[RequestId, Request] = {}
+        """Finished while loading: blocks held until the connector reports the load."""
+        self._load_span: dict[RequestId, tuple[int, int]] = {}
         self.counters = SchedulerCounters()
 
     def add(self, request: Request) -> None:
@@ -73,10 +100,11 @@ class Scheduler:
         self.running.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading or self.abandoned)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._collect_loads()
         budget = self.max_num_batched_tokens
         for req in list(self.running):
             if budget == 0:
@@ -94,26 +122,71 @@ class Scheduler:
                 budget -= n
         if out.preempted:
             return out  # memory is tight: admit nothing new this step
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_seqs() < self.max_num_seqs:
             req = self.waiting[0]
             prefix = self.kv.find_prefix(req)
+            num_external = self.connector.num_matched_tokens(req, prefix.num_tokens)
+            if num_external > 0:
+                if not self.kv.allocate_slots(req, num_external, prefix):
+                    break
+                self.waiting.popleft()
+                self._start_load(req, prefix.num_tokens, num_external)
+                continue
             n = min(req.num_tokens - prefix.num_tokens, budget)
             if not self.kv.allocate_slots(req, n, prefix):
                 break
             self.waiting.popleft()
             req.num_computed_tokens = prefix.num_tokens
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            if req.num_cached_prompt_tokens is None:
-                cached = min(prefix.num_tokens, req.num_prompt_tokens)
-                req.num_cached_prompt_tokens = cached
-                self.counters.prompt_tokens_cached += cached
-                self.counters.prompt_tokens_computed += req.num_prompt_tokens - cached
-            else:
-                self.counters.recomputed_tokens += req.num_tokens - prefix.num_tokens
+            self._run(req, prefix.num_tokens, 0)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
         return out
+
+    def _num_seqs(self) -> int:
+        return len(self.running) + len(self.loading)
+
+    def _run(self, req: Request, num_gpu_tokens: int, num_pool_tokens: int) -> None:
+        """Make an admitted request running; count its prompt tokens at first admission."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        if req.num_cached_prompt_tokens is None:
+            cached = min(num_gpu_tokens, req.num_prompt_tokens)
+            pool = min(num_pool_tokens, req.num_prompt_tokens - cached)
+            req.num_cached_prompt_tokens = cached
+            req.num_pool_prompt_tokens = pool
+            self.counters.prompt_tokens_cached += cached
+            self.counters.prompt_tokens_pool += pool
+            self.counters.prompt_tokens_computed += req.num_prompt_tokens - cached - pool
+        else:
+            self.counters.recomputed_tokens += req.num_tokens - req.num_computed_tokens
+
+    def _start_load(self, req: Request, num_prefix_tokens: int, num_external: int) -> None:
+        req.num_computed_tokens = num_prefix_tokens
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.loading[req.request_id] = req
+        end = num_prefix_tokens + num_external
+        self._load_span[req.request_id] = (num_prefix_tokens, end)
+        self.counters.loads_started += 1
+        table = list(self.kv.block_table(req.request_id))
+        self.connector.start_load(req, table, num_prefix_tokens, end)
+
+    def _collect_loads(self) -> None:
+        """Loaded requests join `running` (from prefix + loaded tokens); abandoned ones
+        free their blocks now that nothing writes into them."""
+        for res in self.connector.finished_loads():
+            gone = self.abandoned.pop(res.request_id, None)
+            if gone is not None:
+                self.kv.free(gone)
+                continue
+            req = self.loading.pop(res.request_id)
+            prefix, end = self._load_span.pop(res.request_id)
+            wanted = end - prefix
+            loaded = max(0, min(res.num_tokens, wanted))
+            if loaded < wanted:
+                self.counters.loads_short += 1
+            req.num_computed_tokens = prefix + loaded
+            self.kv.cache_full_blocks(req)
+            self._run(req, prefix, loaded)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
@@ -128,6 +201,13 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Retire a request (stopped, length or aborted) and free its blocks."""
         assert status.finished
+        self.connector.request_finished(req)
+        if req.request_id in self.loading:
+            del self.loading[req.request_id]
+            del self._load_span[req.request_id]
+            req.status = status
+            self.abandoned[req.request_id] = req  # blocks freed when its load reports
+            return
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -142,4 +222,4 @@ class Scheduler:
         for r in self.waiting:
             if r.request_id == request_id:
                 return r
-        return None
+        return self.loading.get(request_id)

@@ -1,0 +1,210 @@
+"""The engine's KVConnector seam with an in-memory connector: async loads while other
+requests run, partial and failed loads recompute, aborts during a load, token accounting
+(gpu + pool + computed = prompt), and output identical to a cold run."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_connector import KVConnector, LoadResult
+from engine.llm_engine import LLMEngine
+from engine.request import Request
+from protocol.hashing import chunk_keys
+from protocol.ids import BlockId, RequestId
+from protocol.sampling import SamplingParams
+from transfer.kv_pack import gather, scatter
+
+CHUNK = 256
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+class DictConnector(KVConnector):
+    """Chunks of prompt KV in a dict shared by engines; loads run on a thread.
+    `fail_from_chunk`: loads stop there (a partial load). `gate`: loads wait for it."""
+
+    def __init__(self, store: dict[bytes, torch.Tensor], kv_caches: list[torch.Tensor]):
+        self.store = store
+        self.kv_caches = kv_caches
+        self.fail_from_chunk: int | None = None
+        self.gate = threading.Event()
+        self.gate.set()
+        self._done: list[LoadResult] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._saved_upto: dict[RequestId, int] = {}
+        self.writes_after_report = 0
+        self.finished: list[RequestId] = []
+
+    def _keys(self, req: Request) -> list[bytes]:
+        return [bytes(k) for k in chunk_keys(req.block_hashes, CHUNK // 16)]
+
+    def num_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        keys = self._keys(request)
+        last = min((request.num_tokens - 1) // CHUNK, request.num_prompt_tokens // CHUNK)
+        c = num_computed_tokens // CHUNK
+        while c < last and keys[c] in self.store:
+            c += 1
+        return max(0, c * CHUNK - num_computed_tokens)
+
+    def start_load(
+        self, request: Request, block_ids: list[BlockId], token_start: int, token_end: int
+    ) -> None:
+        keys, table = self._keys(request), list(block_ids)
+
+        def run() -> None:
+            self.gate.wait(10)
+            n = token_start
+            for c in range(token_start // CHUNK, token_end // CHUNK):
+                if self.fail_from_chunk is not None and c >= self.fail_from_chunk:
+                    break
+                lo = max(token_start, c * CHUNK)
+                src = self.store[keys[c]][:, :, lo - c * CHUNK :]
+                scatter(src, self.kv_caches, table, lo, (c + 1) * CHUNK)
+                n = (c + 1) * CHUNK
+            with self._lock:
+                self._done.append(LoadResult(request.request_id, n - token_start))
+            self._wake.set()
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def finished_loads(self) -> list[LoadResult]:
+        with self._lock:
+            out, self._done = self._done, []
+        return out
+
+    def wait(self, timeout_s: float) -> None:
+        self._wake.wait(timeout_s)
+        self._wake.clear()
+
+    def on_computed(
+        self, request: Request, token_start: int, token_end: int, block_ids: list[BlockId]
+    ) -> None:
+        keys = self._keys(request)
+        c = self._saved_upto.setdefault(request.request_id, token_start // CHUNK)
+        while (c + 1) * CHUNK <= min(token_end, request.num_prompt_tokens):
+            k0 = self.kv_caches[0]
+            out = torch.empty(
+                (len(self.kv_caches), 2, CHUNK, k0.shape[3], k0.shape[4]), dtype=k0.dtype
+            )
+            gather(self.kv_caches, list(block_ids), c * CHUNK, (c + 1) * CHUNK, out)
+            self.store.setdefault(keys[c], out)
+            c += 1
+        self._saved_upto[request.request_id] = c
+
+    def request_finished(self, request: Request) -> None:
+        self._saved_upto.pop(request.request_id, None)
+        self.finished.append(request.request_id)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir: Path, weights_cache_dir: str):
+    cfg = EngineConfig(cache_dir=weights_cache_dir, num_blocks=256, max_num_batched_tokens=512)
+    store: dict[bytes, torch.Tensor] = {}
+    made = []
+    for _ in range(2):
+        e = LLMEngine.from_spec(str(tiny_llama_dir), cfg)
+        e.set_kv_connector(DictConnector(store, e.runner.kv_caches))
+        made.append(e)
+    cold = LLMEngine.from_spec(str(tiny_llama_dir), cfg)
+    return made[0], made[1], cold, store
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 40000, (n,), generator=g).tolist()
+
+
+def _reset(e: LLMEngine) -> None:
+    e.reset_prefix_cache()
+    conn = e.kv_connector
+    assert isinstance(conn, DictConnector)
+    conn.fail_from_chunk = None
+    conn.gate.set()
+
+
+def test_second_engine_restores_chunks_and_matches_cold(engines):
+    a, b, cold, store = engines
+    p = _prompt(1, 700)  # 2 full chunks, the rest computed
+    first = a.generate([p], GREEDY)[0]
+    assert first.num_pool_tokens == 0 and len(store) >= 2
+    _reset(b)
+    before = b.counters.prompt_tokens_pool
+    got = b.generate([p], GREEDY)[0]
+    want = cold.generate([p], GREEDY)[0]
+    assert got.token_ids == want.token_ids == first.token_ids
+    assert got.num_pool_tokens == 2 * CHUNK and got.num_cached_tokens == 0
+    assert b.counters.prompt_tokens_pool - before == 2 * CHUNK
+    # Loaded blocks joined b's GPU prefix cache: the same prompt is now a GPU hit.
+    again = b.generate([p], GREEDY)[0]
+    assert again.num_cached_tokens == (700 - 1) // 16 * 16 and again.num_pool_tokens == 0
+
+
+def test_gpu_prefix_then_pool_then_compute(engines):
+    a, b, cold, _ = engines
+    _reset(a)
+    _reset(b)
+    history = _prompt(2, 600)
+    a.generate([history], GREEDY)  # saves chunks 0 and 1
+    b.generate([history[:300]], GREEDY)  # b caches 18 blocks (288 tokens) of the prefix
+    turn = history + _prompt(3, 50)
+    got = b.generate([turn], GREEDY)[0]
+    assert got.num_cached_tokens == 288
+    assert got.num_pool_tokens == 2 * CHUNK - 288  # the rest of chunk 0, all of chunk 1
+    assert got.token_ids == cold.generate([turn], GREEDY)[0].token_ids
+
+
+def test_partial_load_recomputes_from_first_missing_chunk(engines):
+    a, b, cold, _ = engines
+    _reset(a)
+    _reset(b)
+    p = _prompt(4, 1000)  # 3 full chunks
+    a.generate([p], GREEDY)
+    conn = b.kv_connector
+    assert isinstance(conn, DictConnector)
+    conn.fail_from_chunk = 1
+    short = b.counters.loads_short
+    got = b.generate([p], GREEDY)[0]
+    assert got.num_pool_tokens == CHUNK  # chunk 0 only; chunks 1-2 recomputed
+    assert b.counters.loads_short == short + 1
+    assert got.token_ids == cold.generate([p], GREEDY)[0].token_ids
+    _reset(b)
+    conn.fail_from_chunk = 0  # nothing loads: a plain recompute
+    got = b.generate([p], GREEDY)[0]
+    assert got.num_pool_tokens == 0 and got.token_ids == cold.generate([p], GREEDY)[0].token_ids
+
+
+def test_others_run_while_one_waits_for_kv_and_abort_keeps_blocks(engines):
+    a, b, _, _ = engines
+    _reset(a)
+    _reset(b)
+    p = _prompt(5, 600)
+    a.generate([p], GREEDY)
+    conn = b.kv_connector
+    assert isinstance(conn, DictConnector)
+    conn.gate.clear()  # the load hangs until the gate opens
+    slow = b.add_request(p, GREEDY, "slow")
+    fast = b.add_request(_prompt(6, 40), GREEDY, "fast")
+    done: set[str] = set()
+    for _ in range(20):
+        for out in b.step():
+            if out.finished:
+                done.add(out.request_id)
+        if fast in done:
+            break
+    assert fast in done and slow not in done and slow in b.scheduler.loading
+    # Abort while the load is in flight: blocks stay held until the load reports.
+    held = b.pool.num_free_blocks
+    assert b.abort(slow)
+    assert b.pool.num_free_blocks == held and slow in b.scheduler.abandoned
+    conn.gate.set()
+    for _ in range(200):
+        b.step()
+        if not b.scheduler.abandoned:
+            break
+    assert not b.has_unfinished()
+    assert b.pool.num_free_blocks == b.pool.num_blocks
