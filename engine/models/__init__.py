@@ -1,0 +1,1 @@
+"""Model implementations over a flat token batch; engine/models/registry.py picks one."""

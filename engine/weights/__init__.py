@@ -1,0 +1,1 @@
+"""Weight loading: HF safetensors folders and GGUF files (converted once, then cached)."""
