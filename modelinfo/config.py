@@ -85,6 +85,9 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        # transformers >= 5 writes RoPE settings only under "rope_parameters" (theta and
+        # scaling together); older configs use top-level rope_theta / rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or {})
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return ModelConfig(
@@ -97,8 +100,8 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling_from_hf(cfg.get("rope_scaling")),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_scaling=_rope_scaling_from_hf(rope or cfg.get("rope_scaling")),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch in _BIAS_ARCHS)),
