@@ -1,0 +1,219 @@
+"""PoolClient: lookups, stage reads and stage writes of chunk objects, over one backend.
+
+One PoolClient per prefill device: it holds the device's registered SlotBuffer and
+writes/reads the objects of the stages that device runs (`local_stages`), while lookups
+cover every stage of the namespace (the hit rule). Calls are synchronous and
+thread-safe; the prefill worker calls them from its own threads (engine/kv_connector.py).
+
+Hit rule (DESIGN §4): chunk c is a hit only if every stage holds its object, and a prefix
+only as far as every chunk before it is a hit:
+
+    stage 0:  c0 c1 c2 c3 .      leading run per stage: 4
+    stage 1:  c0 c1 .  c3 c4                            2
+    stage 2:  c0 c1 c2 c3 c4                            5   -> hit = min = 2 chunks
+
+Failures never raise out of here: an unreachable pool, a missing key, or an object whose
+size, header or checksum differs is a miss, counted in PoolMetrics (op, reason); damaged
+objects are removed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvpool.backend import PoolBackend
+from kvpool.breaker import Breaker
+from kvpool.buffer import SLOT_ALIGN, SlotBuffer
+from kvpool.errors import KeyStatus, PoolConfigError, PoolUnavailableError
+from kvpool.keys import PoolKeys, StageSpec, stages_of
+from kvpool.metrics import PoolMetrics
+from kvpool.object_format import ObjectSpec, check_object, write_header
+from protocol.ids import ChunkKey
+from protocol.kv_layout import KVLayout
+from protocol.namespace import KVNamespace
+
+log = logging.getLogger(__name__)
+
+PROBE_KEY = "kvserve/probe"
+
+
+def object_spec(keys: PoolKeys, stage: StageSpec, layout: KVLayout, chunk_size: int) -> ObjectSpec:
+    return ObjectSpec(
+        namespace_hash=keys.namespace_hash,
+        stage=stage.index,
+        num_stages=keys.num_stages,
+        layer_start=stage.layer_start,
+        layer_end=stage.layer_end,
+        num_tokens=chunk_size,
+        dtype=layout.dtype,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+    )
+
+
+def leading_run(flags: Sequence[bool]) -> int:
+    n = 0
+    for f in flags:
+        if not f:
+            break
+        n += 1
+    return n
+
+
+class PoolClient:
+    """Owns a backend connection, the registered slot buffer, the keys and object specs
+    of one namespace, and the breaker that skips an unreachable pool."""
+
+    def __init__(
+        self,
+        backend: PoolBackend,
+        namespace: KVNamespace,
+        layout: KVLayout,
+        *,
+        buffer_bytes: int,
+        max_save_chunks: int,
+        metrics: PoolMetrics,
+        local_stages: Sequence[int] | None = None,
+        pin_memory: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.namespace = namespace
+        self.metrics = metrics
+        self.keys = PoolKeys(namespace)
+        self.chunk_size = namespace.chunk_size
+        self.stages = stages_of(namespace.layer_split)
+        if sum(namespace.layer_split) != layout.num_layers:
+            raise PoolConfigError(
+                f"layer split {namespace.layer_split} does not cover the model's "
+                f"{layout.num_layers} layers"
+            )
+        wanted = list(range(len(self.stages))) if local_stages is None else list(local_stages)
+        self.local_stages = [self.stages[i] for i in wanted]
+        self.specs = {
+            s.index: object_spec(self.keys, s, layout, self.chunk_size) for s in self.stages
+        }
+        biggest = max(self.specs[s.index].object_bytes for s in self.local_stages)
+        slot_bytes = -(-biggest // SLOT_ALIGN) * SLOT_ALIGN
+        per_chunk = len(self.local_stages)
+        num_slots = buffer_bytes // slot_bytes
+        if num_slots < 2 * per_chunk:
+            raise PoolConfigError(
+                f"pool_buffer_memory of {buffer_bytes} bytes holds {num_slots} pool objects of "
+                f"{slot_bytes} bytes; at least {2 * per_chunk} are needed (one chunk to save "
+                f"and one to load): raise pool_buffer_memory to >= {2 * per_chunk * slot_bytes}"
+            )
+        num_save = min(max_save_chunks, num_slots // per_chunk // 2) * per_chunk
+        self.buffer = SlotBuffer(backend, slot_bytes, num_slots, num_save, pin_memory=pin_memory)
+        self.breaker = Breaker(self._probe)
+
+    def _probe(self) -> None:
+        self.backend.exists([PROBE_KEY])  # raises while the pool is unreachable
+
+    # -- lookups ------------------------------------------------------------------------
+    def lookup(self, chunk_keys: Sequence[ChunkKey]) -> int:
+        """How many leading chunks of `chunk_keys` every stage holds (0 when the pool
+        cannot answer). Grants the found objects a read lease (Mooncake): call it right
+        before loading them."""
+        if not chunk_keys:
+            return 0
+        if self.breaker.is_open:
+            self.metrics.failure("lookup", "unreachable")
+            return 0
+        keys = [self.keys.object_key(c, s.index) for s in self.stages for c in chunk_keys]
+        try:
+            found = self.backend.exists(keys)
+        except PoolUnavailableError as e:
+            self.metrics.failure("lookup", KeyStatus.UNAVAILABLE.value)
+            self.breaker.trip(str(e))
+            return 0
+        n = len(chunk_keys)
+        hit = min(leading_run(found[i * n : (i + 1) * n]) for i in range(len(self.stages)))
+        self.metrics.lookup(hit, n - hit)
+        return hit
+
+    # -- reads ----------------------------------------------------------------------------
+    def read(self, stage: int, chunk_keys: Sequence[ChunkKey], slots: Sequence[int]) -> int:
+        """Read stage `stage`'s objects of `chunk_keys` into load `slots` and verify them.
+        Returns how many leading chunks are valid in their slots; objects that do not
+        match are removed and counted."""
+        spec = self.specs[stage]
+        buf = self.buffer
+        keys = [self.keys.object_key(c, stage) for c in chunk_keys]
+        if self.breaker.is_open:
+            self.metrics.failure("load", "unreachable")
+            return 0
+        try:
+            results = self.backend.get_into(
+                keys, [buf.ptr(s) for s in slots], [buf.slot_bytes] * len(keys)
+            )
+        except PoolUnavailableError as e:
+            self.metrics.failure("load", KeyStatus.UNAVAILABLE.value)
+            self.breaker.trip(str(e))
+            return 0
+        valid: list[bool] = []
+        damaged: list[str] = []
+        for key, chunk, slot, res in zip(keys, chunk_keys, slots, results, strict=True):
+            if isinstance(res, KeyStatus):
+                self.metrics.failure("load", res.value)
+                valid.append(False)
+                if res is KeyStatus.INVALID:  # an object of another size than ours
+                    damaged.append(key)
+                continue
+            reason = check_object(buf.object(slot), res, spec, chunk)
+            if reason is not None:
+                self.metrics.failure("load", reason)
+                damaged.append(key)
+                valid.append(False)
+                continue
+            self.metrics.load_bytes.inc(res)
+            valid.append(True)
+        if damaged:
+            self.metrics.checksum_failures.inc(len(damaged))
+            log.warning("removing %d damaged pool object(s), e.g. %s", len(damaged), damaged[0])
+            self._remove(damaged)
+        return leading_run(valid)
+
+    def _remove(self, keys: list[str]) -> None:
+        try:
+            for status in self.backend.remove(keys):
+                if status not in (KeyStatus.OK, KeyStatus.MISSING):
+                    self.metrics.failure("remove", status.value)
+        except PoolUnavailableError:
+            self.metrics.failure("remove", KeyStatus.UNAVAILABLE.value)
+
+    # -- writes ---------------------------------------------------------------------------
+    def write(self, stage: int, chunk_keys: Sequence[ChunkKey], slots: Sequence[int]) -> int:
+        """Seal the packed payloads in save `slots` (header + checksum) and store them as
+        stage `stage`'s objects of `chunk_keys`, each in its chunk's group. Returns how
+        many were stored; failures are counted."""
+        spec = self.specs[stage]
+        buf = self.buffer
+        if self.breaker.is_open:
+            self.metrics.failure("save", "unreachable", len(slots))
+            return 0
+        for chunk, slot in zip(chunk_keys, slots, strict=True):
+            write_header(buf.object(slot), spec, chunk)
+        keys = [self.keys.object_key(c, stage) for c in chunk_keys]
+        groups = [self.keys.group_id(c) for c in chunk_keys]
+        try:
+            results = self.backend.put_from(
+                keys, [buf.ptr(s) for s in slots], [spec.object_bytes] * len(keys), groups
+            )
+        except PoolUnavailableError as e:
+            self.metrics.failure("save", KeyStatus.UNAVAILABLE.value, len(keys))
+            self.breaker.trip(str(e))
+            return 0
+        stored = 0
+        for res in results:
+            if res is KeyStatus.OK:
+                stored += 1
+            else:
+                self.metrics.failure("save", res.value)
+        self.metrics.save_bytes.inc(stored * spec.object_bytes)
+        return stored
+
+    def close(self) -> None:
+        self.breaker.close()
+        self.buffer.close()
+        self.backend.close()

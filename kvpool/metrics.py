@@ -1,0 +1,85 @@
+"""Prometheus series of the pool, as a prefill instance exports them.
+
+Names are a contract with the Grafana dashboards (deploy/grafana): change them only with
+the dashboards. Every series has the `instance` label; counters end in `_total` in the
+exposition (prometheus_client adds it).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+RESTORE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5, 10)
+
+
+class PoolMetrics:
+    """The pool's collectors in one registry, pre-bound to an instance name."""
+
+    def __init__(self, registry: CollectorRegistry, instance: str) -> None:
+        self.instance = instance
+        labels = {"instance": instance}
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["instance"], registry=registry)
+
+        self.lookups = counter("kvserve_pool_lookups", "Pool lookups (batched existence checks)")
+        self.lookups_i = self.lookups.labels(**labels)
+        self.hit_chunks = counter(
+            "kvserve_pool_hit_chunks", "Chunks a lookup found in every stage (restorable)"
+        ).labels(**labels)
+        self.miss_chunks = counter(
+            "kvserve_pool_miss_chunks", "Chunks a lookup asked for but could not restore"
+        ).labels(**labels)
+        self.load_bytes = counter(
+            "kvserve_pool_load_bytes", "Object bytes read from the pool and verified"
+        ).labels(**labels)
+        self.save_bytes = counter(
+            "kvserve_pool_save_bytes", "Object bytes written to the pool"
+        ).labels(**labels)
+        self.save_chunks = counter(
+            "kvserve_pool_save_chunks", "Chunks saved (every stage's object stored)"
+        ).labels(**labels)
+        self.restored_tokens = counter(
+            "kvserve_pool_restored_tokens", "Prompt tokens restored from the pool"
+        ).labels(**labels)
+        self.restore_seconds = Histogram(
+            "kvserve_pool_restore_seconds",
+            "One stage's part of a restore: read, verify, unpack",
+            ["instance", "stage"],
+            buckets=RESTORE_BUCKETS_S,
+            registry=registry,
+        )
+        self.restore_wait_seconds = Histogram(
+            "kvserve_pool_restore_wait_seconds",
+            "From the first stage starting a restore to the last stage done",
+            ["instance"],
+            buckets=RESTORE_BUCKETS_S,
+            registry=registry,
+        ).labels(**labels)
+        self.save_queue_depth = Gauge(
+            "kvserve_pool_save_queue_depth",
+            "Chunks packed and waiting to be written to the pool",
+            ["instance"],
+            registry=registry,
+        ).labels(**labels)
+        self.save_dropped = counter(
+            "kvserve_pool_save_dropped", "Chunks not saved because the save queue was full"
+        ).labels(**labels)
+        self.failures = Counter(
+            "kvserve_pool_failures",
+            "Pool operations that failed, by operation and reason",
+            ["instance", "op", "reason"],
+            registry=registry,
+        )
+        self.checksum_failures = counter(
+            "kvserve_pool_checksum_failures",
+            "Objects read that did not match (header, size or payload checksum): removed",
+        ).labels(**labels)
+
+    def failure(self, op: str, reason: str, n: int = 1) -> None:
+        self.failures.labels(instance=self.instance, op=op, reason=reason).inc(n)
+
+    def lookup(self, num_hit: int, num_miss: int) -> None:
+        self.lookups_i.inc()
+        self.hit_chunks.inc(num_hit)
+        self.miss_chunks.inc(num_miss)
