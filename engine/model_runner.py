@@ -15,6 +15,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.kv_cache_manager import KVCacheManager
+from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledRequest
 from protocol.kv_layout import KVLayout
 
@@ -24,7 +25,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         layout: KVLayout,
         num_blocks: int,
         *,
