@@ -52,7 +52,7 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
         [Instance(e.name, "decode", e.url.rstrip("/")) for e in settings.decode],
     )
     client = WorkerClient(connect_timeout_s=settings.connect_timeout_s)
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(policy=settings.policy)
     metrics.watch_instances(registry)
     served_name = settings.served_model_name or model.served_name
     ctx = ServingContext(

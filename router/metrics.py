@@ -8,8 +8,15 @@ kvserve_router_e2e_request_latency_seconds          arrival -> last token (200s 
 kvserve_router_prompt_tokens_total{source}          gpu | pool | computed (PromptUsage)
 kvserve_router_generation_tokens_total
 kvserve_router_requests_in_flight
-kvserve_router_routed_total{role, instance}         routing decisions
+kvserve_router_routed_total{policy, role, instance} routing decisions
 kvserve_router_instance_healthy{role, instance}     1 healthy, 0 not
+kvserve_router_admission_rejections_total{reason}   requests the admission gate turned away
+kvserve_router_admission_waiting                    requests queued by the admission gate
+kvserve_router_admission_wait_seconds               time a request queued at the gate
+
+The scrape target's labels add instance="router" and role="router" (kvserve render
+prometheus). Labelled series whose values are known are created at start (0), so a
+dashboard shows 0 rather than "no data" before the first event.
 """
 
 from __future__ import annotations
@@ -65,14 +72,21 @@ _ITL_BUCKETS = (
     2.5,
 )
 _E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
+_ADMISSION_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 CLIENT_CLOSED_STATUS = 499
+ADMISSION_REJECTION_REASONS = ("input_too_long", "kv_headroom", "queue_full", "wait_timeout")
+"""Why the admission gate (DESIGN section 5.2) turns a request away."""
 
 
 class RouterMetrics:
     """Owns the router's collectors; `registry` is what /metrics exposes."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, policy: str = "round_robin"
+    ) -> None:
         self.registry = registry or CollectorRegistry()
+        self.policy = policy
+        """Name of the routing policy, the `policy` label of routing decisions."""
         r = self.registry
         p = "kvserve_router_"
         self.requests = Counter(
@@ -101,20 +115,45 @@ class RouterMetrics:
         )
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens", registry=r)
         self.in_flight = Gauge(p + "requests_in_flight", "Requests being served", registry=r)
-        self.routed = Counter(p + "routed", "Routing decisions", ["role", "instance"], registry=r)
+        self.routed = Counter(
+            p + "routed", "Routing decisions", ["policy", "role", "instance"], registry=r
+        )
         self.healthy = Gauge(
             p + "instance_healthy", "Instance health (1 healthy)", ["role", "instance"], registry=r
         )
+        self.admission_rejections = Counter(
+            p + "admission_rejections",
+            "Requests the admission gate turned away, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ADMISSION_REJECTION_REASONS:
+            self.admission_rejections.labels(reason)
+        self.admission_waiting = Gauge(
+            p + "admission_waiting", "Requests queued by the admission gate", registry=r
+        )
+        self.admission_wait = Histogram(
+            p + "admission_wait_seconds",
+            "Time a request queued at the admission gate before it was admitted or rejected",
+            buckets=_ADMISSION_WAIT_BUCKETS,
+            registry=r,
+        )
 
     def watch_instances(self, instances: InstanceRegistry) -> None:
-        """Export every instance's health, read at scrape time."""
+        """Export every instance's health, read at scrape time, and start its routing
+        decisions at 0."""
         for inst in instances.all():
             self.healthy.labels(inst.role, inst.name).set_function(
                 lambda i=inst: 1.0 if i.healthy else 0.0  # type: ignore[misc]
             )
+            self.routed.labels(self.policy, inst.role, inst.name)
 
     def on_route(self, inst: Instance) -> None:
-        self.routed.labels(inst.role, inst.name).inc()
+        self.routed.labels(self.policy, inst.role, inst.name).inc()
+
+    def on_rejected(self, reason: str) -> None:
+        """The admission gate turned a request away (one of ADMISSION_REJECTION_REASONS)."""
+        self.admission_rejections.labels(reason).inc()
 
 
 class RequestRecord:

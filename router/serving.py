@@ -91,6 +91,8 @@ async def serve_generation(ctx: ServingContext, request: Request, endpoint: str)
             await deltas.aclose()
             raise
     except APIError as e:
+        if e.code == "context_length_exceeded":
+            ctx.metrics.on_rejected("input_too_long")
         record.finish(e.status, *_counts(stream))
         return error_response(e)
     except ClientDisconnected:
