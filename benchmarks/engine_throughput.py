@@ -58,7 +58,10 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads for both")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
     eng = LLMEngine.from_spec(args.model, EngineConfig(kv_cache_bytes=1024**3))
@@ -79,6 +82,8 @@ def main() -> int:
         print("MISMATCH: engine and transformers disagree on greedy tokens", file=sys.stderr)
         return 1
     print(f"check: greedy tokens identical ({len(check)} prompts x 16 tokens)")
+    _ours(eng, check, 2)  # warm both up at the shapes timed below
+    _hf(hf, check, 2)
 
     rows = []
     for batch in (1, 16):

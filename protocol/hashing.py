@@ -11,6 +11,8 @@ Cost (measured in docs/benchmarks.md): a 150K-token prompt is ~9.4K blocks of 16
 
 from __future__ import annotations
 
+import array
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,6 +21,17 @@ import xxhash
 from protocol.ids import BlockHash
 
 HASH_BYTES = 16
+
+
+def _le_u32_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Tokens as little-endian uint32 bytes (array.array converts a list ~3x faster than
+    numpy does)."""
+    if isinstance(tokens, np.ndarray):
+        return np.ascontiguousarray(tokens, dtype="<u4").tobytes()
+    arr = array.array("I", tokens)
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return arr.tobytes()
 
 
 def namespace_seed(namespace: str) -> BlockHash:
@@ -47,13 +60,13 @@ def hash_chain(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    arr = np.asarray(tokens, dtype="<u4")
-    num_full = len(arr) // block_size
+    raw_all = _le_u32_bytes(tokens)
+    num_full = len(raw_all) // 4 // block_size
     prev = root if parent is None else parent
     if start_block > 0 and parent is None:
         raise ValueError("extending a chain needs the parent hash of block start_block-1")
     out: list[BlockHash] = []
-    raw = arr[: num_full * block_size].tobytes()
+    raw = raw_all[: num_full * block_size * 4]
     step = block_size * 4
     digest = xxhash.xxh3_128_digest
     for i in range(start_block, num_full):
