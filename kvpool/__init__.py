@@ -10,37 +10,7 @@
 
 Layer 3, beside the workers: knows bytes and layouts (protocol.KVLayout, layer ranges),
 never models; it imports neither engine nor the workers.
+
+Nothing is imported here: the launcher and the pool's processes import torch-free
+modules (topology, master, store, backend), the prefill worker imports kvpool.client.
 """
-
-from kvpool.backend import BackendConfig, PoolBackend, backend_names, create_backend
-from kvpool.client import PoolClient
-from kvpool.errors import (
-    BufferRegistrationError,
-    KeyStatus,
-    PoolConfigError,
-    PoolError,
-    PoolSetupError,
-    PoolUnavailableError,
-)
-from kvpool.keys import PoolKeys, StageSpec, stages_of
-from kvpool.metrics import PoolMetrics
-from kvpool.object_format import ObjectSpec
-
-__all__ = [
-    "BackendConfig",
-    "BufferRegistrationError",
-    "KeyStatus",
-    "ObjectSpec",
-    "PoolBackend",
-    "PoolClient",
-    "PoolConfigError",
-    "PoolError",
-    "PoolKeys",
-    "PoolMetrics",
-    "PoolSetupError",
-    "PoolUnavailableError",
-    "StageSpec",
-    "backend_names",
-    "create_backend",
-    "stages_of",
-]

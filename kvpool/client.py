@@ -20,6 +20,7 @@ objects are removed at once.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 from kvpool.backend import PoolBackend
@@ -36,6 +37,7 @@ from protocol.namespace import KVNamespace
 log = logging.getLogger(__name__)
 
 PROBE_KEY = "kvserve/probe"
+NO_SPACE_RETRY_S = 0.05
 
 
 def object_spec(keys: PoolKeys, stage: StageSpec, layout: KVLayout, chunk_size: int) -> ObjectSpec:
@@ -71,7 +73,7 @@ class PoolClient:
         namespace: KVNamespace,
         layout: KVLayout,
         *,
-        buffer_bytes: int,
+        buffer_bytes: int | None,
         max_save_chunks: int,
         metrics: PoolMetrics,
         local_stages: Sequence[int] | None = None,
@@ -96,6 +98,8 @@ class PoolClient:
         biggest = max(self.specs[s.index].object_bytes for s in self.local_stages)
         slot_bytes = -(-biggest // SLOT_ALIGN) * SLOT_ALIGN
         per_chunk = len(self.local_stages)
+        if buffer_bytes is None:  # the least that works: one chunk to save, one to load
+            buffer_bytes = 2 * per_chunk * slot_bytes
         num_slots = buffer_bytes // slot_bytes
         if num_slots < 2 * per_chunk:
             raise PoolConfigError(
@@ -183,35 +187,64 @@ class PoolClient:
             self.metrics.failure("remove", KeyStatus.UNAVAILABLE.value)
 
     # -- writes ---------------------------------------------------------------------------
-    def write(self, stage: int, chunk_keys: Sequence[ChunkKey], slots: Sequence[int]) -> int:
+    def write(self, stage: int, chunk_keys: Sequence[ChunkKey], slots: Sequence[int]) -> list[bool]:
         """Seal the packed payloads in save `slots` (header + checksum) and store them as
-        stage `stage`'s objects of `chunk_keys`, each in its chunk's group. Returns how
-        many were stored; failures are counted."""
+        stage `stage`'s objects of `chunk_keys`, each in its chunk's group. Returns which
+        were stored (an existing object counts as stored); failures are counted, and
+        NO_SPACE is retried once after NO_SPACE_RETRY_S (the master evicts in the
+        background when a put finds the pool full)."""
         spec = self.specs[stage]
         buf = self.buffer
         if self.breaker.is_open:
             self.metrics.failure("save", "unreachable", len(slots))
-            return 0
+            return [False] * len(slots)
         for chunk, slot in zip(chunk_keys, slots, strict=True):
             write_header(buf.object(slot), spec, chunk)
-        keys = [self.keys.object_key(c, stage) for c in chunk_keys]
-        groups = [self.keys.group_id(c) for c in chunk_keys]
-        try:
-            results = self.backend.put_from(
-                keys, [buf.ptr(s) for s in slots], [spec.object_bytes] * len(keys), groups
-            )
-        except PoolUnavailableError as e:
-            self.metrics.failure("save", KeyStatus.UNAVAILABLE.value, len(keys))
-            self.breaker.trip(str(e))
-            return 0
-        stored = 0
-        for res in results:
-            if res is KeyStatus.OK:
-                stored += 1
-            else:
-                self.metrics.failure("save", res.value)
-        self.metrics.save_bytes.inc(stored * spec.object_bytes)
+        stored = [False] * len(slots)
+        todo = list(range(len(slots)))
+        for attempt in range(2):
+            keys = [self.keys.object_key(chunk_keys[i], stage) for i in todo]
+            groups = [self.keys.group_id(chunk_keys[i]) for i in todo]
+            ptrs = [buf.ptr(slots[i]) for i in todo]
+            try:
+                results = self.backend.put_from(keys, ptrs, [spec.object_bytes] * len(keys), groups)
+            except PoolUnavailableError as e:
+                self.metrics.failure("save", KeyStatus.UNAVAILABLE.value, len(keys))
+                self.breaker.trip(str(e))
+                break
+            retry = []
+            for i, res in zip(todo, results, strict=True):
+                if res is KeyStatus.OK:
+                    stored[i] = True
+                elif res is KeyStatus.NO_SPACE and attempt == 0:
+                    retry.append(i)
+                else:
+                    self.metrics.failure("save", res.value)
+            if not retry:
+                break
+            todo = retry
+            time.sleep(NO_SPACE_RETRY_S)
+        self.metrics.save_bytes.inc(sum(stored) * spec.object_bytes)
         return stored
+
+    def save_chunks(self, chunk_keys: Sequence[ChunkKey], slots: Sequence[Sequence[int]]) -> int:
+        """Write every local stage's object of each chunk (slots[c][i]: chunk c's packed
+        slot for local_stages[i]); a chunk that some stage failed to store has its other
+        stages' objects removed, so this client never leaves a chunk that only some
+        stages can load. Returns the chunks stored whole."""
+        whole = [True] * len(chunk_keys)
+        for i, stage in enumerate(self.local_stages):
+            ok = self.write(stage.index, chunk_keys, [s[i] for s in slots])
+            whole = [w and o for w, o in zip(whole, ok, strict=True)]
+        partial = [c for c, w in zip(chunk_keys, whole, strict=True) if not w]
+        if partial:
+            self.metrics.failure("save", "partial_chunk_removed", len(partial))
+            self._remove(
+                [self.keys.object_key(c, s.index) for c in partial for s in self.local_stages]
+            )
+        num_whole = sum(whole)
+        self.metrics.save_chunks.inc(num_whole)
+        return num_whole
 
     def close(self) -> None:
         self.breaker.close()

@@ -75,6 +75,7 @@ class LocalBackend(PoolBackend):
     name = "local"
 
     def __init__(self, config: BackendConfig) -> None:
+        self.config = config
         self._pool = _pool_for(config.master_address)
         self._buffers: dict[int, int] = {}
 

@@ -99,10 +99,17 @@ class MooncakeBackend(PoolBackend):
             )
         self._closed = False
         self._lock = threading.Lock()
+        self.config = config
         self.address = self._store.get_hostname()
 
+    def _live(self) -> Any:
+        """The store client; a closed one must never be called (Mooncake would crash)."""
+        if self._closed:
+            raise PoolUnavailableError("this pool client is closed")
+        return self._store
+
     def register_buffer(self, ptr: int, nbytes: int) -> None:
-        rc = self._store.register_buffer(ptr, nbytes)
+        rc = self._live().register_buffer(ptr, nbytes)
         if rc != 0:
             raise BufferRegistrationError(
                 f"registering {nbytes} bytes at {ptr:#x} with the pool failed "
@@ -113,12 +120,13 @@ class MooncakeBackend(PoolBackend):
             )
 
     def unregister_buffer(self, ptr: int) -> None:
-        self._store.unregister_buffer(ptr)
+        if not self._closed:
+            self._store.unregister_buffer(ptr)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         out: list[bool] = []
         for i in range(0, len(keys), MAX_EXIST_KEYS):
-            codes = list(self._store.batch_is_exist(list(keys[i : i + MAX_EXIST_KEYS])))
+            codes = list(self._live().batch_is_exist(list(keys[i : i + MAX_EXIST_KEYS])))
             bad = [c for c in codes if c < 0]
             if bad:
                 raise PoolUnavailableError(
@@ -136,19 +144,19 @@ class MooncakeBackend(PoolBackend):
     ) -> list[KeyStatus]:
         config = self._store_mod.ReplicateConfig()
         config.group_ids = list(group_ids)
-        codes = list(self._store.batch_put_from(list(keys), list(ptrs), list(sizes), config))
+        codes = list(self._live().batch_put_from(list(keys), list(ptrs), list(sizes), config))
         _unavailable_if_all(codes, "batch_put_from")
         return [status_of(c) for c in codes]
 
     def get_into(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
     ) -> list[GetResult]:
-        codes = list(self._store.batch_get_into(list(keys), list(ptrs), list(sizes)))
+        codes = list(self._live().batch_get_into(list(keys), list(ptrs), list(sizes)))
         _unavailable_if_all(codes, "batch_get_into")
         return [c if c >= 0 else status_of(c) for c in codes]
 
     def remove(self, keys: Sequence[str]) -> list[KeyStatus]:
-        codes = list(self._store.batch_remove(list(keys), True))
+        codes = list(self._live().batch_remove(list(keys), True))
         _unavailable_if_all(codes, "batch_remove")
         return [status_of(c) for c in codes]
 

@@ -1,0 +1,115 @@
+"""Who talks to which master, and how a store service is bound to its NUMA node.
+
+Shared pool (`pool.shared: true`): one master on `pool.master.node`; every store service
+and every prefill instance of every node uses it.
+
+Split pool (`pool.shared: false`): every node with a store runs its own master (same
+`pool.master` settings, on that node's host), and its stores and prefill instances use
+that one: one independent pool per server, the reference's "split pool". The cluster
+checks make sure every prefill node has a store, hence a master.
+
+    shared:  node A: prefill, store ─┐          split:  node A: prefill, store ─▶ master A
+             node B: prefill, store ─┴▶ master          node B: prefill, store ─▶ master B
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.cluster import ClusterConfig, PoolConfig
+
+
+def _pool(cluster: ClusterConfig) -> PoolConfig:
+    if cluster.pool is None:
+        raise ValueError("the cluster has no pool section")
+    return cluster.pool
+
+
+def master_nodes(cluster: ClusterConfig) -> list[str]:
+    """Nodes that run a master: the master node (shared) or every store node (split)."""
+    pool = _pool(cluster)
+    if pool.shared:
+        return [pool.master.node]
+    return list(dict.fromkeys(s.node for s in pool.stores))
+
+
+def master_address(cluster: ClusterConfig, node: str) -> str:
+    """host:port of the master that processes on `node` use."""
+    pool = _pool(cluster)
+    host = cluster.node(pool.master.node if pool.shared else node).host
+    return f"{host}:{pool.master.port}"
+
+
+def master_component(cluster: ClusterConfig, node: str) -> str:
+    """Component name of the master running on `node`."""
+    return "pool-master" if _pool(cluster).shared else f"pool-master-{node}"
+
+
+def store_component(index: int) -> str:
+    return f"pool-store-{index}"
+
+
+@dataclass(frozen=True)
+class NumaPlan:
+    """How to start a store service for its numa_node."""
+
+    argv_prefix: tuple[str, ...]
+    """("numactl", "--cpunodebind=N", "--membind=N") or () for no binding."""
+    message: str
+    """One log line saying what was decided and why."""
+
+
+def host_numa_nodes(sysfs: str = "/sys/devices/system/node") -> list[int]:
+    """NUMA node ids of this host (empty when sysfs does not say)."""
+    try:
+        names = os.listdir(sysfs)
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"node(\d+)", n)))
+
+
+def numa_plan(
+    numa_node: int | None,
+    *,
+    sysfs: str = "/sys/devices/system/node",
+    which: Callable[[str], str | None] = shutil.which,
+) -> NumaPlan:
+    """Bind with numactl when the host has several NUMA nodes and numa_node is set;
+    otherwise (or without numactl) run unbound, saying why."""
+    if numa_node is None:
+        return NumaPlan((), "no numa_node set: store runs unbound")
+    nodes = host_numa_nodes(sysfs)
+    if len(nodes) < 2:
+        return NumaPlan(
+            (), f"host has {len(nodes) or 'no'} NUMA node(s): numa_node {numa_node} ignored"
+        )
+    if numa_node not in nodes:
+        raise ValueError(f"numa_node {numa_node} does not exist on this host (nodes: {nodes})")
+    if which("numactl") is None:
+        return NumaPlan(
+            (),
+            f"numactl not found: store for NUMA node {numa_node} runs unbound "
+            "(install numactl to bind CPU and memory)",
+        )
+    return NumaPlan(
+        ("numactl", f"--cpunodebind={numa_node}", f"--membind={numa_node}"),
+        f"binding to NUMA node {numa_node} with numactl",
+    )
+
+
+def hugepage_report(meminfo: str = "/proc/meminfo") -> str:
+    """ "HugePages_Free 0 of 0 (2048 kB each)": what the kernel has reserved."""
+    try:
+        text = Path(meminfo).read_text()
+    except OSError:
+        return "unknown (no /proc/meminfo)"
+    vals = dict(re.findall(r"^(HugePages_Total|HugePages_Free|Hugepagesize):\s+(\d+)", text, re.M))
+    return (
+        f"HugePages_Free {vals.get('HugePages_Free', '?')} of "
+        f"{vals.get('HugePages_Total', '?')} ({vals.get('Hugepagesize', '?')} kB each)"
+    )
