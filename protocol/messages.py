@@ -1,6 +1,6 @@
 """Wire messages between router, prefill and decode instances (msgspec, JSON over HTTP).
 
-The serving path of one request (N = 1 stage / rank; more come with PP and TP x DCP):
+The serving path of one request (prefill PP stages x decode TP x DCP ranks: the flows):
 
     router ── AdmitRequest ─────────▶ decode      reserves landing space (waits if full)
            ◀─ AdmitResponse ────────              one LandingInfo per decode rank
@@ -23,7 +23,9 @@ import msgspec
 from protocol.kv_layout import KVLayout
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: LandingInfo carries the rank's KV heads and DCP stripe, KVSegment its rank and the
+layer range of the prefill stage that wrote it (PP prefill x TP x DCP decode)."""
 
 
 class PromptUsage(msgspec.Struct, frozen=True):
@@ -37,10 +39,16 @@ class PromptUsage(msgspec.Struct, frozen=True):
 
 
 class LandingInfo(msgspec.Struct, frozen=True):
-    """Where one decode rank wants a request's KV written (its registered landing region).
+    """Where one decode rank wants a request's KV written (its registered landing region),
+    and which part of the KV the rank holds: KV heads [kv_head_start, + layout.num_kv_heads)
+    of the model, tokens t ≡ dcp_rank (mod dcp_size), every layer (layout.num_layers).
 
-    The region receives KV segments in token order; each segment packed as
-    [num_layers, 2 (K, V), num_tokens, num_kv_heads, head_dim] of layout.dtype.
+    Each prefill stage writes its layers' part of the rank's tokens as segments packed
+    [stage layers, 2 (K, V), stripe tokens, num_kv_heads, head_dim] of layout.dtype; where
+    they go is the writer's choice (KVSegment.offset_bytes), inside capacity_bytes.
+    transfer/flows.py places stage s's segments of tokens [a, b) at
+        n_rank * layer_start_s * B  +  stripe_len(0, a) * num_layers_s * B
+    (n_rank = the rank's tokens of the prompt, B = layout.bytes_per_token_per_layer).
     """
 
     rank: int
@@ -52,15 +60,23 @@ class LandingInfo(msgspec.Struct, frozen=True):
     """Address of the region's first byte in the decode rank's registered buffer."""
     capacity_bytes: int
     layout: KVLayout
+    kv_head_start: int = 0
+    dcp_size: int = 1
+    dcp_rank: int = 0
 
 
 class KVSegment(msgspec.Struct, frozen=True):
-    """Tokens [token_start, token_end) written at landing offset `offset_bytes`."""
+    """Layers [layer_start, layer_end) (None: all of the rank's layout) of the rank's
+    tokens in [token_start, token_end), written at landing offset `offset_bytes` of decode
+    rank `rank`. A request's segments of one (rank, layer range) tile its prompt in order."""
 
     token_start: int
     token_end: int
     offset_bytes: int
     num_bytes: int
+    rank: int = 0
+    layer_start: int = 0
+    layer_end: int | None = None
 
 
 class AdmitRequest(msgspec.Struct, frozen=True):

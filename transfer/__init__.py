@@ -15,6 +15,7 @@ from transfer.errors import (
     TransferError,
     TransportConfigError,
 )
+from transfer.flows import check_flows, flow_offset, rank_landing_bytes, send_flows, shard_of
 from transfer.kv_pack import FULL, KVShard, gather, packed_nbytes, packed_view, scatter
 from transfer.landing import LandingArena, LandingRegion, scatter_segments
 from transfer.local import LocalFabric, LocalTransport
@@ -50,12 +51,17 @@ __all__ = [
     "TransportConfigError",
     "WriteOp",
     "WriteStats",
+    "check_flows",
     "create_transport",
     "expected_num_ops",
+    "flow_offset",
     "gather",
     "packed_nbytes",
     "packed_view",
+    "rank_landing_bytes",
     "scatter",
     "scatter_segments",
+    "send_flows",
+    "shard_of",
     "transport_names",
 ]

@@ -194,18 +194,25 @@ def scatter_segments(
     block_table: list[int],
     shard: KVShard = FULL,
 ) -> None:
-    """Unpack every landed segment of `region` into the paged cache (kv_pack.scatter).
-    Each segment must be exactly n tokens of `layout` inside the region."""
+    """Unpack every landed segment of `region` into the paged cache (kv_pack.scatter):
+    segment layers [layer_start, layer_end) go to kv_caches[layer_start:layer_end], its
+    tokens are the shard's stripe (kv_caches hold the shard's heads, all layers). Each
+    segment must be exactly its tokens x layers of `layout`, inside the region."""
     dtype = torch_dtype(layout)
     for seg in segments:
         n = shard.num_tokens(seg.token_start, seg.token_end)
-        if seg.num_bytes != n * layout.bytes_per_token:
+        l0 = seg.layer_start
+        l1 = layout.num_layers if seg.layer_end is None else seg.layer_end
+        if not 0 <= l0 < l1 <= min(layout.num_layers, len(kv_caches)):
+            raise LandingError(f"segment {seg} has layers outside [0, {layout.num_layers})")
+        want = n * (l1 - l0) * layout.bytes_per_token_per_layer
+        if seg.num_bytes != want:
             raise LandingError(
-                f"segment {seg} carries {seg.num_bytes} bytes; {n} tokens of the layout "
-                f"need {n * layout.bytes_per_token}"
+                f"segment {seg} carries {seg.num_bytes} bytes; {n} tokens x {l1 - l0} "
+                f"layers of the layout need {want}"
             )
         if seg.offset_bytes + seg.num_bytes > region.nbytes:
             raise LandingError(f"segment {seg} ends past region of {region.nbytes} bytes")
-        shape = (layout.num_layers, 2, n, layout.num_kv_heads, layout.head_dim)
+        shape = (l1 - l0, 2, n, layout.num_kv_heads, layout.head_dim)
         src = packed_view(region.buffer, seg.offset_bytes, shape, dtype)
-        scatter(src, kv_caches, block_table, seg.token_start, seg.token_end, shard)
+        scatter(src, kv_caches[l0:l1], block_table, seg.token_start, seg.token_end, shard)

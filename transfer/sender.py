@@ -25,7 +25,6 @@ import torch
 from protocol.messages import KVSegment, LandingInfo
 from transfer.errors import PackLayoutError
 from transfer.kv_pack import (
-    FULL,
     KVShard,
     cache_geometry,
     gather_rows,
@@ -80,28 +79,40 @@ class HandoffSender:
         token_end: int,
         landing: LandingInfo,
         offset_bytes: int,
-        shard: KVShard = FULL,
+        shard: KVShard | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> tuple[KVSegment, WriteStats]:
-        """Pack tokens [token_start, token_end) (the shard's heads and stripe) and write
-        them at landing offset `offset_bytes`. Returns the segment to report to decode
-        and what moved (seconds = wall time of gather + writes). Streaming: call once per
-        prefill chunk, each at the previous segment's offset + num_bytes.
+        """Pack tokens [token_start, token_end) (the shard's heads and stripe; default:
+        what the landing's rank holds, transfer.flows.shard_of) and write them at landing
+        offset `offset_bytes`. `layers`: the model layers [start, end) that kv_caches
+        hold (a pipeline stage's); None: kv_caches are all of the landing's layers.
+        Returns the segment to report to decode and what moved (seconds = wall time of
+        gather + writes). Streaming: call once per prefill chunk.
         Raises PackLayoutError (mismatch, overflow) or TransferError (write failed)."""
         with self._lock:
             start = time.perf_counter()
             _, block_size, num_heads, head_dim = cache_geometry(kv_caches)
             dtype = kv_caches[0].dtype
             layout = landing.layout
+            if shard is None:
+                shard = KVShard(
+                    landing.kv_head_start,
+                    landing.kv_head_start + layout.num_kv_heads,
+                    landing.dcp_size,
+                    landing.dcp_rank,
+                )
+            l0, l1 = layers if layers is not None else (0, layout.num_layers)
             h0, h1 = shard.heads(num_heads)
             if (
-                len(kv_caches) != layout.num_layers
+                len(kv_caches) != l1 - l0
+                or not 0 <= l0 < l1 <= layout.num_layers
                 or h1 - h0 != layout.num_kv_heads
                 or head_dim != layout.head_dim
                 or dtype != torch_dtype(layout)
             ):
                 raise PackLayoutError(
                     f"landing layout {layout} does not match the cache: {len(kv_caches)} "
-                    f"layers, heads [{h0}, {h1}), head_dim {head_dim}, {dtype}"
+                    f"layers as [{l0}, {l1}), heads [{h0}, {h1}), head_dim {head_dim}, {dtype}"
                 )
             if landing.transport != self.transport.name:
                 raise PackLayoutError(
@@ -109,13 +120,15 @@ class HandoffSender:
                     f"{self.transport.name!r}"
                 )
             n = shard.num_tokens(token_start, token_end)
-            num_bytes = n * layout.bytes_per_token
+            num_bytes = n * (l1 - l0) * layout.bytes_per_token_per_layer
             if offset_bytes < 0 or offset_bytes + num_bytes > landing.capacity_bytes:
                 raise PackLayoutError(
                     f"segment [{offset_bytes}, +{num_bytes}) exceeds the landing region of "
                     f"{landing.capacity_bytes} bytes"
                 )
-            segment = KVSegment(token_start, token_end, offset_bytes, num_bytes)
+            segment = KVSegment(
+                token_start, token_end, offset_bytes, num_bytes, landing.rank, l0, l1
+            )
             if n == 0:
                 return segment, WriteStats()
             slots = slots_for(

@@ -38,6 +38,13 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     """[B, max_blocks] int64 on the device, padded with 0."""
     backend_state: dict[str, Any] = field(default_factory=dict)
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    """Decode context parallel (DESIGN §6): this rank's cache holds only the tokens
+    t ≡ dcp_rank (mod dcp_size) of each sequence, at local position t // dcp_size;
+    block_tables and slot_mapping address those local positions, and slot_mapping is -1
+    for new tokens another rank holds. seq_lens and query positions stay global. Only
+    LSEAttentionBackends read a striped cache; with 1 every token is here."""
 
     @property
     def num_seqs(self) -> int:
@@ -73,6 +80,56 @@ class AttentionBackend(ABC):
         ...
 
 
+class LSEAttentionBackend(AttentionBackend):
+    """An attention backend that also returns each output row's log-sum-exp, so results
+    over disjoint parts of the keys merge exactly (merge_partials): decode context
+    parallelism runs it on each rank's token stripe (meta.dcp_size > 1).
+
+    Contract of `forward_with_lse`: writes the new tokens this rank holds (slot_mapping
+    >= 0) into `kv_cache` (the only mutation); for every new token and query head returns
+    softmax-weighted values over the keys in this cache whose GLOBAL position is <= the
+    token's, and lse = log(sum(exp(q k^T * scale))) over those keys (natural log, float32).
+    A row with no such key has out 0 and lse -inf. With dcp_size 1, out equals the
+    reference backend's (conformance suite: tests/test_attention_backends.py).
+    """
+
+    @abstractmethod
+    def forward_with_lse(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D] (this rank's)
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hq] float32
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return self.forward_with_lse(q, k, v, kv_cache, meta, scale)[0]
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Exact attention from P partial results over disjoint key sets:
+    outs [P, T, H, D] (each normalized over its keys), lses [P, T, H] -> [T, H, D].
+
+        out = sum_p exp(lse_p - m) out_p / sum_p exp(lse_p - m),  m = max_p lse_p
+
+    Every row needs a key in some part (a token always sees itself)."""
+    m = lses.max(dim=0).values  # [T, H]
+    w = torch.exp(lses - m)  # [P, T, H]; a part without keys weighs exp(-inf) = 0
+    num = (w.unsqueeze(-1) * outs.float()).sum(dim=0)
+    return (num / w.sum(dim=0).unsqueeze(-1)).to(outs.dtype)
+
+
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 
 
@@ -84,7 +141,7 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
 def get_backend(name: str) -> AttentionBackend:
     """Instantiate a registered backend; an unknown name lists the known ones."""
     # Import for registration side effects of the built-in backends.
-    from engine.attention import torch_ref  # noqa: F401
+    from engine.attention import torch_lse, torch_ref  # noqa: F401
 
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")

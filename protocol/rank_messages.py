@@ -1,0 +1,134 @@
+"""Messages between the processes of ONE instance: the driver (rank / stage 0, which runs
+the HTTP service and the scheduler) and the rank or stage processes it spawned.
+
+They travel over torch.distributed as msgpack bytes (engine/parallel/comm.py), never
+pickle. Engine-level messages carry a step; worker-level payloads (handoff commands,
+landing scatters) ride inside them as opaque bytes that the worker layer encodes:
+
+    decode TP x DCP (rank 0 ── broadcast ──▶ every rank, in order)
+        RankStep      one engine step: every rank runs its shard of the forward
+        RankCommand   a worker command (LandingScatter) run on every rank, then acked
+        Shutdown
+
+    prefill PP (ring: stage 0 ─▶ 1 ─▶ ... ─▶ N-1 ─▶ 0)
+        StageStep     the step's batch, sampling rows, worker commands (HandoffCommand);
+                      each stage appends its report, and the hidden states follow it
+        StageResult   from the last stage: sampled tokens and every stage's report
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.messages import KVSegment, LandingInfo
+from protocol.sampling import SamplingParams
+
+
+class StepBatch(msgspec.Struct, frozen=True, array_like=True):
+    """One engine step's flat batch (engine/model_runner.py): sequence b has query rows
+    query_start_loc[b]:query_start_loc[b+1] and seq_lens[b] tokens after the step."""
+
+    input_ids: list[int]
+    """Empty where the receiver does not embed (pipeline stages after the first)."""
+    positions: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    """Scheduler block ids of each sequence (the same ids on every rank and stage)."""
+
+
+class SampleRow(msgspec.Struct, frozen=True, array_like=True):
+    """A row of the step's logits to sample, with what the sampler needs of its request."""
+
+    row: int
+    params: SamplingParams
+    num_output_tokens: int
+    eos_token_ids: tuple[int, ...]
+
+
+class RankStep(msgspec.Struct, frozen=True, tag="rank_step"):
+    batch: StepBatch
+
+
+class RankCommand(msgspec.Struct, frozen=True, tag="rank_command"):
+    payload: bytes
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
+    pass
+
+
+RankMessage = RankStep | RankCommand | Shutdown
+
+
+class StageStep(msgspec.Struct, frozen=True, tag="stage_step"):
+    step_id: int
+    batch: StepBatch
+    samples: list[SampleRow]
+    commands: bytes
+    """Worker commands every stage runs after computing the step (b"" for none)."""
+    reports: list[bytes]
+    """Reports of the stages the step went through so far, in stage order."""
+
+
+StageMessage = StageStep | Shutdown
+
+
+class StageResult(msgspec.Struct, frozen=True, tag="stage_result"):
+    step_id: int
+    token_ids: list[int]
+    logprobs: list[float | None]
+    reports: list[bytes]
+    """One per stage, stage order."""
+
+
+# -- worker-level payloads ------------------------------------------------------------------
+
+
+class HandoffCommand(msgspec.Struct, frozen=True, array_like=True):
+    """Prefill: after computing the step, send the request's KV of tokens [token_start,
+    token_end) from this stage's layers to every decode rank (one flow per landing)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    token_start: int
+    token_end: int
+    block_table: list[int]
+    landing: list[LandingInfo]
+
+
+class HandoffReport(msgspec.Struct, frozen=True, array_like=True):
+    """What one stage sent for one request in one step (or why it failed)."""
+
+    request_id: str
+    stage: int
+    segments: list[KVSegment]
+    num_bytes: int
+    num_ops: int
+    seconds: float
+    error: str | None = None
+
+
+class LandingScatter(msgspec.Struct, frozen=True, array_like=True):
+    """Decode: scatter the request's landed segments of this rank (bytes [offset_bytes,
+    + nbytes) of the rank's landing buffer) into its pages at block_table."""
+
+    request_id: str
+    offset_bytes: int
+    nbytes: int
+    block_table: list[int]
+    segments: list[KVSegment]
+
+
+class RankLanding(msgspec.Struct, frozen=True, array_like=True):
+    """A decode rank's registered landing buffer, reported to rank 0 at start."""
+
+    rank: int
+    transport: str
+    peer: str
+    base_addr: int
+    nbytes: int
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return msgspec.msgpack.encode(msg)
