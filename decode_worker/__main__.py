@@ -8,6 +8,7 @@ import sys
 
 from decode_worker.service import DecodeService
 from enginehost.host import EngineHost
+from enginehost.metrics import serve_metrics_port
 from enginehost.startup import build_engine, cpu_threads_per_engine, serve, setup_logging
 from protocol.cluster import load_cluster
 from transfer import LandingArena, TransportConfig, create_transport
@@ -44,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         arena,
         admit_timeout_s=cluster.router.admission.wait_timeout_s,
         landing_ttl_s=cluster.router.request_timeout_s,
+        num_devices=len(inst.devices),
     )
+    serve_metrics_port(service.registry, node.host, inst.metrics_port)
     app = service.app()
     tasks: list[asyncio.Task[None]] = []
 

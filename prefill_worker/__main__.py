@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 from enginehost.host import EngineHost
+from enginehost.metrics import serve_metrics_port
 from enginehost.startup import build_engine, cpu_threads_per_engine, serve, setup_logging
 from prefill_worker.handoff import HandoffTable
 from prefill_worker.service import PrefillService
@@ -42,7 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     sender = HandoffSender(transport, STAGING_BYTES, device=engine.device)
     host = EngineHost(engine)
-    service = PrefillService(inst.name, host, HandoffTable(sender, engine.runner.kv_caches))
+    service = PrefillService(
+        inst.name,
+        host,
+        HandoffTable(sender, engine.runner.kv_caches),
+        num_devices=len(inst.devices),
+    )
+    serve_metrics_port(service.registry, node.host, inst.metrics_port)
     app = service.app()
 
     @app.on_event("startup")

@@ -8,17 +8,18 @@ per chunk into decode's landing region) ─▶ first token sampled ─▶ FirstT
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from engine.llm_engine import LLMEngine, RequestOutput
 from enginehost.app import base_app, error_response, read_message
 from enginehost.host import EngineHost
 from prefill_worker.handoff import HandoffTable
+from prefill_worker.metrics import PrefillMetrics
 from protocol.errors import InvalidRequestError, PromptTooLongError
 from protocol.messages import (
     ErrorEvent,
@@ -30,52 +31,6 @@ from protocol.messages import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class PrefillMetrics:
-    """Prometheus series of one prefill instance."""
-
-    def __init__(self, registry: CollectorRegistry, instance: str) -> None:
-        labels = {"instance": instance}
-        self.prompt_tokens = Counter(
-            "kvserve_prompt_tokens",
-            "Prompt tokens by where their KV came from",
-            ["instance", "source"],
-            registry=registry,
-        )
-        self.requests = Counter(
-            "kvserve_prefill_requests",
-            "Prefill requests by outcome",
-            ["instance", "outcome"],
-            registry=registry,
-        )
-        self.handoff_bytes = Counter(
-            "kvserve_handoff_bytes",
-            "KV bytes written to decode landing buffers",
-            ["instance"],
-            registry=registry,
-        ).labels(**labels)
-        self.handoff_ops = Counter(
-            "kvserve_handoff_ops",
-            "Transfer ops (each at most 8 MiB) of the handoff",
-            ["instance"],
-            registry=registry,
-        ).labels(**labels)
-        self.kv_usage = Gauge(
-            "kvserve_kv_cache_usage_ratio",
-            "Fraction of KV blocks held by requests",
-            ["instance", "role"],
-            registry=registry,
-        ).labels(instance=instance, role="prefill")
-        self.instance = instance
-
-    def count_prompt(self, usage: PromptUsage) -> None:
-        for source, n in (
-            ("gpu", usage.gpu_tokens),
-            ("pool", usage.pool_tokens),
-            ("computed", usage.computed_tokens),
-        ):
-            self.prompt_tokens.labels(instance=self.instance, source=source).inc(n)
 
 
 def usage_of(out: RequestOutput) -> PromptUsage:
@@ -91,18 +46,19 @@ def usage_of(out: RequestOutput) -> PromptUsage:
 class PrefillService:
     """Owns the HTTP routes of a prefill instance over its engine host and handoff table."""
 
-    def __init__(self, name: str, host: EngineHost, handoffs: HandoffTable) -> None:
+    def __init__(
+        self, name: str, host: EngineHost, handoffs: HandoffTable, num_devices: int = 1
+    ) -> None:
         self.name = name
         self.host = host
         self.handoffs = handoffs
-        self.registry = CollectorRegistry()
-        self.metrics = PrefillMetrics(self.registry, name)
+        self.metrics = PrefillMetrics(name, host, num_devices)
+        self.registry = self.metrics.registry
         host.engine.kv_observer = handoffs.observe
 
     def status(self) -> InstanceStatus:
         """Engine thread."""
         e = self.host.engine
-        self.metrics.kv_usage.set(e.pool.usage())
         return InstanceStatus(
             name=self.name,
             role="prefill",
@@ -129,6 +85,7 @@ class PrefillService:
             return msg
         assert isinstance(msg, PrefillRequest)
         rid = msg.request_id
+        arrival = time.monotonic()
         queue = self.host.open_stream(rid)
 
         def add(e: LLMEngine) -> None:
@@ -144,23 +101,27 @@ class PrefillService:
             await self.host.call(add)
         except (InvalidRequestError, PromptTooLongError) as e:
             self.host.close_stream(rid)
-            self.metrics.requests.labels(instance=self.name, outcome="rejected").inc()
+            self.metrics.outcome("rejected")
             return error_response(400, str(e), rid)
         return StreamingResponse(
-            self._events(rid, queue, bool(msg.landing)), media_type="application/x-ndjson"
+            self._events(rid, queue, bool(msg.landing), arrival),
+            media_type="application/x-ndjson",
         )
 
-    async def _events(self, rid: str, queue, wants_handoff: bool) -> AsyncIterator[bytes]:  # type: ignore[no-untyped-def]
+    async def _events(  # type: ignore[no-untyped-def]
+        self, rid: str, queue, wants_handoff: bool, arrival: float
+    ) -> AsyncIterator[bytes]:
         finished = False
         try:
             out = await queue.get()
             if isinstance(out, BaseException):
                 yield encode_line(ErrorEvent(request_id=rid, status=500, message=str(out)))
                 finished = True
+                self.metrics.outcome("failed")
                 return
             handoff = await self.host.call(lambda _e: self.handoffs.pop(rid))
             usage = usage_of(out)
-            self.metrics.count_prompt(usage)
+            self.metrics.first_token(usage, time.monotonic() - arrival)
             yield encode_line(
                 FirstToken(
                     request_id=rid,
@@ -172,19 +133,17 @@ class PrefillService:
             )
             finished = True
             if out.finish_reason is not None or not wants_handoff:
-                self.metrics.requests.labels(instance=self.name, outcome="finished").inc()
+                self.metrics.outcome("finished")
                 return
             if handoff is None or handoff.error is not None:
                 message = handoff.error if handoff else "no handoff state"
-                self.metrics.requests.labels(instance=self.name, outcome="handoff_failed").inc()
+                self.metrics.outcome("handoff_failed")
                 yield encode_line(ErrorEvent(request_id=rid, status=502, message=message or ""))
                 return
-            self.metrics.handoff_bytes.inc(handoff.num_bytes)
-            self.metrics.handoff_ops.inc(handoff.num_ops)
-            self.metrics.requests.labels(instance=self.name, outcome="handed_off").inc()
+            self.metrics.handoff_done(handoff)
             yield encode_line(handoff.done_event(rid))
         finally:
             self.host.close_stream(rid)
             if not finished:  # the client (router) went away before the first token
                 await self.host.call(lambda e: (e.abort(rid), self.handoffs.pop(rid)))
-                self.metrics.requests.labels(instance=self.name, outcome="aborted").inc()
+                self.metrics.outcome("aborted")
