@@ -97,6 +97,12 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:  # type: ign
     s.add_argument("--timeout", type=float, default=2.0, help="seconds per HTTP probe (2)")
     k = sub.add_parser("check", help="validate cluster.yaml and print a summary")
     common(k, state=False)
+    r = sub.add_parser("render", help="print a config generated from cluster.yaml")
+    r.add_argument("what", choices=["prometheus"], help="prometheus: scrape config (YAML)")
+    common(r, state=False)
+    r.add_argument(
+        "--scrape-interval", default="15s", help="Prometheus scrape and evaluation interval (15s)"
+    )
 
 
 def _run_cluster_command(args: argparse.Namespace) -> int:
@@ -115,7 +121,18 @@ def _run_cluster_command(args: argparse.Namespace) -> int:
         return launcher.down(args.config, args.state_dir, args.stop_grace)
     if args.command == "status":
         return launcher.status(args.config, args.state_dir, tuple(args.node), args.timeout)
+    if args.command == "render":
+        return _run_render(args)
     return launcher.check(args.config)
+
+
+def _run_render(args: argparse.Namespace) -> int:
+    from kvserve.prometheus_config import render_prometheus
+    from protocol.cluster import load_cluster
+
+    cluster = load_cluster(args.config)
+    sys.stdout.write(render_prometheus(cluster, args.config, args.scrape_interval))
+    return 0
 
 
 def _engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -213,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_generate(args)
         if args.command == "chat":
             return _run_chat(args)
-        if args.command in ("up", "down", "status", "check"):
+        if args.command in ("up", "down", "status", "check", "render"):
             return _run_cluster_command(args)
     except KvserveError as e:
         from kvserve.supervisor import LaunchError
