@@ -24,6 +24,7 @@ from decode_worker.metrics import DecodeMetrics
 from engine.llm_engine import LLMEngine, RequestOutput
 from enginehost.app import base_app, error_response, json_response, read_message
 from enginehost.host import EngineHost
+from enginehost.kv_events import KVReporter
 from protocol.errors import InvalidRequestError, PromptTooLongError
 from protocol.ids import BlockId
 from protocol.messages import (
@@ -75,6 +76,8 @@ class DecodeService:
         self.admit_timeout_s = admit_timeout_s
         self.landing_ttl_s = landing_ttl_s
         self._admitted_at: dict[str, float] = {}
+        self.kv_reporter = KVReporter(name, "decode", host, record_block_events=False)
+        """GET /info and /kv_events (load only) for decode choice and the admission gate."""
         self.metrics = DecodeMetrics(name, host, arena, num_devices)
         self.registry = self.metrics.registry
 
@@ -95,6 +98,7 @@ class DecodeService:
 
     def app(self) -> FastAPI:
         app = base_app(self.host, self.status, self.registry, on_abort=self.free_landing)
+        self.kv_reporter.install(app)
         app.post("/admit")(self.admit)
         app.post("/decode")(self.decode)
         return app

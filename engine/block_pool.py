@@ -64,6 +64,10 @@ class BlockPool:
     def block_hash(self, block_id: BlockId) -> BlockHash | None:
         return self._hash[block_id]
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the prefix cache holds now (a snapshot for KV-event consumers)."""
+        return list(self._cached)
+
     def lookup(self, block_hash: BlockHash) -> BlockId | None:
         """The block holding this content, or None (a miss is an ordinary outcome)."""
         return self._cached.get(block_hash) if self.enable_caching else None

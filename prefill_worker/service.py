@@ -18,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from engine.llm_engine import LLMEngine, RequestOutput
 from enginehost.app import base_app, error_response, read_message
 from enginehost.host import EngineHost
+from enginehost.kv_events import KVReporter
 from prefill_worker.handoff import HandoffTable
 from prefill_worker.metrics import PrefillMetrics
 from protocol.errors import InvalidRequestError, PromptTooLongError
@@ -55,10 +56,14 @@ class PrefillService:
         self.metrics = PrefillMetrics(name, host, num_devices)
         self.registry = self.metrics.registry
         host.engine.kv_observer = handoffs.observe
+        self.kv_reporter = KVReporter(name, "prefill", host, record_block_events=True)
+        """GET /info and /kv_events for KV-aware routing; the pool connector reports its
+        saves and restores to it (record_pool_saved, record_restore)."""
 
     def status(self) -> InstanceStatus:
         """Engine thread."""
         e = self.host.engine
+        load = self.kv_reporter.load(e)
         return InstanceStatus(
             name=self.name,
             role="prefill",
@@ -67,10 +72,14 @@ class PrefillService:
             num_waiting=len(e.scheduler.waiting),
             kv_blocks_total=e.pool.num_blocks,
             kv_blocks_free=e.pool.num_free_blocks,
+            queued_tokens=load.queued_tokens,
+            compute_tokens_per_s=load.compute_tokens_per_s,
+            restore_bytes_per_s=load.restore_bytes_per_s,
         )
 
     def app(self) -> FastAPI:
         app = base_app(self.host, self.status, self.registry)
+        self.kv_reporter.install(app)
         app.post("/prefill")(self.prefill)
         app.post("/admin/reset_prefix_cache")(self.reset_prefix_cache)
         return app

@@ -203,11 +203,14 @@ class AdmissionConfig(_Section, frozen=True, kw_only=True):
     """The router's admission gate in front of decode KV."""
 
     wait_timeout_s: Seconds = 30.0
-    """Longest a request queues for KV headroom before a 503 with Retry-After."""
+    """Longest a request queues for KV headroom before a 429 with Retry-After."""
     headroom: Fraction = 0.9
     """Fraction of each decode instance's KV token budget the gate hands out."""
     max_waiting: PositiveInt = 1024
     """Requests queued at once; beyond it new requests are rejected at once."""
+    max_output_tokens: PositiveInt | None = None
+    """Longest completion a request may ask for (also caps the default max_tokens); None:
+    what the context leaves. The input limit is router.max_input_tokens."""
 
 
 class RouterConfig(_Section, frozen=True, kw_only=True):

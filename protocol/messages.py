@@ -163,6 +163,12 @@ class InstanceStatus(msgspec.Struct, frozen=True):
     kv_blocks_free: int
     landing_bytes_total: int = 0
     landing_bytes_used: int = 0
+    queued_tokens: int = 0
+    """Prompt tokens admitted but not computed yet."""
+    compute_tokens_per_s: float | None = None
+    """Measured prompt tokens per busy second (protocol/kv_events.py WorkerLoad)."""
+    restore_bytes_per_s: float | None = None
+    """Measured pool restore bandwidth; None until a restore ran."""
 
 
 def encode_line(event: msgspec.Struct) -> bytes:

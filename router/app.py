@@ -26,6 +26,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from modelinfo.info import ModelInfo
+from router.admission import AdmissionGate, AdmissionSettings
+from router.cluster_view import ClusterView, KVWatcher
 from router.config import RouterSettings
 from router.errors import APIError, InvalidRequest, NotFound
 from router.health import HealthMonitor
@@ -55,27 +57,50 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
     metrics = RouterMetrics(policy=settings.policy)
     metrics.watch_instances(registry)
     served_name = settings.served_model_name or model.served_name
+    view = ClusterView(
+        pool_of={e.name: e.pool for e in settings.prefill},
+        pool_capacity_bytes=dict(settings.pool_capacity_bytes),
+    )
+    gate = None
+    if settings.admission:
+        gate = AdmissionGate(
+            view,
+            AdmissionSettings(
+                wait_timeout_s=settings.admission_wait_timeout_s,
+                headroom=settings.admission_headroom,
+                max_waiting=settings.admission_max_waiting,
+            ),
+            metrics,
+        )
     ctx = ServingContext(
         model=model,
-        preprocessor=Preprocessor(model, served_name, settings.max_input_tokens),
+        preprocessor=Preprocessor(
+            model, served_name, settings.max_input_tokens, settings.max_output_tokens
+        ),
         services=RelayServices(
             registry=registry,
-            policy=make_policy(settings.policy, settings.policy_seed),
+            policy=make_policy(settings.policy, settings.policy_seed, view),
             client=client,
             on_route=metrics.on_route,
+            view=view,
+            gate=gate,
         ),
         metrics=metrics,
         request_timeout_s=settings.request_timeout_s,
         api_key=settings.api_key,
+        session_headers=settings.session_headers,
     )
     health = HealthMonitor(registry, client, settings.health_interval_s)
+    watcher = KVWatcher(registry, view, settings.kv_poll_interval_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         health.start()
+        watcher.start()
         try:
             yield
         finally:
+            await watcher.stop()
             await health.stop()
             await client.aclose()
 
@@ -83,6 +108,7 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
     app.state.serving = ctx
     app.state.registry = registry
     app.state.metrics = metrics
+    app.state.view = view
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

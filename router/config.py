@@ -23,6 +23,8 @@ class InstanceEndpoint(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     url: str
     """Base URL, e.g. "http://127.0.0.1:8101"."""
+    pool: str | None = None
+    """Prefill: the pool it saves to and restores from (same id = same pool); None: none."""
 
 
 class RouterSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,6 +55,27 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True):
     decode: tuple[InstanceEndpoint, ...] = ()
     block_size: int = 16
     """Tokens per KV block, for policies that hash the prompt."""
+    pool_capacity_bytes: dict[str, int] = {}
+    """Pool id -> DRAM of its stores (the router's pool index holds that much, by LRU)."""
+    kv_poll_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.2
+    """Period of the GET /kv_events poll of every instance (KV-aware routing, the gate)."""
+    admission: bool = True
+    """False: no admission gate (requests go straight to decode's /admit)."""
+    admission_wait_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    admission_headroom: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
+    admission_max_waiting: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Longest completion accepted (and the default max_tokens cap); None: the context."""
+    session_headers: tuple[str, ...] = (
+        "x-session-id",
+        "x-session-affinity",
+        "x-claude-code-session-id",
+        "session_id",
+        "session-id",
+        "conversation_id",
+        "x-conversation-id",
+    )
+    """Request headers naming the client's session (first present wins), else `user`."""
 
 
 def settings_from_cluster(cluster: ClusterConfig) -> RouterSettings:
@@ -79,6 +102,8 @@ def settings_from_cluster(cluster: ClusterConfig) -> RouterSettings:
                 f"router.api_key_env names {r.api_key_env!r} but that environment variable "
                 "is unset or empty; set it or remove api_key_env"
             )
+    pool_of, capacity = _pools(cluster)
+    adm = r.admission
     return RouterSettings(
         model=cluster.model,
         served_model_name=r.served_model_name,
@@ -90,10 +115,35 @@ def settings_from_cluster(cluster: ClusterConfig) -> RouterSettings:
         request_timeout_s=r.request_timeout_s,
         metrics_port=r.metrics_port,
         prefill=tuple(
-            InstanceEndpoint(name=p.name, url=cluster.instance_url(p)) for p in cluster.prefill
+            InstanceEndpoint(name=p.name, url=cluster.instance_url(p), pool=pool_of[p.name])
+            for p in cluster.prefill
         ),
         decode=tuple(
             InstanceEndpoint(name=d.name, url=cluster.instance_url(d)) for d in cluster.decode
         ),
         block_size=cluster.cache.block_size,
+        pool_capacity_bytes=capacity,
+        admission_wait_timeout_s=adm.wait_timeout_s,
+        admission_headroom=adm.headroom,
+        admission_max_waiting=adm.max_waiting,
+        max_output_tokens=adm.max_output_tokens,
     )
+
+
+def _pools(cluster: ClusterConfig) -> tuple[dict[str, str | None], dict[str, int]]:
+    """Which pool each prefill instance uses, and each pool's DRAM.
+
+    Shared pool: one, "shared", over every store. Split pool (`pool.shared: false`): one
+    per node, "node:<name>", over that node's stores. No pool (absent or disabled): None.
+    """
+    pool = cluster.pool
+    if pool is None or not pool.enabled:
+        return {p.name: None for p in cluster.prefill}, {}
+    if pool.shared:
+        return {p.name: "shared" for p in cluster.prefill}, {
+            "shared": sum(int(s.size) for s in pool.stores)
+        }
+    capacity: dict[str, int] = {}
+    for s in pool.stores:
+        capacity[f"node:{s.node}"] = capacity.get(f"node:{s.node}", 0) + int(s.size)
+    return {p.name: f"node:{p.node}" for p in cluster.prefill}, capacity

@@ -8,7 +8,9 @@ Contract of a policy (`RoutingPolicy.choose`):
 - it must not fail: "nobody can serve" is decided before it is called.
 
 Policies register by name (`@register_policy`) and cluster.yaml's `router.policy` picks
-one. round_robin and random exist now; kv_aware / session plug in at the same seam.
+one: round_robin and random here, session and kv_aware in router/kv_aware.py. A policy is
+built with a seed and the router's ClusterView (router/cluster_view.py: KV residency,
+load, reservations), which the stateless ones ignore.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from protocol.hashing import hash_chain
 from protocol.ids import BlockHash
 from router.instances import Instance, Role
+
+if TYPE_CHECKING:
+    from router.cluster_view import ClusterView
 
 
 @dataclass
@@ -32,6 +37,11 @@ class RouteContext:
     prompt_token_ids: Sequence[int]
     user: str | None = None
     """OpenAI's `user` field: a session hint for affinity tie-breaks."""
+    session_id: str | None = None
+    """The client's session (a session header such as x-session-id, else `user`)."""
+    predicted_compute_tokens: int | None = None
+    """Set by a pricing policy for the prefill it chose: prompt tokens it expects that
+    instance to compute (the router counts them as that instance's queued work)."""
     _hashes: dict[tuple[int, bytes], list[BlockHash]] = field(default_factory=dict, repr=False)
 
     def block_hashes(self, block_size: int, root: BlockHash) -> list[BlockHash]:
@@ -53,7 +63,7 @@ class RoutingPolicy(ABC):
 
 
 _P = TypeVar("_P", bound=type[RoutingPolicy])
-_POLICIES: dict[str, Callable[[int | None], RoutingPolicy]] = {}
+_POLICIES: dict[str, Callable[[int | None, ClusterView], RoutingPolicy]] = {}
 
 
 def register_policy(cls: _P) -> _P:
@@ -63,15 +73,22 @@ def register_policy(cls: _P) -> _P:
 
 
 def policy_names() -> tuple[str, ...]:
+    import router.kv_aware  # noqa: F401 (registers session and kv_aware)
+
     return tuple(sorted(_POLICIES))
 
 
-def make_policy(name: str, seed: int | None = None) -> RoutingPolicy:
-    """A fresh policy by name; ValueError listing the known names otherwise."""
-    factory = _POLICIES.get(name)
+def make_policy(
+    name: str, seed: int | None = None, view: ClusterView | None = None
+) -> RoutingPolicy:
+    """A fresh policy by name over `view` (an empty one when None); ValueError listing
+    the known names otherwise."""
+    from router.cluster_view import ClusterView
+
+    factory = _POLICIES.get(name) if name in policy_names() else None
     if factory is None:
         raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(policy_names())}")
-    return factory(seed)
+    return factory(seed, view if view is not None else ClusterView())
 
 
 @register_policy
@@ -80,8 +97,8 @@ class RoundRobinPolicy(RoutingPolicy):
 
     name = "round_robin"
 
-    def __init__(self, seed: int | None = None) -> None:
-        del seed  # deterministic by construction
+    def __init__(self, seed: int | None = None, view: ClusterView | None = None) -> None:
+        del seed, view  # deterministic and stateless by construction
         self._next: dict[Role, int] = {"prefill": 0, "decode": 0}
 
     def choose(self, role: Role, ctx: RouteContext, candidates: Sequence[Instance]) -> Instance:
@@ -96,7 +113,8 @@ class RandomPolicy(RoutingPolicy):
 
     name = "random"
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, view: ClusterView | None = None) -> None:
+        del view
         self._rng = random.Random(seed)
 
     def choose(self, role: Role, ctx: RouteContext, candidates: Sequence[Instance]) -> Instance:

@@ -48,11 +48,19 @@ class PreparedRequest:
 class Preprocessor:
     """Owns the model's tokenizer, chat template and limits (immutable, shared)."""
 
-    def __init__(self, model: ModelInfo, served_name: str, max_input_tokens: int | None) -> None:
+    def __init__(
+        self,
+        model: ModelInfo,
+        served_name: str,
+        max_input_tokens: int | None,
+        max_output_tokens: int | None = None,
+    ) -> None:
         self.model = model
         self.served_name = served_name
         self.context_len = model.max_context_len
         self.max_input_tokens = min(max_input_tokens or self.context_len, self.context_len)
+        self.max_output_tokens = max_output_tokens
+        """Longest completion (cluster.yaml router.admission.max_output_tokens); None: none."""
         self._accepted_names = {served_name, model.source.spec, model.served_name}
 
     def check_model(self, name: str | None) -> None:
@@ -152,8 +160,17 @@ class Preprocessor:
                 param=prompt_param,
                 code="context_length_exceeded",
             )
+        out_limit = self.max_output_tokens
+        if max_tokens is not None and out_limit is not None and max_tokens > out_limit:
+            raise InvalidRequest(
+                f"{max_tokens_param} is {max_tokens} but this server generates at most "
+                f"{out_limit} tokens per request; lower {max_tokens_param}",
+                param=max_tokens_param,
+            )
         if max_tokens is None:
             max_tokens = self.context_len - num_prompt
+            if out_limit is not None:
+                max_tokens = min(max_tokens, out_limit)
         elif num_prompt + max_tokens > self.context_len:
             raise InvalidRequest(
                 f"This model's maximum context length is {self.context_len} tokens. However, "

@@ -19,9 +19,9 @@ A run that ends normally (a worker reported the finish) sends none.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -36,10 +36,14 @@ from protocol.messages import (
     PromptUsage,
 )
 from protocol.sampling import SamplingParams
+from router.cluster_view import ClusterView
 from router.errors import UpstreamTimeout, WorkerError, WorkerFailed, WorkerUnavailable
 from router.instances import Instance, InstanceRegistry, Role
 from router.policies import RouteContext, RoutingPolicy
 from router.worker_client import AbortReason, InstanceUnreachable, WorkerClient
+
+if TYPE_CHECKING:
+    from router.admission import AdmissionGate, Reservation
 
 _T = TypeVar("_T")
 
@@ -55,12 +59,16 @@ class WorkerTokens:
 
 @dataclass
 class RelayServices:
-    """What every run shares: instances, policy, HTTP client, and a decision hook."""
+    """What every run shares: instances, policy, HTTP client, a decision hook, the view
+    of KV and load the policy reads (updated here as requests are sent and answered),
+    and the admission gate (None: no gate, as in tests of the relay alone)."""
 
     registry: InstanceRegistry
     policy: RoutingPolicy
     client: WorkerClient
     on_route: Callable[[Instance], None] = lambda _: None
+    view: ClusterView = field(default_factory=ClusterView)
+    gate: AdmissionGate | None = None
 
 
 class RequestRun:
@@ -88,6 +96,7 @@ class RequestRun:
         """Instances still working on it (abort targets on an early finish)."""
         self._completed = False
         self._closed = False
+        self._reservation: Reservation | None = None
 
     @property
     def request_id(self) -> str:
@@ -112,6 +121,8 @@ class RequestRun:
             if not self._completed:
                 self.close(reason)
             self._closed = True
+            if self._reservation is not None:
+                self._reservation.release()
 
     def close(self, reason: AbortReason) -> None:
         """The run failed: abort every instance that was sent it. Idempotent."""
@@ -192,18 +203,36 @@ class RequestRun:
         )
         tried: set[str] = set()
         while True:
-            inst = self._pick("decode", tried)
+            inst = await self._admit_decode(tried)
             try:
                 self._start(inst)
                 resp = await self._s.client.admit(inst, req, self.deadline)
             except InstanceUnreachable as e:
                 self._forget(inst, e, tried)
+                if self._reservation is not None:
+                    self._reservation.release()
+                    self._reservation = None
                 continue
             except WorkerFailed as e:
                 self._s.registry.mark_unhealthy(inst, e.message)
                 raise
             self.decode = inst
             return resp.landing
+
+    async def _admit_decode(self, tried: set[str]) -> Instance:
+        """The decode instance for the request, through the admission gate if there is one."""
+        gate = self._s.gate
+        if gate is None:
+            return self._pick("decode", tried)
+        need = len(self.ctx.prompt_token_ids) + self.params.max_tokens
+        async with asyncio.timeout_at(self.deadline):
+            self._reservation = await gate.admit(
+                self.request_id,
+                need,
+                lambda: self._candidates("decode", tried),
+                lambda room: self._choose("decode", room),
+            )
+        return self._reservation.instance
 
     async def _prefill_events(self, landing: list[LandingInfo]) -> AsyncIterator[PrefillEvent]:
         req = PrefillRequest(
@@ -219,16 +248,36 @@ class RequestRun:
             self.prefill = inst
             self._start(inst)
             started = False
+            view = self._s.view
+            n = self.ctx.predicted_compute_tokens
+            view.on_prefill_sent(inst, self.request_id, n or len(self.ctx.prompt_token_ids))
+            usage: PromptUsage | None = None
             try:
                 async for event in self._guard(
                     inst, self._s.client.prefill(inst, req, self.deadline)
                 ):
                     started = True
+                    if isinstance(event, FirstToken):
+                        usage = event.usage
+                        self._prefilled(inst, usage)
                     yield event
                 return
             except InstanceUnreachable as e:
                 assert not started
                 self._forget(inst, e, tried)
+            finally:
+                if usage is None:
+                    view.on_prefill_done(inst, self.request_id, [], None, None)
+
+    def _prefilled(self, inst: Instance, usage: PromptUsage) -> None:
+        """Prefill answered: its cache (and pool) now hold the prompt's full blocks."""
+        st = self._s.view.state(inst)
+        hashes = None
+        if st.info is not None and st.root is not None:
+            hashes = self.ctx.block_hashes(st.info.block_size, st.root)
+        self._s.view.on_prefill_done(
+            inst, self.request_id, self.ctx.prompt_token_ids, hashes, usage
+        )
 
     async def _guard(self, inst: Instance, events: AsyncIterator[_T]) -> AsyncIterator[_T]:
         """Pass events through; a worker that broke mid-stream is marked unhealthy."""
@@ -240,6 +289,9 @@ class RequestRun:
             raise
 
     def _pick(self, role: Role, tried: set[str]) -> Instance:
+        return self._choose(role, self._candidates(role, tried))
+
+    def _candidates(self, role: Role, tried: set[str]) -> list[Instance]:
         candidates = self._s.registry.candidates(role, frozenset(tried))
         if not candidates:
             total = len(self._s.registry.instances(role))
@@ -249,6 +301,9 @@ class RequestRun:
                 code="no_healthy_instance",
                 headers={"retry-after": "1"},
             )
+        return candidates
+
+    def _choose(self, role: Role, candidates: Sequence[Instance]) -> Instance:
         inst = self._s.policy.choose(role, self.ctx, candidates)
         self._s.on_route(inst)
         return inst

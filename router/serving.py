@@ -44,6 +44,15 @@ class ServingContext:
     metrics: RouterMetrics
     request_timeout_s: float
     api_key: str | None
+    session_headers: tuple[str, ...] = ()
+    """Headers naming the client's session, in order of preference (RouterSettings)."""
+
+    def session_of(self, request: Request, user: str | None) -> str | None:
+        for name in self.session_headers:
+            value = request.headers.get(name)
+            if value:
+                return value
+        return user
 
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
@@ -77,7 +86,7 @@ async def serve_generation(ctx: ServingContext, request: Request, endpoint: str)
             prepared = await ctx.preprocessor.chat(decode_chat(body))
         else:
             prepared = await ctx.preprocessor.completion(decode_completion(body))
-        stream = _open_stream(ctx, prepared, record)
+        stream = _open_stream(ctx, prepared, record, ctx.session_of(request, prepared.user))
         fmt = formatter_for(prepared, ctx.model.tokenizer)
         deltas = stream.deltas()
         try:
@@ -104,8 +113,10 @@ async def serve_generation(ctx: ServingContext, request: Request, endpoint: str)
         return error_response(APIError(f"internal router error: {type(e).__name__}: {e}"))
 
 
-def _open_stream(ctx: ServingContext, req: PreparedRequest, record: RequestRecord) -> OutputStream:
-    route = RouteContext(req.request_id, req.prompt_token_ids, req.user)
+def _open_stream(
+    ctx: ServingContext, req: PreparedRequest, record: RequestRecord, session_id: str | None
+) -> OutputStream:
+    route = RouteContext(req.request_id, req.prompt_token_ids, req.user, session_id)
     run = RequestRun(ctx.services, route, req.params, ctx.request_timeout_s)
     text = RequestOutputText(
         ctx.model.tokenizer,

@@ -94,7 +94,8 @@ def _cluster_yaml(prefill_port: int, decode_port: int, router_port: int, policy:
 def test_settings_from_cluster() -> None:
     cluster = parse_cluster_yaml(_cluster_yaml(8101, 8201, 8001, "kv_aware"))
     s = settings_from_cluster(cluster)
-    assert s.policy == "round_robin"  # kv_aware is not implemented yet: falls back
+    assert s.policy == "kv_aware"
+    assert s.admission and s.admission_headroom == 0.9 and s.admission_wait_timeout_s == 30
     assert [(e.name, e.url) for e in s.prefill] == [("prefill-0", "http://127.0.0.1:8101")]
     assert [(e.name, e.url) for e in s.decode] == [("decode-0", "http://127.0.0.1:8201")]
     assert (s.host, s.port, s.request_timeout_s) == ("127.0.0.1", 8001, 300)

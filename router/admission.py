@@ -1,0 +1,194 @@
+"""AdmissionGate: decode KV headroom in front of the serving path (DESIGN §5 step 2).
+
+Each decode instance has a token budget = its KV capacity (GET /info) x headroom (0.9).
+A request reserves prompt + max_tokens tokens on the decode instance the policy picks
+among those with room, and gives them back when it ends, however it ends.
+
+    room now, nobody waiting     -> reserve, go
+    no room (or others waiting)  -> wait in FIFO order, up to wait_timeout_s
+                                    -> 429 + Retry-After when it runs out
+    max_waiting already waiting  -> 429 + Retry-After at once
+    larger than every budget     -> 400 (it can never fit: shorten it)
+
+An instance whose capacity is not known yet (its /info not read) has no budget limit: the
+gate never blocks serving on the watcher. Runs on the router's event loop only.
+
+Metrics: the router's own (router/metrics.py) —
+    kvserve_router_admission_rejections_total{reason}   queue_full | wait_timeout |
+                                                        kv_headroom (larger than any budget)
+    kvserve_router_admission_waiting                    requests waiting now
+    kvserve_router_admission_wait_seconds               time a request waited
+and kvserve_router_admission_reserved_tokens{instance} (decode KV reserved now).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import Gauge
+
+from router.cluster_view import ClusterView
+from router.errors import APIError, InvalidRequest
+from router.instances import Instance
+from router.metrics import RouterMetrics
+
+RECHECK_S = 0.25
+"""Waiters also re-check this often (capacity learned, instances back to health)."""
+
+
+class TooManyRequests(APIError):
+    """429: the decode side has no KV headroom for the request now; retry later."""
+
+    status = 429
+    type = "rate_limit_error"
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    """cluster.yaml `router.admission` (protocol/cluster.py AdmissionConfig)."""
+
+    wait_timeout_s: float = 30.0
+    headroom: float = 0.9
+    max_waiting: int = 1024
+
+
+class Reservation:
+    """Decode KV tokens held for one request on one instance; `release` is idempotent."""
+
+    def __init__(self, gate: AdmissionGate, inst: Instance, request_id: str, tokens: int):
+        self.gate = gate
+        self.instance = inst
+        self.request_id = request_id
+        self.tokens = tokens
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.gate._release(self)
+
+
+class AdmissionGate:
+    """Owns the FIFO of waiting requests and the decode reservations (kept in the
+    ClusterView, where the decode policy sees them too)."""
+
+    def __init__(
+        self,
+        view: ClusterView,
+        settings: AdmissionSettings,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self.view = view
+        self.settings = settings
+        self._waiters: deque[object] = deque()
+        self._changed = asyncio.Event()
+        self.metrics = metrics or RouterMetrics()
+        self.reserved = Gauge(
+            "kvserve_router_admission_reserved_tokens",
+            "Decode KV tokens reserved by the admission gate",
+            ["instance"],
+            registry=self.metrics.registry,
+        )
+
+    def budget(self, inst: Instance) -> int | None:
+        """Tokens the gate may hand out on `inst`; None when its capacity is unknown."""
+        info = self.view.state(inst).info
+        if info is None:
+            return None
+        return int(info.kv_capacity_tokens * self.settings.headroom)
+
+    def fits(self, inst: Instance, tokens: int) -> bool:
+        budget = self.budget(inst)
+        return budget is None or self.view.state(inst).reserved_tokens + tokens <= budget
+
+    async def admit(
+        self,
+        request_id: str,
+        tokens: int,
+        candidates: Callable[[], Sequence[Instance]],
+        choose: Callable[[Sequence[Instance]], Instance],
+    ) -> Reservation:
+        """Reserve `tokens` on the instance `choose` picks among `candidates()` with room.
+        Raises TooManyRequests (429) or InvalidRequest (400) as the module doc says;
+        `candidates` raises itself when no instance is routable at all."""
+        t0 = time.monotonic()
+        cands = candidates()
+        budgets = [self.budget(i) for i in cands]
+        if cands and all(b is not None and tokens > b for b in budgets):
+            self.metrics.on_rejected("kv_headroom")
+            largest = max(b for b in budgets if b is not None)
+            raise InvalidRequest(
+                f"the request needs decode KV for {tokens} tokens (prompt + max_tokens) but "
+                f"the largest decode budget is {largest} tokens; shorten the prompt or "
+                "max_tokens",
+                code="kv_budget_exceeded",
+            )
+        if not self._waiters:
+            room = [i for i in cands if self.fits(i, tokens)]
+            if room:
+                self.metrics.admission_wait.observe(0.0)
+                return self._reserve(choose(room), request_id, tokens)
+        if len(self._waiters) >= self.settings.max_waiting:
+            self.metrics.on_rejected("queue_full")
+            raise self._busy(f"{len(self._waiters)} requests are already waiting")
+        ticket = object()
+        self._waiters.append(ticket)
+        self.metrics.admission_waiting.inc()
+        deadline = t0 + self.settings.wait_timeout_s
+        try:
+            while True:
+                if self._waiters[0] is ticket:
+                    room = [i for i in candidates() if self.fits(i, tokens)]
+                    if room:
+                        self.metrics.admission_wait.observe(time.monotonic() - t0)
+                        return self._reserve(choose(room), request_id, tokens)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.metrics.on_rejected("wait_timeout")
+                    self.metrics.admission_wait.observe(time.monotonic() - t0)
+                    raise self._busy(
+                        f"no decode instance had KV headroom for {tokens} tokens within "
+                        f"{self.settings.wait_timeout_s:g} s (router.admission.wait_timeout_s)"
+                    )
+                changed = self._changed
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), min(left, RECHECK_S))
+        finally:
+            self._waiters.remove(ticket)
+            self.metrics.admission_waiting.dec()
+            self._notify()  # the next in line may go now
+
+    def _busy(self, why: str) -> TooManyRequests:
+        retry = max(1, math.ceil(self.settings.wait_timeout_s / 6))
+        return TooManyRequests(
+            f"the server is at its decode KV capacity: {why}; retry after {retry} s",
+            code="kv_capacity_exceeded",
+            headers={"retry-after": str(retry)},
+        )
+
+    def _reserve(self, inst: Instance, request_id: str, tokens: int) -> Reservation:
+        st = self.view.state(inst)
+        st.reserved[request_id] = st.reserved.get(request_id, 0) + tokens
+        self.reserved.labels(inst.name).set(st.reserved_tokens)
+        return Reservation(self, inst, request_id, tokens)
+
+    def _release(self, res: Reservation) -> None:
+        st = self.view.state(res.instance)
+        left = st.reserved.get(res.request_id, 0) - res.tokens
+        if left > 0:
+            st.reserved[res.request_id] = left
+        else:
+            st.reserved.pop(res.request_id, None)
+        self.reserved.labels(res.instance.name).set(st.reserved_tokens)
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake every waiter (each re-checks whether it is first in line and fits)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
