@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvpool.topology import master_component, master_nodes, store_component
 from protocol.cluster import ClusterConfig, DecodeConfig, PrefillConfig, local_nodes
 from protocol.cluster_types import format_bytes
 
@@ -64,6 +65,10 @@ def summarize(c: ClusterConfig, source: str) -> str:
     ]
     if c.router_node.name in local:
         here_names.insert(0, "router")
+    if pool is not None and pool.enabled:
+        stores = [store_component(i) for i, st in enumerate(pool.stores) if st.node in local]
+        masters = [master_component(c, n) for n in master_nodes(c) if n in local]
+        here_names = masters + stores + here_names
     here = ", ".join(here_names) or "nothing (no node is this machine)"
     lines.append(f"  here     {here}")
     return "\n".join(lines)

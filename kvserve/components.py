@@ -5,17 +5,21 @@ operators can swap in another program without touching the launcher:
 
     {"prefill": ["{python}", "-m", "prefill_worker", "-c", "{config}", "--name", "{name}"]}
 
-Placeholders: {python} {config} {name} {kind} {node} {host} {port}.
+Placeholders: {python} {config} {name} {kind} {node} {host} {port} {index} ({index}: the
+entry of pool.stores, stores only). A pool store's {port} is its HTTP /health port:
+`metrics_port`, or a free port of its host picked here.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpool.topology import master_component, master_nodes, store_component
 from protocol.cluster import ClusterConfig, NodeConfig, is_loopback_host
 from protocol.config_errors import ConfigError
 
@@ -23,12 +27,34 @@ DEFAULT_COMMANDS: dict[str, tuple[str, ...]] = {
     "router": ("{python}", "-m", "router", "-c", "{config}"),
     "prefill": ("{python}", "-m", "prefill_worker", "-c", "{config}", "--name", "{name}"),
     "decode": ("{python}", "-m", "decode_worker", "-c", "{config}", "--name", "{name}"),
+    "pool_master": ("{python}", "-m", "kvpool.master", "-c", "{config}", "--node", "{node}"),
+    "pool_store": (
+        "{python}",
+        "-m",
+        "kvpool.store",
+        "-c",
+        "{config}",
+        "--index",
+        "{index}",
+        "--health-port",
+        "{port}",
+    ),
 }
-"""Command template per component kind (pool processes join with the pool issue)."""
+"""Command template per component kind."""
 
-START_ORDER: tuple[tuple[str, ...], ...] = (("prefill", "decode"), ("router",))
+START_ORDER: tuple[tuple[str, ...], ...] = (
+    ("pool_master",),
+    ("pool_store",),
+    ("prefill", "decode"),
+    ("router",),
+)
 """Kinds started together, stage by stage; a stage starts when the previous is healthy
-(the router comes up only when the workers it routes to answer)."""
+(stores mount into a running master, prefill connects to a pool that has memory, and the
+router comes up only when the workers it routes to answer)."""
+
+RESTARTED_KINDS = ("pool_master", "pool_store")
+"""Kinds the supervisor restarts when they exit, instead of stopping the cluster: serving
+goes on without the pool (prefill recomputes) and pooling resumes when they are back."""
 
 WORKER_KINDS = ("prefill", "decode")
 
@@ -49,6 +75,11 @@ class ComponentSpec:
     argv: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
     """Variables set on top of the launcher's environment."""
+
+    @property
+    def restart(self) -> bool:
+        """Restarted when it exits (see RESTARTED_KINDS) rather than ending the cluster."""
+        return self.kind in RESTARTED_KINDS
 
     @property
     def base_url(self) -> str:
@@ -83,9 +114,12 @@ def component_env(
         ),
     }
     if is_loopback_host(node.host):
+        # 127.0.0.2 etc. stay themselves: two "nodes" on one host (tests of a split pool)
+        # are two loopback addresses, and Mooncake must advertise each node's own.
+        addr = "127.0.0.1" if node.host == "localhost" else node.host
         env.update(
-            MC_TCP_BIND_ADDRESS="127.0.0.1",
-            MASTER_ADDR="127.0.0.1",
+            MC_TCP_BIND_ADDRESS=addr,
+            MASTER_ADDR=addr,
             GLOO_SOCKET_IFNAME="lo",
             NCCL_SOCKET_IFNAME="lo",
         )
@@ -93,6 +127,14 @@ def component_env(
         env["MASTER_PORT"] = str(dist_port)
     env.update(extra)
     return env
+
+
+def free_port(host: str) -> int:
+    """A port of `host` free right now (the kernel's choice) for a component without one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def plan_components(
@@ -110,7 +152,13 @@ def plan_components(
     by_kind: dict[str, list[ComponentSpec]] = {kind: [] for stage in START_ORDER for kind in stage}
 
     def spec(
-        name: str, kind: str, node: NodeConfig, host: str, port: int, env: dict[str, str]
+        name: str,
+        kind: str,
+        node: NodeConfig,
+        host: str,
+        port: int,
+        env: dict[str, str],
+        index: int | None = None,
     ) -> ComponentSpec:
         if kind not in templates:
             raise ConfigError("", f"no command for component kind {kind!r}")
@@ -122,9 +170,28 @@ def plan_components(
             node=node.name,
             host=host,
             port=str(port),
+            index="" if index is None else str(index),
         )
         argv = tuple(arg.format(**values) for arg in templates[kind])
         return ComponentSpec(name, kind, node.name, host, port, argv, env)
+
+    pool = cluster.pool
+    if pool is not None and pool.enabled:
+        for node_name in master_nodes(cluster):
+            node = cluster.node(node_name)
+            if node.name in selected:
+                env = component_env(node, None, {})
+                name = master_component(cluster, node.name)
+                port = pool.master.metrics_port
+                by_kind["pool_master"].append(spec(name, "pool_master", node, node.host, port, env))
+        for i, store in enumerate(pool.stores):
+            node = cluster.node(store.node)
+            if node.name in selected:
+                env = component_env(node, None, {})
+                port = store.metrics_port or free_port(node.host)
+                by_kind["pool_store"].append(
+                    spec(store_component(i), "pool_store", node, node.host, port, env, i)
+                )
 
     for inst in cluster.prefill:
         node = cluster.node(inst.node)

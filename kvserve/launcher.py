@@ -73,8 +73,8 @@ def _check_ports_free(cluster: ClusterConfig, nodes: list[str]) -> None:
     """Fail before starting anything if a port this host's components need is taken."""
     hosts = {cluster.node(n).host for n in nodes}
     for host, path, port in cluster_ports(cluster):
-        if host not in hosts or path.startswith("pool."):
-            continue  # the pool's processes are started by a later version
+        if host not in hosts:
+            continue
         bind_host = cluster.router_bind_host if path.startswith("router.") else host
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -155,8 +155,6 @@ def up(
         specs = [s for stage in stages for s in stage]
         runs_router = any(s.kind == "router" for s in specs)
         endpoint = cluster.api_base_url if runs_router else None
-        if cluster.pool_enabled:
-            print("[kvserve] note: pool processes are not started by this version", file=out)
         sup = Supervisor(
             run,
             stages,

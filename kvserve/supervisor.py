@@ -5,7 +5,10 @@
           └──────────────────────────▶ stop every group (TERM, grace, KILL) ◀────┘
 
 Any component that exits, or is not healthy in time, stops the whole launch: a cluster
-with a hole in it is worse than no cluster. The state file mirrors what is running.
+with a hole in it is worse than no cluster. Except the pool's processes (spec.restart):
+once the cluster runs, one that exits is started again after a back-off (1 s, doubling
+to 30 s while it keeps dying young), and serving goes on meanwhile by recomputing.
+The state file mirrors what is running.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
 
+import msgspec
+
 from kvserve.components import ComponentSpec
 from kvserve.health import http_get
 from kvserve.process_groups import process_start_time, spawn_group, stop_groups
@@ -26,6 +31,10 @@ from protocol.errors import KvserveError
 
 LOG_TAIL_LINES = 40
 _POLL_S = 0.2
+RESTART_FIRST_DELAY_S = 1.0
+RESTART_MAX_DELAY_S = 30.0
+RESTART_STABLE_S = 60.0
+"""A restarted component that ran this long starts over at the first delay."""
 
 
 class LaunchError(KvserveError):
@@ -51,6 +60,10 @@ class _Running:
     proc: subprocess.Popen[bytes]
     log: IO[bytes]
     state: ComponentState
+    started_s: float = field(default_factory=time.monotonic)
+    restart_at: float | None = None
+    """When an exited restartable component is started again (None: running)."""
+    restart_delay_s: float = RESTART_FIRST_DELAY_S
 
 
 @dataclass
@@ -137,15 +150,11 @@ class Supervisor:
     # -- stages ---------------------------------------------------------------------------
 
     def _start_stage(self, stage: list[ComponentSpec]) -> None:
-        env_base = dict(os.environ)
         for spec in stage:
             log_path = self.run.log_of(spec.name)
             log = open(log_path, "ab")  # noqa: SIM115 (lives as long as the process)
-            header = f"[kvserve] {time.strftime('%F %T')} starting: {' '.join(spec.argv)}\n"
-            log.write(header.encode())
-            log.flush()
             try:
-                proc = spawn_group(spec.argv, {**env_base, **spec.env}, log)
+                proc = self._spawn(spec, log)
             except OSError as e:
                 log.close()
                 raise LaunchError(f"{spec.name}: cannot start {spec.argv[0]!r}: {e}") from None
@@ -164,6 +173,38 @@ class Supervisor:
             self.running.append(_Running(spec, proc, log, state))
             self.say(f"started {spec.name} ({spec.kind}, pid {proc.pid}) on {spec.base_url}")
         self._write("starting")
+
+    def _spawn(self, spec: ComponentSpec, log: IO[bytes]) -> subprocess.Popen[bytes]:
+        header = f"[kvserve] {time.strftime('%F %T')} starting: {' '.join(spec.argv)}\n"
+        log.write(header.encode())
+        log.flush()
+        return spawn_group(spec.argv, {**os.environ, **spec.env}, log)
+
+    def _restart_later(self, r: _Running, rc: int) -> None:
+        """A restartable component exited: schedule its restart (back-off)."""
+        if time.monotonic() - r.started_s > RESTART_STABLE_S:
+            r.restart_delay_s = RESTART_FIRST_DELAY_S
+        r.restart_at = time.monotonic() + r.restart_delay_s
+        self.say(
+            f"{r.spec.name} exited with code {rc}; restarting it in {r.restart_delay_s:g}s "
+            f"(log {r.state.log})"
+        )
+        r.restart_delay_s = min(r.restart_delay_s * 2, RESTART_MAX_DELAY_S)
+
+    def _restart_now(self, r: _Running) -> None:
+        try:
+            r.proc = self._spawn(r.spec, r.log)
+        except OSError as e:
+            self.say(f"{r.spec.name}: cannot restart: {e}; trying again later")
+            r.restart_at = time.monotonic() + r.restart_delay_s
+            return
+        r.restart_at = None
+        r.started_s = time.monotonic()
+        r.state = msgspec.structs.replace(
+            r.state, pid=r.proc.pid, start_time=process_start_time(r.proc.pid)
+        )
+        self.say(f"restarted {r.spec.name} (pid {r.proc.pid})")
+        self._write("running")
 
     def _wait_healthy(self, stage: list[ComponentSpec]) -> None:
         t0 = time.monotonic()
@@ -195,11 +236,19 @@ class Supervisor:
     def _watch(self) -> int:
         while self.signals.stop is None:
             for r in self.running:
+                if r.restart_at is not None:
+                    if time.monotonic() >= r.restart_at:
+                        self._restart_now(r)
+                    continue
                 rc = r.proc.poll()
-                if rc is not None:
-                    self.say(self._failure(r, f"exited with code {rc}; stopping the cluster"))
-                    self._stop_all()
-                    return 1
+                if rc is None:
+                    continue
+                if r.spec.restart:
+                    self._restart_later(r, rc)
+                    continue
+                self.say(self._failure(r, f"exited with code {rc}; stopping the cluster"))
+                self._stop_all()
+                return 1
             time.sleep(_POLL_S)
         self.say(f"{signal.Signals(self.signals.stop).name}: stopping the cluster")
         self._stop_all()

@@ -98,9 +98,11 @@ class PoolStoreConfig(_Section, frozen=True, kw_only=True):
     hugepages: bool = False
     """Back the segment with reserved huge pages (needed for large RDMA registrations)."""
     port: Port | None = None
-    """RPC port of the store service; None: chosen at start."""
+    """Port of the store's Mooncake client (its segment name host:port); None: chosen by
+    Mooncake at start."""
     metrics_port: Port | None = None
-    """HTTP /health and /metrics port of the store service; None: none served."""
+    """HTTP /health and /metrics port of the store service; None: a free port of the
+    node's host, picked by `kvserve up`."""
     rdma_devices: tuple[str, ...] = ()
     """RDMA NICs of this store's NUMA node (protocol rdma only); empty: all."""
 

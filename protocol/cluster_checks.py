@@ -43,8 +43,11 @@ def check_cluster(c: ClusterConfig) -> None:
     for path, inst in _instances(c):
         if inst.name in seen:
             raise ConfigError(f"{path}.name", f"{inst.name!r} is also {seen[inst.name]}.name")
-        if inst.name in _RESERVED_NAMES:
-            raise ConfigError(f"{path}.name", f"{inst.name!r} is reserved; choose another name")
+        if inst.name in _RESERVED_NAMES or inst.name.startswith("pool-"):
+            raise ConfigError(
+                f"{path}.name",
+                f"{inst.name!r} is reserved (router, launcher, pool-*); choose another name",
+            )
         seen[inst.name] = path
         _check_ref(c, f"{path}.node", inst.node)
         _check_env(f"{path}.env", inst.env)

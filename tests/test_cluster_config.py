@@ -52,7 +52,8 @@ def test_local_example() -> None:
     assert [n.host for n in c.nodes] == ["127.0.0.1"]
     assert len(c.prefill) == 1 and len(c.decode) == 1
     assert c.prefill[0].device_names == ("cpu",)
-    assert c.pool is not None and not c.pool.enabled and not c.pool_enabled
+    assert c.pool is not None and c.pool.enabled and c.pool_enabled and c.pool.shared
+    assert [s.numa_node for s in c.pool.stores] == [0, 1]  # two stores, as two NUMA nodes
     assert c.api_base_url == "http://127.0.0.1:8000/v1"
     assert c.prefill[0].kv_cache_memory == 512 * 1024**2
     assert c.decode[0].landing_memory == 256 * 1024**2
@@ -182,7 +183,6 @@ BAD = [
     # ports on one host
     ("collision", _set("decode.0.port", 8100), "decode[0].port", "also prefill[0].port"),
     ("metrics", _set("router.metrics_port", 8000), "router.metrics_port", "also router.port"),
-    ("pool-port", _set("pool.master.port", 8000), None, None),  # disabled pool: no port
 ]
 
 
@@ -206,11 +206,16 @@ def _all_cases() -> list[tuple[str, Any, str | None, str | None]]:
         d["pool"]["enabled"] = True
         d["pool"]["master"]["port"] = 8000
 
+    def pool_off(d: dict[str, Any]) -> None:
+        d["pool"]["enabled"] = False
+        d["pool"]["master"]["port"] = 8000
+
     cases += [
         ("dup-gpu", two_gpus, "decode[0].devices[1]", "cuda:3 is listed twice"),
         ("mixed", mixed, "prefill[0].devices", "mixes cpu and GPUs"),
         ("shared-gpu", shared, "decode[1].devices[0]", "cuda:1 on host 127.0.0.1 is already used"),
         ("pool-collision", pool_on, "pool.master.port", "also router.port"),
+        ("pool-port", pool_off, None, None),  # disabled pool: no port
     ]
     return cases
 
@@ -310,7 +315,10 @@ def test_check_cli_valid() -> None:
     assert "cluster 'local' is valid" in res.stdout
     assert "http://127.0.0.1:8000/v1" in res.stdout
     assert "prefill-0" in res.stdout and "decode-0" in res.stdout
-    assert "here     router, prefill-0, decode-0" in res.stdout
+    assert (
+        "here     pool-master, pool-store-0, pool-store-1, router, prefill-0, decode-0"
+        in res.stdout
+    )
 
 
 def test_check_cli_invalid(tmp_path: Path) -> None:
