@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # Set up kvserve for CPU development on a fresh Debian machine: system libraries that
-# Mooncake needs (even for TCP), the CPU build of torch, the project with its CPU and dev
-# extras, and the builtin SmolLM2 weights. GPU users install their torch build first; an
-# importable torch is left alone.
+# Mooncake needs (even for TCP), Prometheus (for the observability test), the CPU build of
+# torch, the project with its CPU and dev extras, and the builtin SmolLM2 weights. GPU
+# users install their torch build first; an importable torch is left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! ldconfig -p | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'librdmacm.so.1'; then
+# prometheus: the server tests/test_observability.py scrapes a live cluster with (its
+# recommended node-exporter is left out: it would listen on :9100).
+if ! ldconfig -p | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'librdmacm.so.1' \
+  || ! command -v prometheus >/dev/null; then
   sudo=""
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq libibverbs1 librdmacm1 >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+    prometheus >/dev/null
 fi
 
 python -m pip install -q --upgrade pip >/dev/null

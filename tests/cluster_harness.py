@@ -44,6 +44,9 @@ class Cluster:
     prefill_url: str
     decode_url: str
     served_name: str
+    name: str = "e2e"
+    pool_metrics_url: str | None = None
+    """The pool master's /metrics base URL when the cluster runs a pool."""
 
     @property
     def api_base(self) -> str:
@@ -53,18 +56,42 @@ class Cluster:
         return httpx.get(url + "/status", timeout=5).json()
 
     def pids(self) -> dict[str, int]:
-        state = json.loads((self.state_dir / "e2e" / "state.json").read_text())
+        state = json.loads((self.state_dir / self.name / "state.json").read_text())
         return {c["name"]: c["pid"] for c in state["components"]}
 
     def down(self) -> subprocess.CompletedProcess[str]:
         return kvserve("down", "-c", str(self.config), "--state-dir", str(self.state_dir))
 
 
-def start_cluster(tmp: Path, model: str, *, cache_dir: str, extra: dict | None = None) -> Cluster:
+def pool_section(ports: list[int], store_size: str = "64MiB") -> dict:
+    """An enabled shared pool on 127.0.0.1: master rpc, master metrics and one store
+    (/health and /metrics) on the three `ports`."""
+    return {
+        "enabled": True,
+        "master": {"node": "local", "port": ports[0], "metrics_port": ports[1]},
+        "stores": [{"node": "local", "size": store_size, "metrics_port": ports[2]}],
+    }
+
+
+def start_cluster(
+    tmp: Path,
+    model: str,
+    *,
+    cache_dir: str,
+    extra: dict | None = None,
+    name: str = "e2e",
+    prefill: dict | None = None,
+    decode: dict | None = None,
+    pool: bool = False,
+) -> Cluster:
+    """`kvserve up --detach` of one prefill, one decode and the router on free ports.
+
+    `extra` replaces top-level sections; `prefill` / `decode` add or replace keys of the
+    instance's section; `pool` adds a shared pool (master + one store, free ports)."""
     router_port, prefill_port, decode_port = free_ports(3)
     served = "e2e-model"
     cfg = {
-        "name": "e2e",
+        "name": name,
         "model": model,
         "dtype": "float32",
         "cache": {"block_size": 16, "chunk_size": 256, "weights_cache_dir": cache_dir},
@@ -99,6 +126,13 @@ def start_cluster(tmp: Path, model: str, *, cache_dir: str, extra: dict | None =
             "request_timeout_s": 60,
         },
     }
+    cfg["prefill"][0].update(prefill or {})
+    cfg["decode"][0].update(decode or {})
+    pool_metrics_url = None
+    if pool:
+        ports = free_ports(3)
+        cfg["pool"] = pool_section(ports)
+        pool_metrics_url = f"http://127.0.0.1:{ports[1]}"
     for key, value in (extra or {}).items():
         cfg[key] = value
     config = tmp / "cluster.yaml"
@@ -113,6 +147,8 @@ def start_cluster(tmp: Path, model: str, *, cache_dir: str, extra: dict | None =
         f"http://127.0.0.1:{prefill_port}",
         f"http://127.0.0.1:{decode_port}",
         served,
+        name,
+        pool_metrics_url,
     )
 
 
