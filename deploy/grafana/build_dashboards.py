@@ -433,14 +433,18 @@ CAPACITY = Dashboard(
         ),
         Panel(
             "Admission",
-            "Requests the router's admission gate rejected per second by reason, and those "
-            "it holds in its queue.",
+            "Requests the router's admission gate rejected per second by reason, those it "
+            "holds in its queue, and the decode KV tokens it has reserved per instance.",
             (
                 Query(
                     sum_rate("kvserve_router_admission_rejections_total", by="reason"),
                     "rejected {{reason}}",
                 ),
                 Query(f"sum({sel('kvserve_router_admission_waiting')})", "queued"),
+                Query(
+                    f"sum by (instance) ({sel('kvserve_router_admission_reserved_tokens')})",
+                    "reserved tokens {{instance}}",
+                ),
             ),
         ),
         Panel(
