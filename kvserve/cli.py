@@ -45,7 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(c)
     c.add_argument("--system", default=None, help="system message")
     _add_cluster_commands(sub)
+    _add_bench_commands(sub)
     return parser
+
+
+def _add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`kvserve bench agentic`: benchmarks/ is imported only when the command runs."""
+    b = sub.add_parser("bench", help="benchmarks against a running server")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    a = bsub.add_parser("agentic", help="replay agent sessions (trace or synthetic)")
+    from benchmarks.agentic.cli import add_arguments
+
+    add_arguments(a)
 
 
 def _default_cluster_file() -> str | None:
@@ -232,6 +243,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_chat(args)
         if args.command in ("up", "down", "status", "check", "render"):
             return _run_cluster_command(args)
+        if args.command == "bench":
+            from benchmarks.agentic.cli import run
+
+            return run(args)
     except KvserveError as e:
         from kvserve.supervisor import LaunchError
 

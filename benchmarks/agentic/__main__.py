@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.agentic.cli import main
+
+sys.exit(main())
