@@ -83,11 +83,12 @@ def start_cluster(
     prefill: dict | None = None,
     decode: dict | None = None,
     pool: bool = False,
+    router: dict | None = None,
 ) -> Cluster:
     """`kvserve up --detach` of one prefill, one decode and the router on free ports.
 
-    `extra` replaces top-level sections; `prefill` / `decode` add or replace keys of the
-    instance's section; `pool` adds a shared pool (master + one store, free ports)."""
+    `extra` replaces top-level sections; `prefill` / `decode` / `router` add or replace
+    keys of the instance's (router's) section; `pool` adds a shared pool (master + one store, free ports)."""
     router_port, prefill_port, decode_port = free_ports(3)
     served = "e2e-model"
     cfg = {
@@ -128,6 +129,7 @@ def start_cluster(
     }
     cfg["prefill"][0].update(prefill or {})
     cfg["decode"][0].update(decode or {})
+    cfg["router"].update(router or {})
     pool_metrics_url = None
     if pool:
         ports = free_ports(3)

@@ -1,0 +1,121 @@
+"""The agentic benchmark end to end: `kvserve up` of a tiny random Llama with two prefill
+instances behind the kv_aware router, a few short synthetic sessions replayed with
+`kvserve bench agentic`, and the report's reuse checked against the workers' own
+counters (kvserve_prompt_tokens_total on every prefill instance's /metrics)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from cluster_harness import free_ports, start_cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _prompt_tokens(metrics_text: str) -> dict[str, float]:
+    out = {"gpu": 0.0, "pool": 0.0, "computed": 0.0}
+    for m in re.finditer(
+        r"^kvserve_prompt_tokens_total\{([^}]*)\} ([0-9.e+]+)$", metrics_text, re.M
+    ):
+        source = re.search(r'source="(\w+)"', m.group(1))
+        if source and source.group(1) in out:
+            out[source.group(1)] += float(m.group(2))
+    return out
+
+
+def test_tiny_agentic_benchmark_matches_worker_counters(
+    tmp_path: Path, tiny_llama_dir: Path, weights_cache_dir: str
+) -> None:
+    t0 = time.monotonic()
+    p0, p1 = free_ports(2)
+    prefill = [
+        {
+            "name": f"prefill-{i}",
+            "node": "local",
+            "port": port,
+            "devices": ["cpu"],
+            "max_batched_tokens": 512,
+            "max_num_seqs": 16,
+            "kv_cache_memory": "16MiB",
+        }
+        for i, port in enumerate((p0, p1))
+    ]
+    cluster = start_cluster(
+        tmp_path,
+        str(tiny_llama_dir),
+        cache_dir=weights_cache_dir,
+        extra={"prefill": prefill},
+        router={"policy": "kv_aware"},
+        name="agentic",
+    )
+    try:
+        out = tmp_path / "bench"
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvserve.cli",
+                "bench",
+                "agentic",
+                "--url",
+                cluster.router_url,
+                "--synthetic",
+                "--sessions",
+                "3",
+                "--turns",
+                "4",
+                "--max-context",
+                "1200",
+                "--block-tokens",
+                "32",
+                "--max-output",
+                "8",
+                "--time-scale",
+                "0.002",
+                "--seed",
+                "1",
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        report = json.loads((out / "report.json").read_text())
+        for key in (
+            "throughput_tokens_per_s_per_gpu",
+            "prompt_tokens",
+            "reuse",
+            "ceiling",
+            "ttft_p50_s",
+            "ttft_p90_s",
+            "itl_p50_s",
+            "errors",
+        ):
+            assert key in report, key
+        assert report["errors"] == 0 and report["requests"] >= 12
+        for png in ("ttft.png", "reuse.png", "context.png"):
+            assert (out / png).stat().st_size > 1000
+        # The report's reuse is the workers' own count of where prompt tokens came from.
+        counted = {"gpu": 0.0, "pool": 0.0, "computed": 0.0}
+        for port in (p0, p1):
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", trust_env=False).text
+            for k, v in _prompt_tokens(text).items():
+                counted[k] += v
+        assert sum(counted.values()) == report["prompt_tokens"]
+        assert {k: int(v) for k, v in counted.items()} == report["reuse_tokens"]
+        # Shared prefixes were found: sessions share a system prompt and grow turn by turn.
+        assert report["reuse"]["gpu"] > 0.3
+        assert report["reuse"]["gpu"] + report["reuse"]["pool"] <= report["ceiling"] + 1e-9
+    finally:
+        down = cluster.down()
+        assert down.returncode == 0, down.stderr
+    assert time.monotonic() - t0 < 120
