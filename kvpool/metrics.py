@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+FAILURE_OPS = ("lookup", "load", "save", "remove")
+"""Operations of kvserve_pool_failures_total{op}; reasons vary (Mooncake status codes)."""
 RESTORE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5, 10)
 
 
@@ -71,6 +73,8 @@ class PoolMetrics:
             ["instance", "op", "reason"],
             registry=registry,
         )
+        for op in FAILURE_OPS:  # at 0 from start: a failures panel shows 0, not "no data"
+            self.failures.labels(instance=instance, op=op, reason="unreachable")
         self.checksum_failures = counter(
             "kvserve_pool_checksum_failures",
             "Objects read that did not match (header, size or payload checksum): removed",
