@@ -1,0 +1,231 @@
+"""The scaled-down CPU study of docs/benchmarks.md: routing policies and pool layouts on the
+same seeded agentic trace, every configuration started fresh with `kvserve up`.
+
+    python -m benchmarks.agentic.study --out /tmp/study [--sessions 8] [--turns 5]
+        [--max-context 2048] [--configs kv_aware/shared,round_robin/shared,...]
+
+Cluster (one host, two loopback "nodes" so that a split pool is two pools):
+
+    node n0 127.0.0.1: prefill-0, decode-0, router, store 0 (+ master)
+    node n1 127.0.0.2: prefill-1,                   store 1 (+ its master when split)
+
+SmolLM2-135M (float32), prefill GPU-cache budget `--prefill-kv` per instance: a few of
+the sessions' histories, so that most turns must come from the pool or be recomputed.
+Configurations `policy/pool` with pool one of shared | split | none. The trace ceiling
+(what a perfect infinite cache would reuse) comes with every report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_CONFIGS = (
+    "kv_aware/shared",
+    "round_robin/shared",
+    "session/shared",
+    "kv_aware/split",
+    "kv_aware/none",
+    "round_robin/none",
+)
+HOSTS = ("127.0.0.1", "127.0.0.2")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def cluster_yaml(name: str, policy: str, pool: str, args: argparse.Namespace) -> dict[str, Any]:
+    ports = {k: _free_port(HOSTS[0]) for k in ("router", "p0", "d0", "mrpc", "mmet", "s0")}
+    ports.update(p1=_free_port(HOSTS[1]), s1=_free_port(HOSTS[1]))
+    cfg: dict[str, Any] = {
+        "name": name,
+        "model": args.model,
+        "dtype": "float32",
+        "log_level": "warning",
+        "cache": {"block_size": 16, "chunk_size": 256},
+        "nodes": [{"name": "n0", "host": HOSTS[0]}, {"name": "n1", "host": HOSTS[1]}],
+        "prefill": [
+            {
+                "name": f"prefill-{i}",
+                "node": f"n{i}",
+                "port": ports[f"p{i}"],
+                "devices": ["cpu"],
+                "max_batched_tokens": 1024,
+                "max_num_seqs": 32,
+                "kv_cache_memory": args.prefill_kv,
+                "pool_buffer_memory": "64MiB",
+            }
+            for i in range(2)
+        ],
+        "decode": [
+            {
+                "name": "decode-0",
+                "node": "n0",
+                "port": ports["d0"],
+                "devices": ["cpu"],
+                "max_num_seqs": 32,
+                "kv_cache_memory": args.decode_kv,
+                "landing_memory": "192MiB",
+            }
+        ],
+        "router": {
+            "node": "n0",
+            "port": ports["router"],
+            "policy": policy,
+            "served_model_name": "smollm2",
+            "request_timeout_s": 300,
+        },
+    }
+    if pool != "none":
+        cfg["pool"] = {
+            "enabled": True,
+            "shared": pool == "shared",
+            "master": {"node": "n0", "port": ports["mrpc"], "metrics_port": ports["mmet"]},
+            "stores": [
+                {"node": f"n{i}", "size": args.store_size, "metrics_port": ports[f"s{i}"]}
+                for i in range(2)
+            ],
+        }
+    return cfg
+
+
+def _kvserve(*argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def run_config(label: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    policy, pool = label.split("/")
+    name = f"study-{policy.replace('_', '')}-{pool}"
+    cdir = out / label.replace("/", "-")
+    cdir.mkdir(parents=True, exist_ok=True)
+    cfg = cluster_yaml(name, policy, pool, args)
+    config = cdir / "cluster.yaml"
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    state = cdir / "state"
+    t0 = time.monotonic()
+    up = _kvserve("up", "-c", str(config), "--detach", "--state-dir", str(state), timeout=300)
+    row: dict[str, Any] = {"config": label, "policy": policy, "pool": pool}
+    if up.returncode != 0:
+        row["error"] = f"kvserve up failed: {(up.stderr or up.stdout)[-800:]}"
+        _kvserve("down", "-c", str(config), "--state-dir", str(state), timeout=60)
+        return row
+    row["startup_s"] = round(time.monotonic() - t0, 1)
+    url = f"http://{HOSTS[0]}:{cfg['router']['port']}"
+    bench = [
+        sys.executable,
+        "-m",
+        "benchmarks.agentic",
+        "--url",
+        url,
+        "--synthetic",
+        "--sessions",
+        str(args.sessions),
+        "--turns",
+        str(args.turns),
+        "--max-context",
+        str(args.max_context),
+        "--block-tokens",
+        "64",
+        "--max-output",
+        str(args.max_output),
+        "--time-scale",
+        str(args.time_scale),
+        "--seed",
+        str(args.seed),
+        "--gpus",
+        "3",
+        "--out",
+        str(cdir / "bench"),
+    ]
+    try:
+        res = subprocess.run(bench, capture_output=True, text=True, timeout=args.replay_timeout)
+        report_path = cdir / "bench" / "report.json"
+        if report_path.exists():
+            row.update(json.loads(report_path.read_text()))
+        else:
+            row["error"] = f"bench failed: {res.stderr[-800:]}"
+    except subprocess.TimeoutExpired:
+        row["error"] = f"replay ran past {args.replay_timeout} s"
+    finally:
+        down = _kvserve("down", "-c", str(config), "--state-dir", str(state), timeout=120)
+        if down.returncode != 0:
+            row.setdefault("warnings", []).append(f"kvserve down: {down.stderr[-300:]}")
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| config | gpu | pool | computed | reuse | ceiling | of ceiling | TTFT p50 | "
+        "TTFT p90 | tok/s/GPU | errors |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        if "reuse" not in r:
+            lines.append(f"| {r['config']} | {r.get('error', 'failed')[:120]} |" + " |" * 9)
+            continue
+        u = r["reuse"]
+        hit = u["gpu"] + u["pool"]
+        of = f"{hit / r['ceiling']:.1%}" if r["ceiling"] else "-"
+        lines.append(
+            f"| {r['config']} | {u['gpu']:.1%} | {u['pool']:.1%} | {u['computed']:.1%} | "
+            f"{hit:.1%} | {r['ceiling']:.1%} | {of} | {r['ttft_p50_s']:.2f} s | "
+            f"{r['ttft_p90_s']:.2f} s | {r['throughput_tokens_per_s_per_gpu']:.0f} | "
+            f"{r['errors']} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.agentic.study", description=__doc__)
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--max-output", type=int, default=8)
+    p.add_argument("--time-scale", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-kv", default="112MiB", help="GPU-cache budget per prefill")
+    p.add_argument("--decode-kv", default="512MiB")
+    p.add_argument("--store-size", default="768MiB", help="DRAM per store (two stores)")
+    p.add_argument("--replay-timeout", type=float, default=240.0)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    t0 = time.monotonic()
+    for label in args.configs.split(","):
+        row = run_config(label.strip(), args, out)
+        rows.append(row)
+        brief = {k: row.get(k) for k in ("config", "reuse", "ceiling", "ttft_p50_s", "error")}
+        print(json.dumps(brief), file=sys.stderr, flush=True)
+    summary = {
+        "args": vars(args),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "rows": rows,
+    }
+    (out / "study.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "study.md").write_text(table(rows))
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
