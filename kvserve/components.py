@@ -52,9 +52,10 @@ START_ORDER: tuple[tuple[str, ...], ...] = (
 (stores mount into a running master, prefill connects to a pool that has memory, and the
 router comes up only when the workers it routes to answer)."""
 
-RESTARTED_KINDS = ("pool_master", "pool_store")
-"""Kinds the supervisor restarts when they exit, instead of stopping the cluster: serving
-goes on without the pool (prefill recomputes) and pooling resumes when they are back."""
+RESTARTED_KINDS = ("pool_master", "pool_store", "prefill", "decode")
+"""Kinds the supervisor restarts when they exit once the cluster runs, instead of stopping
+it: without the pool, prefill recomputes; without a worker, the router routes around it
+(its in-flight requests fail fast with a 5xx, DESIGN §10) until it is back."""
 
 WORKER_KINDS = ("prefill", "decode")
 

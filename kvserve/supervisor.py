@@ -5,9 +5,11 @@
           └──────────────────────────▶ stop every group (TERM, grace, KILL) ◀────┘
 
 Any component that exits, or is not healthy in time, stops the whole launch: a cluster
-with a hole in it is worse than no cluster. Except the pool's processes (spec.restart):
-once the cluster runs, one that exits is started again after a back-off (1 s, doubling
-to 30 s while it keeps dying young), and serving goes on meanwhile by recomputing.
+with a hole in it is worse than no cluster. Once the cluster runs, the pool's processes
+and the workers (spec.restart) are started again when they exit, after a back-off (1 s,
+doubling to 30 s while they keep dying young); serving goes on meanwhile (the router
+routes around a dead worker, prefill recomputes without the pool). The router is not
+restarted: without it there is nothing to serve.
 The state file mirrors what is running.
 """
 
