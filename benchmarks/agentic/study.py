@@ -11,6 +11,9 @@ Cluster (one host, two loopback "nodes" so that a split pool is two pools):
 
 SmolLM2-135M (float32), prefill GPU-cache budget `--prefill-kv` per instance: a few of
 the sessions' histories, so that most turns must come from the pool or be recomputed.
+The pool chunk is scaled down with the contexts (64 tokens for ~2K contexts, as 256 is
+for 170K ones): a restore rounds down to a chunk boundary, and at 256 tokens that
+rounding alone would cost ~10% of a 2K-token prompt.
 Configurations `policy/pool` with pool one of shared | split | none. The trace ceiling
 (what a perfect infinite cache would reuse) comes with every report.
 """
@@ -53,7 +56,7 @@ def cluster_yaml(name: str, policy: str, pool: str, args: argparse.Namespace) ->
         "model": args.model,
         "dtype": "float32",
         "log_level": "warning",
-        "cache": {"block_size": 16, "chunk_size": 256},
+        "cache": {"block_size": 16, "chunk_size": args.chunk_size},
         "nodes": [{"name": "n0", "host": HOSTS[0]}, {"name": "n1", "host": HOSTS[1]}],
         "prefill": [
             {
@@ -202,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-output", type=int, default=8)
     p.add_argument("--time-scale", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        default=64,
+        help="pool chunk tokens; scaled down with the contexts (256 at full scale)",
+    )
     p.add_argument("--prefill-kv", default="112MiB", help="GPU-cache budget per prefill")
     p.add_argument("--decode-kv", default="512MiB")
     p.add_argument("--store-size", default="768MiB", help="DRAM per store (two stores)")
