@@ -64,6 +64,8 @@ class StandinWorker:
     received: list[tuple[str, Any]] = field(default_factory=list)
     aborts: list[tuple[float, AbortRequest]] = field(default_factory=list)
     resets: int = 0
+    kv_capacity_tokens: int | None = None
+    """Serve GET /info and /kv_events with this KV capacity; None: no such endpoints (404)."""
 
     def app(self) -> Starlette:
         return Starlette(
@@ -74,8 +76,37 @@ class StandinWorker:
                 Route("/abort", self._abort, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/admin/reset_prefix_cache", self._reset, methods=["POST"]),
+                Route("/info", self._info, methods=["GET"]),
+                Route("/kv_events", self._kv_events, methods=["GET"]),
             ]
         )
+
+    async def _info(self, request: Request) -> Response:
+        from protocol.kv_events import WorkerInfo
+
+        if self.kv_capacity_tokens is None:
+            return Response(b"", status_code=404)
+        info = WorkerInfo(
+            name="standin",
+            role="decode",
+            namespace_key="standin",
+            block_size=16,
+            chunk_size=256,
+            kv_bytes_per_token=LAYOUT.bytes_per_token,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+        )
+        return Response(msgspec.json.encode(info), media_type="application/json")
+
+    async def _kv_events(self, request: Request) -> Response:
+        from protocol.kv_events import KVEventBatch, WorkerLoad
+
+        if self.kv_capacity_tokens is None:
+            return Response(b"", status_code=404)
+        load = WorkerLoad(
+            num_running=0, num_waiting=0, queued_tokens=0, kv_blocks_total=0, kv_blocks_free=0
+        )
+        batch = KVEventBatch(epoch="standin", next_seq=0, load=load)
+        return Response(msgspec.json.encode(batch), media_type="application/json")
 
     def aborted_ids(self) -> set[str]:
         return {a.request_id for _, a in self.aborts}

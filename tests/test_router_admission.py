@@ -1,0 +1,77 @@
+"""The admission gate through the real router: a request waits for decode KV headroom,
+gets 429 + Retry-After when the wait runs out, 400 when it can never fit, and the
+output-token limit is enforced. Stand-in workers report a tiny decode KV capacity."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from router_standin import RouterHarness
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def harness():
+    h = RouterHarness(admission_wait_timeout_s=0.6, kv_poll_interval_s=0.05, max_output_tokens=80)
+    yield h
+    h.close()
+
+
+def _post(h: RouterHarness, max_tokens: int) -> httpx.Response:
+    return httpx.post(
+        h.url + "/v1/completions",
+        json={"model": h.served_name, "prompt": [5] * 10, "max_tokens": max_tokens},
+        trust_env=False,
+        timeout=30,
+    )
+
+
+def _wait_capacity_known(h: RouterHarness) -> None:
+    view = h.app.state.view
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if all(view.state(i).info is not None for i in h.app.state.registry.instances("decode")):
+            return
+        time.sleep(0.02)
+    raise AssertionError("the router never read the decode instance's /info")
+
+
+def test_wait_then_429_with_retry_after_then_admitted(harness: RouterHarness) -> None:
+    h = harness
+    h.reset()
+    h.decode[0].kv_capacity_tokens = 100  # budget 90 tokens of prompt + max_tokens
+    h.set_output(list(range(100, 160)), token_delay_s=0.05)  # the first request takes ~1.5 s
+    h.app.state.view.states.clear()  # forget what was learned before this test
+    _wait_capacity_known(h)
+    first: list[httpx.Response] = []
+    holder = threading.Thread(target=lambda: first.append(_post(h, 60)))  # 70 tokens
+    holder.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    busy = _post(h, 60)  # 70 more: over the budget until the first one ends
+    waited = time.monotonic() - t0
+    assert busy.status_code == 429, busy.text
+    assert int(busy.headers["retry-after"]) >= 1
+    assert busy.json()["error"]["type"] == "rate_limit_error"
+    assert 0.5 < waited < 3
+    holder.join(30)
+    assert first and first[0].status_code == 200
+    assert _post(h, 60).status_code == 200  # room again
+    metrics = httpx.get(h.url + "/metrics", trust_env=False).text
+    assert 'kvserve_router_admission_rejections_total{reason="wait_timeout"}' in metrics
+
+
+def test_larger_than_any_budget_is_400_and_output_limit(harness: RouterHarness) -> None:
+    h = harness
+    h.reset()
+    h.decode[0].kv_capacity_tokens = 50
+    h.app.state.view.states.clear()
+    _wait_capacity_known(h)
+    r = _post(h, 60)  # 70 > 45: can never fit
+    assert r.status_code == 400 and "decode budget" in r.json()["error"]["message"]
+    r = _post(h, 81)  # over admission.max_output_tokens
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
