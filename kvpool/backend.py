@@ -52,6 +52,9 @@ class PoolBackend(ABC):
     threads). See the module docstring for the contract."""
 
     name: ClassVar[str]
+    accepts_writes: ClassVar[bool] = True
+    """False for a backend that stores nothing ("none"): callers need not pack data
+    for it, and nothing written to it may be announced as saved."""
 
     @abstractmethod
     def register_buffer(self, ptr: int, nbytes: int) -> None:
@@ -114,6 +117,7 @@ class NoneBackend(PoolBackend):
     """The pool is off (`pool.enabled: false`): nothing exists, writes are discarded."""
 
     name = "none"
+    accepts_writes = False
 
     def __init__(self, config: BackendConfig | None = None) -> None:
         del config

@@ -227,7 +227,9 @@ class PoolClient:
         self.metrics.save_bytes.inc(sum(stored) * spec.object_bytes)
         return stored
 
-    def save_chunks(self, chunk_keys: Sequence[ChunkKey], slots: Sequence[Sequence[int]]) -> int:
+    def save_chunks(
+        self, chunk_keys: Sequence[ChunkKey], slots: Sequence[Sequence[int]]
+    ) -> list[ChunkKey]:
         """Write every local stage's object of each chunk (slots[c][i]: chunk c's packed
         slot for local_stages[i]); a chunk that some stage failed to store has its other
         stages' objects removed, so this client never leaves a chunk that only some
@@ -242,9 +244,9 @@ class PoolClient:
             self._remove(
                 [self.keys.object_key(c, s.index) for c in partial for s in self.local_stages]
             )
-        num_whole = sum(whole)
-        self.metrics.save_chunks.inc(num_whole)
-        return num_whole
+        stored = [c for c, w in zip(chunk_keys, whole, strict=True) if w]
+        self.metrics.save_chunks.inc(len(stored))
+        return stored
 
     def close(self) -> None:
         self.breaker.close()

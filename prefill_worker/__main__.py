@@ -10,6 +10,7 @@ from enginehost.host import EngineHost
 from enginehost.metrics import serve_metrics_port
 from enginehost.startup import build_engine, cpu_threads_per_engine, serve, setup_logging
 from prefill_worker.handoff import HandoffTable
+from prefill_worker.pool_connector import build_pool_connector
 from prefill_worker.service import PrefillService
 from protocol.cluster import load_cluster
 from transfer import HandoffSender, TransportConfig, create_transport
@@ -49,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         HandoffTable(sender, engine.runner.kv_caches),
         num_devices=len(inst.devices),
     )
+    engine.set_kv_connector(
+        build_pool_connector(cluster, inst, engine, service.registry, service.kv_reporter)
+    )
     serve_metrics_port(service.registry, node.host, inst.metrics_port)
     app = service.app()
 
@@ -59,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     @app.on_event("shutdown")
     async def _stop() -> None:
         host.stop()
+        engine.close()
         await asyncio.sleep(0)
 
     serve(app, node.host, inst.port, cluster.log_level)

@@ -35,12 +35,13 @@ log = logging.getLogger(__name__)
 
 
 def usage_of(out: RequestOutput) -> PromptUsage:
-    cached = out.num_cached_tokens
+    """Every prompt token once: from the GPU prefix cache, the pool, or computed."""
+    gpu, pool = out.num_cached_tokens, out.num_pool_tokens
     return PromptUsage(
         prompt_tokens=out.num_prompt_tokens,
-        gpu_tokens=cached,
-        pool_tokens=0,
-        computed_tokens=out.num_prompt_tokens - cached,
+        gpu_tokens=gpu,
+        pool_tokens=pool,
+        computed_tokens=out.num_prompt_tokens - gpu - pool,
     )
 
 

@@ -24,6 +24,8 @@ _WILDCARDS = ("0.0.0.0", "::", "")
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.:%-]+$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _RESERVED_NAMES = ("router", "launcher")
+MIN_STORE_BYTES = 16 * 1024**2
+"""Mooncake refuses smaller segments ("Total size must be at least 16777216")."""
 
 
 def check_cluster(c: ClusterConfig) -> None:
@@ -193,8 +195,11 @@ def _check_pool(c: ClusterConfig) -> None:
     per_node: dict[str, list[int]] = {}
     for i, s in enumerate(pool.stores):
         _check_ref(c, f"pool.stores[{i}].node", s.node)
-        if s.size == 0:
-            raise ConfigError(f"pool.stores[{i}].size", "must be larger than 0")
+        if s.size < MIN_STORE_BYTES:
+            raise ConfigError(
+                f"pool.stores[{i}].size",
+                f"{s.size} bytes is below 16MiB, the smallest segment Mooncake mounts",
+            )
         per_node.setdefault(s.node, []).append(i)
     for node, idx in per_node.items():
         if len(idx) < 2:

@@ -107,9 +107,13 @@ def store_argv(config: Path, index: int) -> list[str]:
     return [sys.executable, "-m", "kvpool.store", "-c", str(config), "--index", str(index)]
 
 
-def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
+def wait_healthy(
+    url: str, timeout_s: float = 60.0, proc: subprocess.Popen[bytes] | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode} (see its log)")
         try:
             if httpx.get(url, timeout=1).status_code == 200:
                 return
@@ -145,11 +149,11 @@ def start_pool(tmp: Path, **kw: object) -> Pool:
     )
     try:
         spawn(pool, "master", master_argv(config), host)
-        wait_healthy(pool.metrics_url + "/health")
+        wait_healthy(pool.metrics_url + "/health", proc=pool.procs["master"])
         for i in range(len(sizes)):
             spawn(pool, f"store{i}", store_argv(config, i), host)
-        for url in pool.store_health_urls:
-            wait_healthy(url)
+        for i, url in enumerate(pool.store_health_urls):
+            wait_healthy(url, proc=pool.procs[f"store{i}"])
         deadline = time.monotonic() + 30
         while pool.master_metric("master_total_capacity_bytes") < capacity:
             assert time.monotonic() < deadline, "stores did not mount their segments"

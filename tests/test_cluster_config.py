@@ -161,6 +161,7 @@ BAD = [
     ),
     ("router-ref", _set("router.node", "gpu9"), "router.node", "unknown node"),
     ("pool-ref", _set("pool.stores.0.node", "x"), "pool.stores[0].node", "unknown node"),
+    ("store-size", _set("pool.stores.0.size", "8MiB"), "pool.stores[0].size", "below 16MiB"),
     ("dup-name", _set("decode.0.name", "prefill-0"), "decode[0].name", "also prefill[0].name"),
     ("reserved", _set("decode.0.name", "router"), "decode[0].name", "reserved"),
     # parallel layouts

@@ -78,7 +78,7 @@ def _fill_and_write(client: PoolClient, keys: list[ChunkKey], seed: int = 0) -> 
         for stage, s in zip(client.local_stages, chunk_slots, strict=True):
             spec = client.specs[stage.index]
             client.buffer.payload(s, spec).copy_(torch.randn(spec.shape, generator=g))
-    return client.save_chunks(keys, slots)
+    return len(client.save_chunks(keys, slots))
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +296,7 @@ def _store_config(tmp: Path, pool: Pool, **store: object) -> Path:
     port = int(master_address(cluster, "local").rsplit(":", 1)[1])
     ports = free_ports(6)
     ports[0] = port
-    cfg = pool_cluster_dict(ports, store_sizes=("8MiB",))
+    cfg = pool_cluster_dict(ports, store_sizes=("16MiB",))
     cfg["pool"]["stores"][0].update(store)
     path = tmp / "store.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -319,7 +319,7 @@ def test_store_with_unreserved_huge_pages_fails_clearly(pool: Pool, tmp_path: Pa
         ),
         0,
     )
-    if free * 2 * 1024 * 1024 >= 8 << 20:
+    if free * 2 * 1024 * 1024 >= 16 << 20:
         pytest.skip("this host has huge pages reserved")
     res = _run_store(_store_config(tmp_path, pool, hugepages=True), {})
     assert res.returncode == 2

@@ -45,7 +45,7 @@ def _split(tmp: Path, shared: bool) -> Path:
         "pool": {
             "shared": shared,
             "master": {"node": "a", "port": ports[0], "metrics_port": ports[1]},
-            "stores": [{"node": "a", "size": "8MiB"}, {"node": "b", "size": "8MiB"}],
+            "stores": [{"node": "a", "size": "16MiB"}, {"node": "b", "size": "16MiB"}],
         },
         "prefill": [
             {"name": "pa", "node": "a", "port": ports[2], "devices": ["cpu"]},
@@ -84,7 +84,7 @@ def test_a_dead_pool_process_is_restarted_while_the_cluster_serves(tmp_path: Pat
     mport, mmetrics = free_ports(2)
     data["pool"] = {
         "master": {"node": "local", "port": mport, "metrics_port": mmetrics},
-        "stores": [{"node": "local", "size": "8MiB"}],
+        "stores": [{"node": "local", "size": "16MiB"}],
     }
     c.config.write_text(yaml.safe_dump(data))
     (tmp_path / "standin.py").write_text(STANDIN)

@@ -1,0 +1,236 @@
+"""The engine with the pool connector on a real pool (master + two store services over
+tcp on loopback), without HTTP: restores across engines with a 3-stage layer split,
+a tampered object (caught, removed, counted, recomputed from that chunk), other
+namespaces (weights, KV dtype) never restoring, and forced eviction with many sessions:
+no partial chunk is ever restored, every prompt token is counted once, and every output
+equals a cold run's."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from conftest import make_tiny_model
+from pool_harness import Pool, start_pool
+from prometheus_client import CollectorRegistry
+
+from engine.config import EngineConfig
+from engine.llm_engine import Completion, LLMEngine
+from kvpool.backend import BackendConfig, create_backend
+from kvpool.client import PoolClient
+from kvpool.metrics import PoolMetrics
+from prefill_worker.pool_connector import PoolConnector
+from protocol.hashing import chunk_keys
+from protocol.ids import ChunkKey
+from protocol.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+CHUNK = 256
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+SPLIT = (1, 1, 1)
+"""The tiny model's 3 layers as three pool stages: one object per (chunk, stage)."""
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+    # 2 x 16 MiB (Mooncake's smallest segment): ~80 chunks of the tiny model (3 objects
+    # of 132 KiB each).
+    p = start_pool(tmp_path_factory.mktemp("pool"), store_sizes=("16MiB", "16MiB"), lease_ttl_s=2.0)
+    yield p
+    p.stop()
+
+
+def _engine(model: Path, cache_dir: str, pool: Pool | None, dtype: str = "float32") -> LLMEngine:
+    cfg = EngineConfig(
+        cache_dir=cache_dir, num_blocks=512, max_num_batched_tokens=1024, dtype=dtype
+    )
+    e = LLMEngine.from_spec(str(model), cfg)
+    if pool is not None:
+        backend = create_backend("mooncake", BackendConfig("127.0.0.1", pool.master_address))
+        metrics = PoolMetrics(CollectorRegistry(), "test")
+        namespace = msgspec.structs.replace(e.namespace, layer_split=SPLIT)
+        client = PoolClient(
+            backend, namespace, e.layout, buffer_bytes=4 << 20, max_save_chunks=8, metrics=metrics
+        )
+        e.set_kv_connector(PoolConnector(client, e.runner.kv_caches, metrics))
+    return e
+
+
+def _conn(e: LLMEngine) -> PoolConnector:
+    assert isinstance(e.kv_connector, PoolConnector)
+    return e.kv_connector
+
+
+def _value(metric, **labels) -> float:  # type: ignore[no-untyped-def]
+    return float(metric.labels(**labels)._value.get() if labels else metric._value.get())
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir: Path, weights_cache_dir: str, pool: Pool):
+    a = _engine(tiny_llama_dir, weights_cache_dir, pool)
+    b = _engine(tiny_llama_dir, weights_cache_dir, pool)
+    cold = _engine(tiny_llama_dir, weights_cache_dir, None)
+    yield a, b, cold
+    for e in (a, b, cold):
+        e.close()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def _run(e: LLMEngine, prompt: list[int]) -> Completion:
+    out = e.generate([prompt], GREEDY)[0]
+    assert _conn(e).drain_saves(30) if isinstance(e.kv_connector, PoolConnector) else True
+    return out
+
+
+def _chunk_keys(e: LLMEngine, prompt: list[int]) -> list[ChunkKey]:
+    from protocol.hashing import hash_chain, namespace_seed
+
+    root = namespace_seed(e.namespace.key())
+    hashes = hash_chain(prompt, 16, root)
+    return [ChunkKey(bytes(k)) for k in chunk_keys(hashes, CHUNK // 16)]
+
+
+def test_restore_across_engines_with_three_stages(engines):
+    a, b, cold = engines
+    p = _prompt(1, 700)
+    first = _run(a, p)
+    assert first.num_pool_tokens == 0
+    assert _value(_conn(a).metrics.save_chunks) == 2
+    got = _run(b, p)
+    assert got.num_pool_tokens == 2 * CHUNK and got.num_cached_tokens == 0
+    assert got.token_ids == _run(cold, p).token_ids == first.token_ids
+    m = _conn(b).metrics
+    for stage in ("0", "1", "2"):
+        assert m.restore_seconds.labels(instance="test", stage=stage)._sum.get() > 0
+    assert _value(m.hit_chunks) == 2 and _value(m.restored_tokens) == 2 * CHUNK
+    # b computed nothing new to save: chunks 0-1 came from the pool.
+    assert _value(m.save_chunks) == 0
+
+
+def test_tampered_stage_object_is_caught_and_recomputed_from_that_chunk(engines):
+    a, b, cold = engines
+    b.reset_prefix_cache()
+    p = _prompt(2, 1000)  # 3 full chunks
+    _run(a, p)
+    keys = _chunk_keys(a, p)
+    client = _conn(a).client
+    # Flip a payload byte of chunk 1, stage 2, and store it back (same key, same group).
+    victim = client.keys.object_key(keys[1], 2)
+    slot = client.buffer.load_slot_ids[0]
+    n = client.specs[2].object_bytes
+    assert client.backend.get_into(
+        [victim], [client.buffer.ptr(slot)], [client.buffer.slot_bytes]
+    ) == [n]
+    client.buffer.object(slot)[n // 2] ^= 0x10
+    client.backend.remove([victim])
+    client.backend.put_from(
+        [victim], [client.buffer.ptr(slot)], [n], [client.keys.group_id(keys[1])]
+    )
+    m = _conn(b).metrics
+    before = (_value(m.checksum_failures), b.counters.loads_short)
+    got = _run(b, p)
+    assert got.num_pool_tokens == CHUNK  # chunk 0 only: never the damaged chunk 1
+    assert (_value(m.checksum_failures), b.counters.loads_short) == (before[0] + 1, before[1] + 1)
+    assert _value(m.failures, instance="test", op="load", reason="checksum") == 1
+    assert got.token_ids == _run(cold, p).token_ids
+    # The damaged object was removed, and b saved chunks 1-2 after recomputing them:
+    # what is under the key now verifies, and the next restore takes all three chunks.
+    assert client.read(2, keys[1:2], client.buffer.load_slot_ids[:1]) == 1
+    b.reset_prefix_cache()
+    again = _run(b, p)
+    assert again.num_pool_tokens == 3 * CHUNK and again.token_ids == got.token_ids
+
+
+def test_other_weights_or_kv_dtype_never_restore(
+    engines, pool: Pool, tmp_path: Path, tiny_tokenizer_dir: Path, weights_cache_dir: str
+):
+    a, _, _ = engines
+    p = _prompt(3, 600)
+    _run(a, p)
+    other_weights = make_tiny_model(tmp_path / "seed1", tiny_tokenizer_dir, "llama", seed=1)
+    e1 = _engine(other_weights, weights_cache_dir, pool)
+    e2 = _engine(Path(a.info.source.path), weights_cache_dir, pool, dtype="bfloat16")
+    try:
+        for e in (e1, e2):
+            assert e.namespace.key() != a.namespace.key()
+            out = _run(e, p)
+            assert out.num_pool_tokens == 0 and _value(_conn(e).metrics.hit_chunks) == 0
+        # a's chunks are still there for a.
+        a.reset_prefix_cache()
+        assert _run(a, p).num_pool_tokens == 2 * CHUNK
+    finally:
+        e1.close()
+        e2.close()
+
+
+def _pin_filler(pool: Pool, nbytes: int) -> None:
+    """Hard-pinned objects (never evicted) that shrink the pool to what is left."""
+    import mooncake.store as mc
+    import torch
+
+    store = mc.MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", pool.master_address) == 0
+    buf = torch.zeros(1 << 20, dtype=torch.uint8)
+    assert store.register_buffer(buf.data_ptr(), buf.numel()) == 0
+    config = mc.ReplicateConfig()
+    config.with_hard_pin = True
+    n = nbytes >> 20
+    keys = [f"filler/{i}" for i in range(n)]
+    codes = store.batch_put_from(keys, [buf.data_ptr()] * n, [1 << 20] * n, config)
+    assert codes == [0] * n, codes
+    store.close()
+
+
+def test_forced_eviction_many_sessions(engines, pool: Pool):
+    """6 sessions x 3 turns (~30 distinct chunks) through a pool pinned down to room for
+    ~23 chunks, the GPU cache reset between turns, turns alternating between engines."""
+    a, b, cold = engines
+    _pin_filler(pool, 24 << 20)
+    evictions = pool.master_metric("master_successful_evictions_total")
+    sessions = [_prompt(100 + s, 500) for s in range(6)]
+
+    def totals(e: LLMEngine) -> int:
+        c = e.counters
+        return c.prompt_tokens_cached + c.prompt_tokens_pool + c.prompt_tokens_computed
+
+    base = {id(e): totals(e) for e in (a, b)}
+    served = {id(a): 0, id(b): 0}
+    restored = computed = 0
+    for turn in range(3):
+        for s, history in enumerate(sessions):
+            e = (a, b)[(s + turn) % 2]
+            e.reset_prefix_cache()
+            prompt = history + _prompt(1000 * turn + s, 300)
+            got = _run(e, prompt)
+            want = cold.generate([prompt], GREEDY)[0]
+            assert got.token_ids == want.token_ids, f"session {s} turn {turn}"
+            # Whole chunks only (the GPU cache was reset), and only of the history.
+            assert got.num_cached_tokens == 0 and got.num_pool_tokens % CHUNK == 0
+            assert got.num_pool_tokens <= len(history) // CHUNK * CHUNK
+            restored += got.num_pool_tokens
+            computed += len(prompt) - got.num_pool_tokens
+            served[id(e)] += len(prompt)
+            sessions[s] = prompt + want.token_ids
+    assert pool.master_metric("master_successful_evictions_total") > evictions
+    assert restored > 0 and computed > 0  # reuse degrades, it does not vanish
+    for e in (a, b):
+        # Every prompt token counted once: gpu + pool + computed = prompt tokens served.
+        assert totals(e) - base[id(e)] == served[id(e)]
+        assert _value(_conn(e).metrics.checksum_failures) <= 1  # the tampered one above
+    # The group invariant held: no chunk is left with only some stages in the pool.
+    client = _conn(a).client
+    keys = [k for h in sessions for k in _chunk_keys(a, h)]
+    present = [
+        client.backend.exists([client.keys.object_key(k, s) for k in keys]) for s in range(3)
+    ]
+    partial = sum(0 < sum(p[i] for p in present) < 3 for i in range(len(keys)))
+    assert partial <= len(keys) // 50, f"{partial} of {len(keys)} chunks partial"
