@@ -234,17 +234,18 @@ class PoolClient:
         slot for local_stages[i]); a chunk that some stage failed to store has its other
         stages' objects removed, so this client never leaves a chunk that only some
         stages can load. Returns the chunks stored whole."""
-        whole = [True] * len(chunk_keys)
-        for i, stage in enumerate(self.local_stages):
-            ok = self.write(stage.index, chunk_keys, [s[i] for s in slots])
-            whole = [w and o for w, o in zip(whole, ok, strict=True)]
-        partial = [c for c, w in zip(chunk_keys, whole, strict=True) if not w]
+        ok = [
+            self.write(stage.index, chunk_keys, [s[i] for s in slots])
+            for i, stage in enumerate(self.local_stages)
+        ]
+        per_chunk = list(zip(*ok, strict=True))  # per chunk: stored flag of each stage
+        partial = [c for c, f in zip(chunk_keys, per_chunk, strict=True) if any(f) and not all(f)]
         if partial:
             self.metrics.failure("save", "partial_chunk_removed", len(partial))
             self._remove(
                 [self.keys.object_key(c, s.index) for c in partial for s in self.local_stages]
             )
-        stored = [c for c, w in zip(chunk_keys, whole, strict=True) if w]
+        stored = [c for c, f in zip(chunk_keys, per_chunk, strict=True) if all(f)]
         self.metrics.save_chunks.inc(len(stored))
         return stored
 
