@@ -67,7 +67,7 @@ def cluster_yaml(name: str, policy: str, pool: str, args: argparse.Namespace) ->
                 "max_batched_tokens": 1024,
                 "max_num_seqs": 32,
                 "kv_cache_memory": args.prefill_kv,
-                "pool_buffer_memory": "64MiB",
+                "pool_buffer_memory": args.pool_buffer,
             }
             for i in range(2)
         ],
@@ -165,11 +165,40 @@ def run_config(label: str, args: argparse.Namespace, out: Path) -> dict[str, Any
             row["error"] = f"bench failed: {res.stderr[-800:]}"
     except subprocess.TimeoutExpired:
         row["error"] = f"replay ran past {args.replay_timeout} s"
+        row["pool_counters"] = pool_counters(cfg)
     finally:
         down = _kvserve("down", "-c", str(config), "--state-dir", str(state), timeout=120)
         if down.returncode != 0:
             row.setdefault("warnings", []).append(f"kvserve down: {down.stderr[-300:]}")
     return row
+
+
+POOL_SERIES = (
+    "kvserve_pool_save_chunks_total",
+    "kvserve_pool_save_dropped_total",
+    "kvserve_pool_hit_chunks_total",
+    "kvserve_pool_miss_chunks_total",
+    "kvserve_pool_restored_tokens_total",
+)
+
+
+def pool_counters(cfg: dict[str, Any]) -> dict[str, float]:
+    """Pool series summed over the prefill instances (why reuse fell short, if it did)."""
+    import re
+    import urllib.request
+
+    out = dict.fromkeys(POOL_SERIES, 0.0)
+    for i, p in enumerate(cfg["prefill"]):
+        url = f"http://{HOSTS[i]}:{p['port']}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        for name in POOL_SERIES:
+            for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M):
+                out[name] += float(m.group(1))
+    return out
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -203,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--max-output", type=int, default=8)
-    p.add_argument("--time-scale", type=float, default=0.01)
+    p.add_argument("--time-scale", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--chunk-size",
@@ -212,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         help="pool chunk tokens; scaled down with the contexts (256 at full scale)",
     )
     p.add_argument("--prefill-kv", default="112MiB", help="GPU-cache budget per prefill")
+    p.add_argument("--pool-buffer", default="256MiB", help="registered pool buffer per prefill")
     p.add_argument("--decode-kv", default="512MiB")
     p.add_argument("--store-size", default="768MiB", help="DRAM per store (two stores)")
     p.add_argument("--replay-timeout", type=float, default=240.0)
