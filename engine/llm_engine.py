@@ -20,7 +20,7 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnector, NoKVConnector
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelExecutor, ModelRunner
 from engine.models.registry import build_model
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, SamplingState
@@ -85,7 +85,7 @@ _LOAD_POLL_S = 0.02
 back to its inbox: new requests and aborts are not held up longer than this)."""
 
 
-def _torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
 
 
@@ -101,12 +101,16 @@ def rope_key(info: ModelInfo) -> str:
 class LLMEngine:
     """Owns one model instance with its KV cache, scheduler, sampler and live requests."""
 
-    def __init__(self, info: ModelInfo, config: EngineConfig) -> None:
+    def __init__(
+        self, info: ModelInfo, config: EngineConfig, runner: ModelExecutor | None = None
+    ) -> None:
+        """`runner`: what runs the model (engine/parallel/ for PP or TP x DCP instances);
+        None builds a ModelRunner in this process. A given runner decides num_blocks."""
         self.info = info
         self.config = config
         mc = info.config
         self.device = torch.device(config.device)
-        self.dtype = _torch_dtype(config.dtype)
+        self.dtype = torch_dtype(config.dtype)
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
@@ -117,28 +121,19 @@ class LLMEngine:
             block_size=config.block_size,
             dtype=config.dtype,
         )
+        self.runner: ModelExecutor = runner if runner is not None else self._local_runner()
         self.namespace = KVNamespace(
             weights_fingerprint=info.fingerprint,
             kv_dtype=config.dtype,
             block_size=config.block_size,
-            layer_split=(mc.num_layers,),
+            layer_split=self.runner.layer_split,
             rope=rope_key(info),
         )
         self._hash_root = namespace_seed(self.namespace.key())
-        weights = load_weights(info.source.kind, info.source.path, mc, config.cache_dir)
-        backend = get_backend(config.attention_backend)
-        model = build_model(
-            mc, dtype=self.dtype, device=self.device, backend=backend, weights=weights
-        )
-        num_blocks = config.num_blocks or max(
-            1, config.kv_cache_bytes // self.layout.bytes_per_block
-        )
+        num_blocks = self.runner.num_blocks
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(
-            model, self.layout, num_blocks, device=self.device, dtype=self.dtype, backend=backend
-        )
         self.sampler = Sampler()
         self._texts: dict[RequestId, RequestOutputText] = {}
         self._requests: dict[RequestId, Request] = {}
@@ -147,6 +142,21 @@ class LLMEngine:
         """Called in step() after the model wrote KV for tokens [start, end) of a request,
         before its blocks can be freed: the prefill worker streams the handoff from it."""
         self.kv_connector: KVConnector = NoKVConnector()
+
+    def _local_runner(self) -> ModelRunner:
+        """The whole model and its cache in this process."""
+        mc, config = self.info.config, self.config
+        weights = load_weights(self.info.source.kind, self.info.source.path, mc, config.cache_dir)
+        backend = get_backend(config.attention_backend)
+        model = build_model(
+            mc, dtype=self.dtype, device=self.device, backend=backend, weights=weights
+        )
+        num_blocks = config.num_blocks or max(
+            1, config.kv_cache_bytes // self.layout.bytes_per_block
+        )
+        return ModelRunner(
+            model, self.layout, num_blocks, device=self.device, dtype=self.dtype, backend=backend
+        )
 
     @classmethod
     def from_spec(cls, model: str, config: EngineConfig | None = None) -> LLMEngine:
@@ -386,8 +396,10 @@ class LLMEngine:
         return self.pool.reset_prefix_cache()
 
     def close(self) -> None:
-        """Stop the KV connector's threads (the engine itself holds no threads)."""
+        """Stop the KV connector's threads and the runner's processes (the engine itself
+        holds no threads)."""
         self.kv_connector.close()
+        self.runner.close()
 
     @property
     def counters(self) -> SchedulerCounters:

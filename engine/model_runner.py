@@ -11,6 +11,8 @@ Only requests that sample this step contribute a row of logits (their last token
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
@@ -18,6 +20,26 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledRequest
 from protocol.kv_layout import KVLayout
+
+
+class ModelExecutor(Protocol):
+    """What LLMEngine needs of whatever runs its model: this class in one process, or the
+    driver of a parallel instance (engine/parallel/). Engine thread only."""
+
+    kv_caches: list[torch.Tensor]
+    """The paged KV this process holds (decode fills it with handed-off KV)."""
+    num_blocks: int
+    """Blocks of every cache: the scheduler's block pool has exactly this many."""
+    layer_split: tuple[int, ...]
+    """Layers per pipeline stage (part of the KV namespace); (num_layers,) without PP."""
+
+    def execute(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> torch.Tensor | None:
+        """Run one step; float32 logits of the sampling requests' last tokens, or None."""
+        ...
+
+    def close(self) -> None:
+        """Release processes and buffers (idempotent)."""
+        ...
 
 
 class ModelRunner:
@@ -42,6 +64,11 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)
         ]
+        self.num_blocks = num_blocks
+        self.layer_split: tuple[int, ...] = (layout.num_layers,)
+
+    def close(self) -> None:
+        pass
 
     def prepare(
         self, scheduled: list[ScheduledRequest], kv: KVCacheManager

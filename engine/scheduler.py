@@ -89,6 +89,9 @@ class Scheduler:
         self.abandoned: dict[RequestId, Request] = {}
         """Finished while loading: blocks held until the connector reports the load."""
         self._load_span: dict[RequestId, tuple[int, int]] = {}
+        self.paused: set[RequestId] = set()
+        """Running requests not to schedule now: a pipelined engine's requests whose
+        sampled token is still on its way back (engine/parallel/pp_engine.py)."""
         self.counters = SchedulerCounters()
 
     def add(self, request: Request) -> None:
@@ -109,8 +112,8 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if req.status is not RequestStatus.RUNNING or req.request_id in self.paused:
+                continue  # preempted earlier in this loop, or waiting for its token
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]

@@ -89,9 +89,12 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tok"))
 
 
-def make_tiny_model(out: Path, tokenizer_dir: Path, arch: str, seed: int = 0) -> Path:
+def make_tiny_model(
+    out: Path, tokenizer_dir: Path, arch: str, seed: int = 0, **overrides: object
+) -> Path:
     """Save a small random-weight model of `arch` ("llama", "qwen2", "qwen3") with the
-    tokenizer files of `tokenizer_dir`. Weights are scaled up so greedy choices have clear margins."""
+    tokenizer files of `tokenizer_dir`. Weights are scaled up so greedy choices have clear margins.
+    `overrides` replace config values (e.g. num_hidden_layers, num_attention_heads)."""
     import shutil
 
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
@@ -109,6 +112,7 @@ def make_tiny_model(out: Path, tokenizer_dir: Path, arch: str, seed: int = 0) ->
         bos_token_id=1,
         eos_token_id=2,
     )
+    common.update(overrides)
     if arch == "llama":
         cfg = LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
     elif arch == "qwen2":
@@ -129,3 +133,17 @@ def make_tiny_model(out: Path, tokenizer_dir: Path, arch: str, seed: int = 0) ->
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tiny_tokenizer_dir, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_parallel_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    """A tiny Llama with enough heads and layers for every parallel layout of the tests:
+    8 query / 4 KV heads (TP 4 x DCP 1 keeps one KV head per rank), 4 layers (PP 4)."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-parallel"),
+        tiny_tokenizer_dir,
+        "llama",
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )

@@ -1,0 +1,135 @@
+"""PipelinedEngine: LLMEngine over a prefill pipeline, with up to `depth` steps in flight.
+
+    step():  issue   schedule (requests waiting for a sampled token are paused) ->
+                     advance their progress, cache full blocks, KV observer (plans the
+                     handoff sends, which ride the step as stage commands) ->
+                     PipelineExecutor.submit (stage 0 computes now, the ring later)
+             collect when `depth` steps are in flight or nothing new can run:
+                     the oldest step's sampled tokens and stage reports -> outputs
+
+So stage 0 computes step k+1 while stage 1 computes step k, and so on down the ring: a
+long prompt's chunks (which do not sample until the last) fill the pipeline one after
+another. A request whose step samples is paused until its token is back; its token is
+dropped if it was aborted or preempted meanwhile. Progress advances when a step is
+issued: every stage computes steps in order, so a later step (or another request's
+prefix-cache hit on these blocks) always finds the KV in place.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.kv_connector import KVConnector
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.parallel.comm import ParallelContext
+from engine.parallel.pp_runner import PipelineExecutor, StageHook, build_stage
+from engine.parallel.step_inputs import build_batch
+from engine.request import Request
+from modelinfo.info import ModelInfo
+from protocol.rank_messages import SampleRow
+
+
+@dataclass
+class _InFlight:
+    step_id: int
+    sampling: list[tuple[Request, int]]
+    """Requests this step samples, with their preemption count when it was issued."""
+
+
+class PipelinedEngine(LLMEngine):
+    """Owns the steps in flight on a pipeline (PP >= 2); everything else is LLMEngine's.
+
+    Worker seams: `stage_commands()` is called after the KV observer of every issued step
+    and returns the commands every stage runs after computing it; `on_stage_reports`
+    receives the stages' reports of each collected step, before its outputs."""
+
+    def __init__(self, info: ModelInfo, config: EngineConfig, executor: PipelineExecutor) -> None:
+        super().__init__(info, config, runner=executor)
+        self.pipeline = executor
+        self.depth = executor.depth
+        self._in_flight: deque[_InFlight] = deque()
+        self.stage_commands: Callable[[], bytes] | None = None
+        self.on_stage_reports: Callable[[list[bytes]], None] | None = None
+
+    def set_kv_connector(self, connector: KVConnector) -> None:
+        raise NotImplementedError(
+            "the KV pool over a prefill pipeline saves and loads per stage; not built yet"
+        )
+
+    def has_unfinished(self) -> bool:
+        return super().has_unfinished() or bool(self._in_flight)
+
+    def step(self) -> list[RequestOutput]:
+        issued = len(self._in_flight) < self.depth and self._issue()
+        if self._in_flight and (len(self._in_flight) >= self.depth or not issued):
+            return self._complete(self._in_flight.popleft())
+        return []
+
+    def _issue(self) -> bool:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return False
+        batch, rows = build_batch(plan.scheduled, self.kv)
+        sampling = [s.request for s in plan.scheduled if s.samples]
+        samples = [
+            SampleRow(row, r.params, r.num_output_tokens, tuple(r.eos_token_ids))
+            for row, r in zip(rows, sampling, strict=True)
+        ]
+        for s in plan.scheduled:
+            r = s.request
+            start = r.num_computed_tokens
+            r.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(r)
+            if self.kv_observer is not None:
+                self.kv_observer(r, start, r.num_computed_tokens, self.kv.block_table(r.request_id))
+        for r in sampling:
+            self.scheduler.paused.add(r.request_id)
+        commands = self.stage_commands() if self.stage_commands is not None else b""
+        step_id = self.pipeline.submit(batch, samples, commands)
+        self._in_flight.append(_InFlight(step_id, [(r, r.num_preemptions) for r in sampling]))
+        return True
+
+    def _complete(self, flight: _InFlight) -> list[RequestOutput]:
+        result = self.pipeline.collect()
+        assert result.step_id == flight.step_id, "the ring returns steps in order"
+        if self.on_stage_reports is not None:
+            self.on_stage_reports(result.reports)
+        outputs = []
+        for (req, epoch), token, logprob in zip(
+            flight.sampling, result.token_ids, result.logprobs, strict=True
+        ):
+            self.scheduler.paused.discard(req.request_id)
+            live = self._requests.get(req.request_id) is req and not req.status.finished
+            if live and req.num_preemptions == epoch:
+                outputs.append(self._append_token(req, token, logprob))
+        return outputs
+
+    def abort_all(self) -> int:
+        """Abort every request; steps in flight are still collected (and their tokens
+        dropped) so the ring stays in step with the driver."""
+        n = super().abort_all()
+        try:
+            while self._in_flight:
+                self._complete(self._in_flight.popleft())
+        finally:
+            self._in_flight.clear()
+            self.scheduler.paused.clear()
+        return n
+
+
+def build_pp_engine(
+    info: ModelInfo,
+    config: EngineConfig,
+    ctx: ParallelContext,
+    layer_split: tuple[int, ...],
+    hook: StageHook | None = None,
+    depth: int | None = None,
+) -> PipelinedEngine:
+    """The driver's engine over a pipeline of len(layer_split) stages (the others run
+    pp_runner.serve_stage). depth: steps in flight, default one per stage."""
+    stage = build_stage(info, config, ctx, layer_split)
+    executor = PipelineExecutor(stage, ctx, layer_split, hook, depth or len(layer_split))
+    return PipelinedEngine(info, config, executor)

@@ -1,0 +1,234 @@
+"""Prefill PP = N: the driver's executor (stage 0) and the loop of every other stage.
+
+The stages form a ring; every step travels it once, and several steps are on it at once:
+
+    stage 0 (driver)              stage 1 ... stage N-2            stage N-1
+    submit(step k):               recv StageStep + hidden          recv StageStep + hidden
+      its layers, stage hook  ─▶    its layers, stage hook    ─▶     its layers, stage hook
+      isend StageStep + hidden      isend (its report added)         logits of the sampled
+    ...submit(step k+1) while                                        rows, sample
+       the others run step k   ◀──────────── StageResult (tokens, every stage's report) ──┘
+    collect() -> StageResult of the oldest step
+
+Each stage owns its layers' paged KV with the same block ids (one scheduler, in the
+driver). Steps reach every stage in order, so a block freed and reused by a later step is
+always written after the earlier step read it. Sends are asynchronous (Outbox); no link
+ever has more than `depth` undelivered steps, because the driver keeps at most `depth`
+steps in flight, so a wait on an old send never blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import count
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from engine.attention.base import get_backend
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.llm_engine import torch_dtype
+from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import build_model
+from engine.parallel.comm import Outbox, ParallelContext, recv_bytes
+from engine.parallel.step_inputs import batch_tensors
+from engine.sampler import Sampler, SamplingState
+from engine.scheduler import ScheduledRequest
+from engine.weights.cache import load_weights
+from modelinfo.info import ModelInfo
+from protocol.kv_layout import KVLayout
+from protocol.parallel import stage_layer_ranges
+from protocol.rank_messages import (
+    SampleRow,
+    Shutdown,
+    StageMessage,
+    StageResult,
+    StageStep,
+    StepBatch,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+StageHook = Callable[[bytes, list[torch.Tensor]], bytes]
+"""(worker commands of a step, this stage's kv caches) -> this stage's report (b"" for
+none). Runs on every stage after it computed the step (prefill: the handoff sends)."""
+
+_step_decoder = msgspec.msgpack.Decoder(StageMessage)  # type: ignore[arg-type]
+_result_decoder = msgspec.msgpack.Decoder(StageResult)
+
+
+@dataclass
+class PPStage:
+    """One stage's layers and their paged KV, as built by `build_stage`."""
+
+    index: int
+    num_stages: int
+    layers: tuple[int, int]
+    model: LlamaForCausalLM
+    layout: KVLayout
+    num_blocks: int
+    kv_caches: list[torch.Tensor]
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def stage_num_blocks(config: EngineConfig, info: ModelInfo, layer_split: tuple[int, ...]) -> int:
+    """Blocks every stage gets: what the stage with the most layers can hold in
+    kv_cache_bytes (all stages share block ids, so they have the same count)."""
+    if config.num_blocks:
+        return config.num_blocks
+    mc = info.config
+    widest = KVLayout(
+        num_layers=max(layer_split),
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        block_size=config.block_size,
+        dtype=config.dtype,
+    )
+    return max(1, config.kv_cache_bytes // widest.bytes_per_block)
+
+
+def build_stage(
+    info: ModelInfo, config: EngineConfig, ctx: ParallelContext, layer_split: tuple[int, ...]
+) -> PPStage:
+    """Load stage ctx.rank's layers (only its tensors are read) and allocate its cache."""
+    mc = info.config
+    start, end = stage_layer_ranges(layer_split)[ctx.rank]
+    is_first, is_last = start == 0, end == mc.num_layers
+    own = tuple(f"model.layers.{i}." for i in range(start, end))
+
+    def want(name: str) -> bool:
+        if name.startswith("model.layers."):
+            return name.startswith(own)
+        if name == "model.embed_tokens.weight":
+            return is_first or (is_last and mc.tie_word_embeddings)
+        return is_last
+
+    weights = load_weights(info.source.kind, info.source.path, mc, config.cache_dir, want=want)
+    dtype = torch_dtype(config.dtype)
+    model = build_model(
+        mc,
+        dtype=dtype,
+        device=ctx.device,
+        backend=get_backend(config.attention_backend),
+        layer_start=start,
+        layer_end=end,
+        weights=weights,
+    )
+    layout = KVLayout(
+        num_layers=end - start,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        block_size=config.block_size,
+        dtype=config.dtype,
+    )
+    num_blocks = stage_num_blocks(config, info, layer_split)
+    shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    caches = [torch.zeros(shape, dtype=dtype, device=ctx.device) for _ in range(end - start)]
+    return PPStage(ctx.rank, len(layer_split), (start, end), model, layout, num_blocks, caches)
+
+
+def _run_hook(hook: StageHook | None, commands: bytes, caches: list[torch.Tensor]) -> bytes:
+    return hook(commands, caches) if hook is not None and commands else b""
+
+
+class PipelineExecutor:
+    """The driver's side of the ring: owns stage 0's layers and cache, puts steps on the
+    ring and takes their results off it in order. Engine thread only."""
+
+    def __init__(
+        self,
+        stage: PPStage,
+        ctx: ParallelContext,
+        layer_split: tuple[int, ...],
+        hook: StageHook | None,
+        depth: int,
+    ) -> None:
+        assert ctx.is_driver and len(layer_split) >= 2
+        self.stage, self.ctx, self.hook, self.depth = stage, ctx, hook, depth
+        self.kv_caches = stage.kv_caches
+        self.num_blocks = stage.num_blocks
+        self.layer_split = layer_split
+        self._to_next = Outbox(1)
+        self._step_ids = count()
+        self._closed = False
+
+    def execute(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> torch.Tensor | None:
+        raise NotImplementedError("a pipeline runs through PipelinedEngine.step (submit/collect)")
+
+    def submit(self, batch: StepBatch, samples: list[SampleRow], commands: bytes) -> int:
+        """Compute stage 0's layers of the step, run its hook, and pass the step on.
+        Returns the step id that collect() will return it under."""
+        step_id = next(self._step_ids)
+        ids, positions, meta = batch_tensors(batch, self.ctx.device, self.stage.layout.block_size)
+        hidden = self.stage.model(ids, positions, self.kv_caches, meta)
+        report = _run_hook(self.hook, commands, self.kv_caches)
+        header = StageStep(
+            step_id, msgspec.structs.replace(batch, input_ids=[]), samples, commands, [report]
+        )
+        self._to_next.send(encode(header), self.ctx.cpu_group, hidden, None)
+        self._to_next.drain(self.depth)
+        return step_id
+
+    def collect(self) -> StageResult:
+        """The result of the oldest step still on the ring (waits for it)."""
+        return _result_decoder.decode(recv_bytes(self.stage.num_stages - 1, self.ctx.cpu_group))
+
+    def close(self) -> None:
+        """Send Shutdown around the ring (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._to_next.send(encode(Shutdown()), self.ctx.cpu_group)
+            self._to_next.drain()
+
+
+def serve_stage(stage: PPStage, ctx: ParallelContext, hook: StageHook | None, depth: int) -> None:
+    """The loop of stage >= 1: run each step that arrives until Shutdown."""
+    assert not ctx.is_driver
+    prev = ctx.rank - 1
+    out = Outbox(0 if stage.is_last else ctx.rank + 1)
+    sampler = Sampler()
+    hidden_size = stage.model.config.hidden_size
+    while True:
+        msg = _step_decoder.decode(recv_bytes(prev, ctx.cpu_group))
+        if isinstance(msg, Shutdown):
+            if not stage.is_last:
+                out.send(encode(msg), ctx.cpu_group)
+            out.drain()
+            return
+        num_tokens = len(msg.batch.positions)
+        hidden = torch.empty(num_tokens, hidden_size, dtype=stage.model.dtype, device=ctx.device)
+        dist.recv(hidden, prev)
+        _, positions, meta = batch_tensors(msg.batch, ctx.device, stage.layout.block_size)
+        hidden = stage.model(None, positions, stage.kv_caches, meta, hidden_states=hidden)
+        reports = [*msg.reports, _run_hook(hook, msg.commands, stage.kv_caches)]
+        if stage.is_last:
+            tokens, logprobs = _sample(stage, sampler, hidden, msg.samples, ctx.device)
+            out.send(encode(StageResult(msg.step_id, tokens, logprobs, reports)), ctx.cpu_group)
+        else:
+            forward = msgspec.structs.replace(msg, reports=reports)
+            out.send(encode(forward), ctx.cpu_group, hidden, None)
+        out.drain(depth)
+
+
+def _sample(
+    stage: PPStage,
+    sampler: Sampler,
+    hidden: torch.Tensor,
+    samples: list[SampleRow],
+    device: torch.device,
+) -> tuple[list[int], list[float | None]]:
+    if not samples:
+        return [], []
+    idx = torch.tensor([s.row for s in samples], dtype=torch.long, device=device)
+    logits = stage.model.compute_logits(hidden.index_select(0, idx))
+    states = [SamplingState(s.params, s.num_output_tokens, None, s.eos_token_ids) for s in samples]
+    result = sampler.sample(logits, states)
+    return list(result.token_ids), list(result.logprobs)

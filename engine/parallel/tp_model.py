@@ -1,0 +1,211 @@
+"""One decode rank's shard of a Llama-family model under TP x DCP (protocol/parallel.py).
+
+Per layer, on rank r with shard s (group g, dcp rank d):
+
+    x [T, H] (identical on every rank)
+    qkv = x @ W_qkv[group q heads | group kv heads | group kv heads]   column parallel
+    attention of the group's query heads over this rank's cache:
+        DCP 1:  the torch reference backend                  -> [T, Hq_g, D]
+        DCP P:  torch_lse on the stripe t ≡ d (mod P)        -> out [T, Hq_g, D], lse
+                all-gather (out | lse) over the DCP group, merge_partials
+    keep the owned query heads [q_head_start, q_head_end)    -> [T, Hq_own, D]
+    x += all_reduce(attn_own @ W_o[:, owned heads])          row parallel
+    x += all_reduce(silu(x W_gate[i0:i1]) * x W_up[i0:i1] @ W_down[:, i0:i1])
+
+The embedding and final norm are replicated; only the driver (rank 0) loads lm_head and
+computes logits. Weights are sliced from the full HF-named tensors at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    LSEAttentionBackend,
+    merge_partials,
+)
+from engine.models.llama import rms_norm
+from engine.parallel.comm import ParallelContext, all_gather, all_reduce_
+from engine.rope import RotaryEmbedding, apply_rotary
+from modelinfo.config import ModelConfig
+from protocol.errors import ModelLoadError
+from protocol.parallel import DecodeRankShard, split_range
+
+
+def _rows(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    return t[start:end]
+
+
+def _cols(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    return t[:, start:end]
+
+
+class TPDecoderLayer(nn.Module):
+    """Owns one layer's weight shard of one rank; runs the layer with its collectives."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        shard: DecodeRankShard,
+        ctx: ParallelContext,
+        backend: AttentionBackend,
+        lse_backend: LSEAttentionBackend | None,
+    ) -> None:
+        super().__init__()
+        self.cfg, self.shard, self.ctx = cfg, shard, ctx
+        self.backend, self.lse_backend = backend, lse_backend
+        self.scale = cfg.head_dim**-0.5
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def load(self, weights: Mapping[str, torch.Tensor], prefix: str, dtype, device) -> None:  # type: ignore[no-untyped-def]
+        """Slice this rank's part out of the HF tensors under `prefix`."""
+        cfg, s, d = self.cfg, self.shard, self.cfg.head_dim
+        i0, i1 = split_range(cfg.intermediate_size, s.tp_size, s.rank)
+
+        def get(name: str) -> torch.Tensor:
+            if prefix + name not in weights:
+                raise ModelLoadError(f"the checkpoint lacks tensor {prefix + name}")
+            return weights[prefix + name]
+
+        att = "self_attn."
+        qs, kvs = (s.group_q_start * d, s.group_q_end * d), (s.kv_head_start * d, s.kv_head_end * d)
+        parts = {
+            "input_norm": get("input_layernorm.weight"),
+            "qkv_weight": torch.cat(
+                [
+                    _rows(get(att + "q_proj.weight"), *qs),
+                    _rows(get(att + "k_proj.weight"), *kvs),
+                    _rows(get(att + "v_proj.weight"), *kvs),
+                ]
+            ),
+            "o_weight": _cols(get(att + "o_proj.weight"), s.q_head_start * d, s.q_head_end * d),
+            "post_norm": get("post_attention_layernorm.weight"),
+            "gate_up_weight": torch.cat(
+                [
+                    _rows(get("mlp.gate_proj.weight"), i0, i1),
+                    _rows(get("mlp.up_proj.weight"), i0, i1),
+                ]
+            ),
+            "down_weight": _cols(get("mlp.down_proj.weight"), i0, i1),
+        }
+        if cfg.attention_bias:
+            parts["qkv_bias"] = torch.cat(
+                [
+                    _rows(get(att + "q_proj.bias"), *qs),
+                    _rows(get(att + "k_proj.bias"), *kvs),
+                    _rows(get(att + "v_proj.bias"), *kvs),
+                ]
+            )
+        if cfg.qk_norm:
+            qn, kn = get(att + "q_norm.weight"), get(att + "k_norm.weight")
+            parts["qk_norm_weight"] = torch.cat(
+                [qn.expand(s.num_group_q_heads, -1), kn.expand(s.num_kv_heads, -1)]
+            )
+        self.weights = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in parts.items()}
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H], the same on every rank
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv_g, D] (this rank's stripe)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        w, s, cfg = self.weights, self.shard, self.cfg
+        num_tokens, d = x.shape[0], cfg.head_dim
+        hq, hkv = s.num_group_q_heads, s.num_kv_heads
+        h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
+        qkv = F.linear(h, w["qkv_weight"], w.get("qkv_bias"))  # [T, (Hq_g + 2 Hkv_g) D]
+        qk = qkv[:, : (hq + hkv) * d].view(num_tokens, hq + hkv, d)
+        v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)
+        if "qk_norm_weight" in w:
+            qk = rms_norm(qk, w["qk_norm_weight"], cfg.rms_norm_eps)
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, :hq], qk[:, hq:]
+        if self.ctx.dcp_group is None:
+            attn = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq_g, D]
+        else:
+            assert self.lse_backend is not None
+            out, lse = self.lse_backend.forward_with_lse(q, k, v, kv_cache, meta, self.scale)
+            packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)  # [T, Hq_g, D + 1]
+            parts = all_gather(packed, self.ctx.dcp_group, self.ctx.dcp_size)
+            attn = merge_partials(parts[..., :d], parts[..., d]).to(x.dtype)
+        own0 = s.q_head_start - s.group_q_start
+        own = attn[:, own0 : own0 + s.q_head_end - s.q_head_start].reshape(num_tokens, -1)
+        x = x + all_reduce_(F.linear(own, w["o_weight"]))
+        h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
+        gate, up = F.linear(h, w["gate_up_weight"]).chunk(2, dim=-1)
+        return x + all_reduce_(F.linear(F.silu(gate) * up, w["down_weight"]))
+
+
+class TPLlamaModel(nn.Module):
+    """Owns one rank's shard of every layer, the replicated embedding and final norm, and
+    (driver only) lm_head. No KV (caches are passed in), no per-request state."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        shard: DecodeRankShard,
+        ctx: ParallelContext,
+        *,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        lse_backend: LSEAttentionBackend | None,
+    ) -> None:
+        super().__init__()
+        self.config, self.shard, self.ctx, self.dtype = config, shard, ctx, dtype
+        self.device = ctx.device
+        self.layers = [
+            TPDecoderLayer(config, shard, ctx, backend, lse_backend)
+            for _ in range(config.num_layers)
+        ]
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, self.device
+        )
+        self.embed_tokens = torch.empty(0)
+        self.norm = torch.empty(0)
+        self.lm_head: torch.Tensor | None = None
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        dev, dt = self.device, self.dtype
+
+        def get(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ModelLoadError(f"the checkpoint lacks tensor {name}")
+            return weights[name].to(device=dev, dtype=dt)
+
+        with torch.no_grad():
+            self.embed_tokens = get("model.embed_tokens.weight")
+            self.norm = get("model.norm.weight")
+            if self.ctx.is_driver:
+                tied = self.config.tie_word_embeddings
+                self.lm_head = self.embed_tokens if tied else get("lm_head.weight")
+            for i, layer in enumerate(self.layers):
+                layer.load(weights, f"model.layers.{i}.", dt, dev)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H] final-normed
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32; the driver only."""
+        if self.lm_head is None:
+            raise ValueError("compute_logits runs on the driver rank only")
+        return F.linear(hidden, self.lm_head).float()

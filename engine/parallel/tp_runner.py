@@ -1,0 +1,181 @@
+"""Decode TP x DCP: the driver's executor (rank 0) and the loop of every other rank.
+
+    rank 0 (engine thread)                        rank r >= 1 (serve_rank)
+    LLMEngine.step ─▶ TPExecutor.execute          loop:
+        build_batch ── broadcast RankStep ──────▶     RankStep    -> forward (its shard)
+        forward (its shard, collectives) ◀──────▶     collectives with every rank
+        logits of the sampled rows (rank 0 only)
+    decode admission ─▶ run_command ── RankCommand ▶  RankCommand -> command_hook, then
+        command_hook here, all-reduce of failures ◀─▶  the same all-reduce (an ack)
+    close ── Shutdown ─────────────────────────────▶  return
+
+Every message goes to every rank in one order (broadcast), so ranks never disagree on
+what runs next. A rank whose forward fails exits; its peers' collectives then fail and
+the instance goes down as a whole (the driver watches its children).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from engine.attention.base import LSEAttentionBackend, get_backend
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.llm_engine import LLMEngine, torch_dtype
+from engine.parallel.comm import ParallelContext, broadcast_bytes
+from engine.parallel.step_inputs import batch_tensors, build_batch
+from engine.parallel.tp_model import TPLlamaModel
+from engine.scheduler import ScheduledRequest
+from engine.weights.cache import load_weights
+from modelinfo.info import ModelInfo
+from protocol.kv_layout import KVLayout
+from protocol.parallel import DecodeRankShard, decode_rank_shards
+from protocol.rank_messages import RankCommand, RankMessage, RankStep, Shutdown, encode
+
+log = logging.getLogger(__name__)
+
+CommandHook = Callable[[bytes, list[torch.Tensor]], str | None]
+"""(worker payload, this rank's kv caches) -> None, or why it failed. Runs on every rank."""
+
+_decoder = msgspec.msgpack.Decoder(RankMessage)  # type: ignore[arg-type]
+
+
+@dataclass
+class TPRank:
+    """One rank's model shard and paged KV, as built by `build_tp_rank`."""
+
+    shard: DecodeRankShard
+    model: TPLlamaModel
+    layout: KVLayout
+    """This rank's cache: all layers, its group's KV heads, `block_size`-token blocks."""
+    num_blocks: int
+    kv_caches: list[torch.Tensor]
+
+
+def build_tp_rank(
+    info: ModelInfo, config: EngineConfig, ctx: ParallelContext, tp: int, dcp: int
+) -> TPRank:
+    """Load this rank's shard and allocate its cache. `config.block_size` is the cache's
+    (local) block size; the driver's scheduler counts block_size * dcp tokens per block."""
+    mc = info.config
+    shard = decode_rank_shards(mc.num_heads, mc.num_kv_heads, tp, dcp)[ctx.rank]
+    dtype = torch_dtype(config.dtype)
+    lse = get_backend("torch_lse") if dcp > 1 else None
+    assert lse is None or isinstance(lse, LSEAttentionBackend)
+    model = TPLlamaModel(
+        mc, shard, ctx, dtype=dtype, backend=get_backend(config.attention_backend), lse_backend=lse
+    )
+    model.load_weights(load_weights(info.source.kind, info.source.path, mc, config.cache_dir))
+    layout = KVLayout(
+        num_layers=mc.num_layers,
+        num_kv_heads=shard.num_kv_heads,
+        head_dim=mc.head_dim,
+        block_size=config.block_size,
+        dtype=config.dtype,
+    )
+    num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // layout.bytes_per_block)
+    shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    caches = [torch.zeros(shape, dtype=dtype, device=ctx.device) for _ in range(mc.num_layers)]
+    return TPRank(shard, model, layout, num_blocks, caches)
+
+
+class TPExecutor:
+    """The driver's ModelExecutor for a TP x DCP instance: owns rank 0's shard and cache,
+    sends every step and command to the other ranks. Engine thread only."""
+
+    def __init__(self, rank: TPRank, ctx: ParallelContext, command_hook: CommandHook | None):
+        assert ctx.is_driver
+        self.rank, self.ctx, self.command_hook = rank, ctx, command_hook
+        self.kv_caches = rank.kv_caches
+        self.num_blocks = rank.num_blocks
+        self.layer_split: tuple[int, ...] = (rank.layout.num_layers,)
+        self._closed = False
+
+    def execute(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> torch.Tensor | None:
+        batch, rows = build_batch(scheduled, kv)
+        broadcast_bytes(encode(RankStep(batch)), self.ctx.cpu_group)
+        hidden = _forward(self.rank, self.ctx, RankStep(batch))
+        if not rows:
+            return None
+        idx = torch.tensor(rows, dtype=torch.long, device=self.ctx.device)
+        return self.rank.model.compute_logits(hidden.index_select(0, idx))
+
+    def run_command(self, payload: bytes) -> None:
+        """Run a worker command on every rank (this one too) before the next step;
+        RuntimeError if it failed anywhere (each rank logs its own reason)."""
+        broadcast_bytes(encode(RankCommand(payload)), self.ctx.cpu_group)
+        error = _run_hook(self.command_hook, payload, self.kv_caches)
+        if error is not None:
+            log.error("rank 0: command failed: %s", error)
+        if _any_failed(error is not None, self.ctx) or error is not None:
+            raise RuntimeError(f"a decode rank failed a command: {error or 'see rank logs'}")
+
+    def close(self) -> None:
+        """Tell the other ranks to exit (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            broadcast_bytes(encode(Shutdown()), self.ctx.cpu_group)
+
+
+def _forward(rank: TPRank, ctx: ParallelContext, msg: RankStep) -> torch.Tensor:
+    ids, positions, meta = batch_tensors(
+        msg.batch, ctx.device, rank.layout.block_size, ctx.dcp_size, rank.shard.dcp_rank
+    )
+    assert ids is not None, "decode ranks embed: the step must carry input ids"
+    return rank.model(ids, positions, rank.kv_caches, meta)
+
+
+def _run_hook(hook: CommandHook | None, payload: bytes, caches: list[torch.Tensor]) -> str | None:
+    if hook is None:
+        return "this rank has no command hook"
+    try:
+        return hook(payload, caches)
+    except Exception as e:  # reported to rank 0 through the ack, never kills the rank
+        log.exception("command failed")
+        return f"{type(e).__name__}: {e}"
+
+
+def _any_failed(failed: bool, ctx: ParallelContext) -> bool:
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.cpu_group)
+    return bool(flag.item())
+
+
+def serve_rank(rank: TPRank, ctx: ParallelContext, command_hook: CommandHook | None) -> None:
+    """The loop of rank >= 1: run what rank 0 broadcasts until Shutdown."""
+    assert not ctx.is_driver
+    while True:
+        msg = _decoder.decode(broadcast_bytes(None, ctx.cpu_group))
+        if isinstance(msg, Shutdown):
+            return
+        if isinstance(msg, RankStep):
+            _forward(rank, ctx, msg)
+        else:
+            error = _run_hook(command_hook, msg.payload, rank.kv_caches)
+            if error is not None:
+                log.error("rank %d: command failed: %s", ctx.rank, error)
+            _any_failed(error is not None, ctx)
+
+
+def build_tp_engine(
+    info: ModelInfo,
+    config: EngineConfig,
+    ctx: ParallelContext,
+    tp: int,
+    dcp: int,
+    command_hook: CommandHook | None = None,
+) -> tuple[LLMEngine, TPExecutor]:
+    """The driver's engine over a TP x DCP instance (the other ranks run serve_rank).
+    `config.block_size` is each rank's cache block; the scheduler's is block_size * dcp."""
+    rank = build_tp_rank(info, config, ctx, tp, dcp)
+    executor = TPExecutor(rank, ctx, command_hook)
+    engine_config = msgspec.structs.replace(
+        config, block_size=config.block_size * dcp, num_blocks=rank.num_blocks
+    )
+    return LLMEngine(info, engine_config, runner=executor), executor
