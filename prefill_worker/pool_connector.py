@@ -40,7 +40,6 @@ from kvpool.topology import master_address
 from protocol.cluster import ClusterConfig, PrefillConfig
 from protocol.hashing import chunk_keys
 from protocol.ids import BlockId, ChunkKey, RequestId
-from transfer.kv_pack import gather, scatter
 
 log = logging.getLogger(__name__)
 
@@ -175,15 +174,16 @@ class PoolConnector(KVConnector):
             return
         keys = self._keys(request, nxt, last)
         stages = self.client.local_stages
+        bpc = self.blocks_per_chunk
         for key, c in zip(keys, range(nxt, last), strict=True):
             slots = self.client.buffer.acquire_save(len(stages))
             if slots is None:
                 self.metrics.save_dropped.inc()
                 continue
+            blocks = list(block_ids[c * bpc : (c + 1) * bpc])
             for stage, slot in zip(stages, slots, strict=True):
                 out = self.client.buffer.payload(slot, self.client.specs[stage.index])
-                layers = self.kv_caches[stage.layer_start : stage.layer_end]
-                _pack(layers, list(block_ids), c * cs, (c + 1) * cs, out)
+                pack_blocks(self.kv_caches[stage.layer_start : stage.layer_end], blocks, out)
             self._saves.put(_Save(key, slots))
         self._next_save[rid] = last
         self._set_depth()
@@ -245,6 +245,8 @@ class PoolConnector(KVConnector):
         """Read, verify and unpack every local stage's objects of the job's chunks in
         windows of load slots; returns the tokens valid from job.token_start on."""
         cs = self.chunk_size
+        bpc = self.blocks_per_chunk
+        bs = cs // bpc
         stages = self.client.local_stages
         load_slots = self.client.buffer.load_slot_ids
         window = len(load_slots) // len(stages)
@@ -263,10 +265,13 @@ class PoolConnector(KVConnector):
                 spec = self.client.specs[stage.index]
                 layers = self.kv_caches[stage.layer_start : stage.layer_end]
                 for j in range(n):
+                    # Blocks [b0, b1) of chunk c are the load's; those before token_start
+                    # (a GPU prefix ending inside the chunk, whole blocks) are not touched.
                     c = job.first_chunk + num_ok + j
-                    lo = max(job.token_start, c * cs)
-                    src = self.client.buffer.payload(slots[j], spec)[:, :, lo - c * cs :]
-                    _unpack(src, layers, job.block_ids, lo, (c + 1) * cs)
+                    b0 = max(job.token_start // bs, c * bpc)
+                    b1 = (c + 1) * bpc
+                    src = self.client.buffer.payload(slots[j], spec)[:, :, (b0 - c * bpc) * bs :]
+                    unpack_blocks(src, layers, job.block_ids[b0:b1])
                 window_ok = n
                 stage_s[i] += time.perf_counter() - t
                 if n == 0:
@@ -309,27 +314,33 @@ class PoolConnector(KVConnector):
         self.client.close()
 
 
-def _pack(
-    layers: list[torch.Tensor], block_ids: list[BlockId], lo: int, hi: int, out: torch.Tensor
-) -> None:
-    """Gather tokens [lo, hi) of `layers` into `out` (a host slot); through a device
-    temporary when the cache lives on a GPU."""
-    if out.device == layers[0].device:
-        gather(layers, list(block_ids), lo, hi, out)
-        return
-    tmp = torch.empty(out.shape, dtype=out.dtype, device=layers[0].device)
-    gather(layers, list(block_ids), lo, hi, tmp)
-    out.copy_(tmp)
+def pack_blocks(layers: list[torch.Tensor], block_ids: list[BlockId], out: torch.Tensor) -> None:
+    """Copy whole blocks of `layers` into `out`, a contiguous [L, 2, n, H, D] payload with
+    n = len(block_ids) * block_size (token t of it = block block_ids[t // bs], offset
+    t % bs): one index_select per layer, through a device temporary for a GPU cache.
+
+        kv[l]: [2, num_blocks, bs, H, D] --index_select(dim 1, block_ids)--> out[l] viewed
+                                                                          [2, nblk, bs, H, D]
+    """
+    dev = layers[0].device
+    idx = torch.tensor(block_ids, dtype=torch.long, device=dev)
+    dst = out if out.device == dev else torch.empty(out.shape, dtype=out.dtype, device=dev)
+    _, _, bs, h, d = layers[0].shape
+    for layer, kv in enumerate(layers):
+        torch.index_select(kv, 1, idx, out=dst[layer].view(2, len(block_ids), bs, h, d))
+    if dst is not out:
+        out.copy_(dst)
 
 
-def _unpack(
-    src: torch.Tensor, layers: list[torch.Tensor], block_ids: list[BlockId], lo: int, hi: int
-) -> None:
-    """Scatter a [L, 2, hi - lo, H, D] host slice into `layers` at tokens [lo, hi)."""
+def unpack_blocks(src: torch.Tensor, layers: list[torch.Tensor], block_ids: list[BlockId]) -> None:
+    """Inverse of pack_blocks: src [L, 2, len(block_ids) * bs, H, D] into those blocks."""
     dev = layers[0].device
     if src.device != dev:
         src = src.to(dev, non_blocking=True)
-    scatter(src, layers, list(block_ids), lo, hi)
+    idx = torch.tensor(block_ids, dtype=torch.long, device=dev)
+    _, _, bs, h, d = layers[0].shape
+    for layer, kv in enumerate(layers):
+        kv.index_copy_(1, idx, src[layer].reshape(2, len(block_ids), bs, h, d))
 
 
 def build_pool_connector(

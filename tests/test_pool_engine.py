@@ -234,3 +234,24 @@ def test_forced_eviction_many_sessions(engines, pool: Pool):
     ]
     partial = sum(0 < sum(p[i] for p in present) < 3 for i in range(len(keys)))
     assert partial <= len(keys) // 50, f"{partial} of {len(keys)} chunks partial"
+
+
+def test_block_pack_equals_kv_pack_and_unpack_inverts_it():
+    import torch
+
+    from prefill_worker.pool_connector import pack_blocks, unpack_blocks
+    from transfer.kv_pack import gather
+
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.randn(2, 40, 16, 3, 8, generator=g) for _ in range(3)]
+    blocks = torch.randperm(40, generator=g)[:32].tolist()
+    out = torch.empty(3, 2, 512, 3, 8)
+    pack_blocks(layers, blocks, out)
+    want = torch.empty_like(out)
+    gather(layers, blocks, 0, 512, want)
+    assert torch.equal(out, want)
+    dst = [torch.zeros_like(x) for x in layers]
+    unpack_blocks(out[:, :, 16 * 5 :], dst, blocks[5:])  # from a block boundary on
+    for a, b in zip(layers, dst, strict=True):
+        assert torch.equal(a[:, blocks[5:]], b[:, blocks[5:]])
+        assert not b[:, blocks[:5]].any()
