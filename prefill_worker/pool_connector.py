@@ -19,6 +19,7 @@ blocks are freed right after the step; the slow part, the write, never blocks co
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -102,6 +103,10 @@ class PoolConnector(KVConnector):
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self.num_save_slots = len(client.buffer.save_slot_ids)
+        dev = kv_caches[0].device
+        self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        """Unpacks run on their own CUDA stream (compute goes on) and are synchronized
+        before a slot is reused and before a load is reported."""
         self._threads = [
             threading.Thread(target=self._load_loop, name="pool-load", daemon=True),
             threading.Thread(target=self._save_loop, name="pool-save", daemon=True),
@@ -260,6 +265,7 @@ class PoolConnector(KVConnector):
             window_ok = len(keys)
             for i, stage in enumerate(stages):
                 t = time.perf_counter()
+                self._sync_unpacks()  # the slots are about to be overwritten
                 slots = load_slots[i * window : i * window + len(keys)]
                 n = min(self.client.read(stage.index, keys, slots), window_ok)
                 spec = self.client.specs[stage.index]
@@ -271,7 +277,9 @@ class PoolConnector(KVConnector):
                     b0 = max(job.token_start // bs, c * bpc)
                     b1 = (c + 1) * bpc
                     src = self.client.buffer.payload(slots[j], spec)[:, :, (b0 - c * bpc) * bs :]
-                    unpack_blocks(src, layers, job.block_ids[b0:b1])
+                    with self._unpack_stream():
+                        unpack_blocks(src, layers, job.block_ids[b0:b1])
+                self._sync_unpacks()
                 window_ok = n
                 stage_s[i] += time.perf_counter() - t
                 if n == 0:
@@ -304,6 +312,15 @@ class PoolConnector(KVConnector):
                 return False
             time.sleep(0.005)
         return True
+
+    def _unpack_stream(self) -> contextlib.AbstractContextManager[object]:
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
+
+    def _sync_unpacks(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def close(self) -> None:
         self.drain_saves(timeout_s=5.0)
