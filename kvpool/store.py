@@ -56,6 +56,9 @@ class StoreService:
 
     def mount(self) -> None:
         """Connect to the master and mount the segment; SystemExit(2) with a reason."""
+        if self.protocol == "rdma":
+            # Without this Mooncake silently falls back to TCP when it finds no HCA.
+            os.environ.setdefault("MC_FORCE_HCA", "1")
         if self.cfg.hugepages:
             os.environ["MC_STORE_USE_HUGEPAGE"] = "1"
             os.environ.setdefault("MC_STORE_HUGEPAGE_SIZE", "2MB")
