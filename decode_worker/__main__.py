@@ -7,10 +7,14 @@ import asyncio
 import sys
 
 from decode_worker.service import DecodeService
+from decode_worker.startup import start_ranks
 from enginehost.host import EngineHost
 from enginehost.metrics import serve_metrics_port
-from enginehost.startup import build_engine, cpu_threads_per_engine, serve, setup_logging
+from enginehost.startup import serve, setup_logging
+from modelinfo.info import load_model_info
 from protocol.cluster import load_cluster
+from protocol.cluster_checks import check_model_layouts
+from protocol.config_errors import ConfigError
 from transfer import LandingArena, TransportConfig, create_transport
 
 
@@ -23,26 +27,25 @@ def main(argv: list[str] | None = None) -> int:
     inst = cluster.decode_instance(args.name)
     node = cluster.node(inst.node)
     setup_logging(cluster.log_level, inst.name)
-    if inst.tensor_parallel != 1:
-        print("tensor_parallel > 1 is not implemented yet", file=sys.stderr)
+    info = load_model_info(cluster.model)
+    try:
+        check_model_layouts(cluster, info.config, only=inst.name)
+    except ConfigError as e:
+        print(f"{args.config}: {e}", file=sys.stderr)
         return 2
-    engine = build_engine(
-        cluster,
-        device=inst.devices[0],
-        kv_cache_bytes=int(inst.kv_cache_memory),
-        max_num_seqs=inst.max_num_seqs,
-        cpu_threads=cpu_threads_per_engine(cluster, inst.node),
-    )
     transport = create_transport(
         TransportConfig(name="mooncake", host=node.host, protocol=inst.transfer.protocol)
     )
     landing_bytes = int(inst.landing_memory) // 4096 * 4096
     arena = LandingArena(landing_bytes, transport)
+    ranks = start_ranks(args.config, cluster, inst, info, arena)
+    engine = ranks.engine
     host = EngineHost(engine)
     service = DecodeService(
         inst.name,
         host,
         arena,
+        ranks=ranks.landings,
         admit_timeout_s=cluster.router.admission.wait_timeout_s,
         landing_ttl_s=cluster.router.request_timeout_s,
         num_devices=len(inst.devices),
@@ -61,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in tasks:
             t.cancel()
         host.stop()
+        ranks.stop()
 
     serve(app, node.host, inst.port, cluster.log_level)
     return 0

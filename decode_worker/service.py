@@ -1,9 +1,11 @@
 """The decode instance's HTTP service.
 
-    POST /admit   AdmitRequest  -> AdmitResponse  (a landing region; waits while full)
+    POST /admit   AdmitRequest  -> AdmitResponse  (a landing region, one LandingInfo per
+                  rank; waits while full)
     POST /decode  DecodeRequest -> NDJSON TokenBatch stream
-                  landing --scatter--> pages (engine.admit_prefilled), region freed,
-                  then one TokenBatch per step (coalesced when the reader lags)
+                  checks every flow (prefill stage x rank) landed in full, then every
+                  rank scatters its landing -> pages (engine.admit_prefilled), region
+                  freed, then one TokenBatch per step (coalesced when the reader lags)
 
 A landing region lives from /admit until its KV is scattered, an abort, or the landing
 TTL (a router that died between /admit and /decode must not leak it).
@@ -21,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from decode_worker.metrics import DecodeMetrics
+from decode_worker.ranks import RankLandings
 from engine.llm_engine import LLMEngine, RequestOutput
 from enginehost.app import base_app, error_response, json_response, read_message
 from enginehost.host import EngineHost
@@ -33,27 +36,14 @@ from protocol.messages import (
     DecodeRequest,
     ErrorEvent,
     InstanceStatus,
-    KVSegment,
     TokenBatch,
     encode_line,
 )
-from transfer import LandingArena, LandingTooLargeError, scatter_segments
+from transfer import LandingArena, LandingTooLargeError, check_flows
 from transfer.errors import LandingError
 
 log = logging.getLogger(__name__)
 ADMIT_RETRY_S = 0.005
-
-
-def check_segments(segments: list[KVSegment], num_prompt_tokens: int) -> str | None:
-    """Why the segments do not tile [0, num_prompt_tokens) in order, or None."""
-    at = 0
-    for seg in segments:
-        if seg.token_start != at or seg.token_end <= seg.token_start:
-            return f"segment {seg} does not continue at token {at}"
-        at = seg.token_end
-    if at != num_prompt_tokens:
-        return f"segments cover {at} of {num_prompt_tokens} prompt tokens"
-    return None
 
 
 class DecodeService:
@@ -65,6 +55,7 @@ class DecodeService:
         host: EngineHost,
         arena: LandingArena,
         *,
+        ranks: RankLandings,
         admit_timeout_s: float,
         landing_ttl_s: float,
         num_devices: int = 1,
@@ -72,7 +63,8 @@ class DecodeService:
         self.name = name
         self.host = host
         self.arena = arena
-        self.layout = host.engine.layout
+        """Rank 0's landing arena: it allocates one offset for every rank's buffer."""
+        self.ranks = ranks
         self.admit_timeout_s = admit_timeout_s
         self.landing_ttl_s = landing_ttl_s
         self._admitted_at: dict[str, float] = {}
@@ -125,7 +117,7 @@ class DecodeService:
         rid = msg.request_id
         try:
             await self.host.call(lambda e: e.check_fits(msg.num_prompt_tokens, msg.max_tokens))
-            nbytes = msg.num_prompt_tokens * self.layout.bytes_per_token
+            nbytes = self.ranks.region_bytes(msg.num_prompt_tokens)
             waited_from = time.monotonic()
             region = await asyncio.to_thread(self.arena.allocate, rid, nbytes, self.admit_timeout_s)
             self.metrics.landing_wait.observe(time.monotonic() - waited_from)
@@ -144,8 +136,8 @@ class DecodeService:
                 rid,
             )
         self._admitted_at[rid] = time.monotonic()
-        info = self.arena.landing_info(region, 0, self.layout)
-        return json_response(AdmitResponse(request_id=rid, landing=[info]))
+        infos = self.ranks.landing_infos(region)
+        return json_response(AdmitResponse(request_id=rid, landing=infos))
 
     async def decode(self, request: Request) -> Response:
         msg = await read_message(request, DecodeRequest)
@@ -157,7 +149,12 @@ class DecodeService:
         if region is None:
             self.metrics.outcome("rejected")
             return error_response(409, f"request {rid} holds no landing region: /admit first", rid)
-        problem = check_segments(msg.segments, len(msg.prompt_token_ids))
+        problem = check_flows(
+            msg.segments,
+            len(msg.prompt_token_ids),
+            self.ranks.num_ranks,
+            self.ranks.layout.num_layers,
+        )
         if problem is not None:
             self.metrics.outcome("rejected")
             self.free_landing(rid)
@@ -165,7 +162,7 @@ class DecodeService:
 
         def fill(kv_caches: list[torch.Tensor], table: list[BlockId]) -> None:
             started = time.perf_counter()
-            scatter_segments(region, msg.segments, self.layout, kv_caches, list(table))
+            self.ranks.scatter(region, msg.segments, kv_caches, list(table))
             self.metrics.scatter_seconds.observe(time.perf_counter() - started)
 
         def admit(e: LLMEngine) -> RequestOutput | None:

@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from enginehost.host import EngineHost
-from protocol.messages import AbortRequest, ErrorEvent, InstanceStatus
+from protocol.messages import PROTOCOL_VERSION, AbortRequest, ErrorEvent, InstanceStatus
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +31,22 @@ def json_response(obj: msgspec.Struct) -> Response:
 
 
 async def read_message(request: Request, typ: type[msgspec.Struct]) -> msgspec.Struct | Response:
-    """Decode a request body as `typ`, or an error response naming what is wrong."""
+    """Decode a request body as `typ`, or an error response naming what is wrong
+    (including a protocol version other than this worker's)."""
     try:
-        return msgspec.json.decode(await request.body(), type=typ)
+        msg = msgspec.json.decode(await request.body(), type=typ)
     except msgspec.ValidationError as e:
         return error_response(400, f"invalid {typ.__name__}: {e}")
     except msgspec.DecodeError as e:
         return error_response(400, f"malformed JSON for {typ.__name__}: {e}")
+    version = getattr(msg, "version", PROTOCOL_VERSION)
+    if version != PROTOCOL_VERSION:
+        return error_response(
+            400,
+            f"{typ.__name__} speaks protocol version {version}, this worker "
+            f"{PROTOCOL_VERSION}: run one kvserve version across the cluster",
+        )
+    return msg
 
 
 def base_app(

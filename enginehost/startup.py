@@ -37,6 +37,31 @@ def cpu_threads_per_engine(cluster: ClusterConfig, node: str) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, n))
 
 
+def engine_config(
+    cluster: ClusterConfig,
+    *,
+    device: object,
+    kv_cache_bytes: int,
+    max_num_seqs: int,
+    max_batched_tokens: int = 2048,
+) -> EngineConfig:
+    """The EngineConfig of one engine process (or one rank / stage of an instance)."""
+    return EngineConfig(
+        block_size=cluster.cache.block_size,
+        kv_cache_bytes=kv_cache_bytes,
+        max_num_batched_tokens=max_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        dtype=cluster.dtype,
+        device=torch_device(device),
+        cache_dir=cluster.cache.weights_cache_dir,
+    )
+
+
+def set_cpu_threads(device: object, cpu_threads: int | None) -> None:
+    if cpu_threads is not None and str(device) == "cpu":
+        torch.set_num_threads(cpu_threads)
+
+
 def build_engine(
     cluster: ClusterConfig,
     *,
@@ -46,16 +71,13 @@ def build_engine(
     max_batched_tokens: int = 2048,
     cpu_threads: int | None = None,
 ) -> LLMEngine:
-    if cpu_threads is not None and str(device) == "cpu":
-        torch.set_num_threads(cpu_threads)
-    config = EngineConfig(
-        block_size=cluster.cache.block_size,
+    set_cpu_threads(device, cpu_threads)
+    config = engine_config(
+        cluster,
+        device=device,
         kv_cache_bytes=kv_cache_bytes,
-        max_num_batched_tokens=max_batched_tokens,
         max_num_seqs=max_num_seqs,
-        dtype=cluster.dtype,
-        device=torch_device(device),
-        cache_dir=cluster.cache.weights_cache_dir,
+        max_batched_tokens=max_batched_tokens,
     )
     return LLMEngine.from_spec(cluster.model, config)
 

@@ -32,8 +32,11 @@ from kvserve.components import ComponentSpec, plan_components
 from kvserve.process_groups import group_members, pid_alive, stop_groups
 from kvserve.run_state import ComponentState, RunDir, RunState
 from kvserve.supervisor import LaunchError, Supervisor
+from modelinfo.info import load_model_config
 from protocol.cluster import ClusterConfig, load_cluster, local_nodes
-from protocol.cluster_checks import cluster_ports
+from protocol.cluster_checks import check_model_layouts, cluster_ports
+from protocol.config_errors import ConfigError
+from protocol.errors import ModelLoadError
 
 __all__ = ["LaunchError", "LaunchOptions", "check", "down", "status", "up"]
 
@@ -141,6 +144,7 @@ def up(
     launcher keeps supervising), 1 if the launch failed.
     """
     cluster = load_cluster(config_path)
+    check_model(cluster, str(config_path))
     config = str(Path(config_path).expanduser().resolve())
     nodes = _select_nodes(cluster, options.nodes)
     stages = plan_components(cluster, config, nodes, options.commands)
@@ -274,5 +278,25 @@ def down(
 def check(config_path: str | Path, out: IO[str] = sys.stdout) -> int:
     """Validate cluster.yaml and print what it describes; ConfigError if invalid."""
     cluster = load_cluster(config_path)
+    note = check_model(cluster, str(config_path))
     print(summarize(cluster, str(config_path)), file=out)
+    print(note, file=out)
     return 0
+
+
+def check_model(cluster: ClusterConfig, source: str) -> str:
+    """Check the prefill layer splits and decode TP x DCP against the model's layers and
+    heads (ConfigError naming the key); the model's config is read, nothing loaded.
+    A model this host cannot read is left to the workers, which check at start."""
+    try:
+        model = load_model_config(cluster.model)
+    except ModelLoadError as e:
+        return f"  layouts  not checked against the model on this host: {e}"
+    try:
+        check_model_layouts(cluster, model)
+    except ConfigError as e:
+        raise ConfigError(e.path, e.message, source) from None
+    return (
+        f"  layouts  fit the model: {model.num_layers} layers, {model.num_heads} query / "
+        f"{model.num_kv_heads} KV heads"
+    )

@@ -46,6 +46,17 @@ class ModelInfo:
         return self.chat_template
 
 
+def load_model_config(spec: str) -> ModelConfig:
+    """Only the architecture config of `spec` (no tokenizer, no template): cheap enough
+    for `kvserve check` to validate parallel layouts against the model."""
+    source = resolve_model(spec)
+    if source.kind == "hf":
+        return model_config_from_hf(_read_json(source.path / "config.json"))
+    from modelinfo.gguf_config import model_config_from_gguf
+
+    return model_config_from_gguf(source.path)
+
+
 def load_model_info(spec: str, *, served_name: str | None = None) -> ModelInfo:
     """Resolve `spec` (see modelinfo.source) and load its config, tokenizer and template.
 

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 
 from enginehost.host import EngineHost
 from enginehost.metrics import serve_metrics_port
-from enginehost.startup import build_engine, cpu_threads_per_engine, serve, setup_logging
-from prefill_worker.handoff import HandoffTable
+from enginehost.startup import serve, setup_logging
+from modelinfo.info import load_model_info
 from prefill_worker.pool_connector import build_pool_connector
 from prefill_worker.service import PrefillService
+from prefill_worker.stages import start_stages
 from protocol.cluster import load_cluster
-from transfer import HandoffSender, TransportConfig, create_transport
-
-STAGING_BYTES = 64 * 1024**2
+from protocol.cluster_checks import check_model_layouts
+from protocol.config_errors import ConfigError
+from transfer import TransportConfig, create_transport
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,32 +29,35 @@ def main(argv: list[str] | None = None) -> int:
     inst = cluster.prefill_instance(args.name)
     node = cluster.node(inst.node)
     setup_logging(cluster.log_level, inst.name)
-    if inst.pipeline_parallel != 1:
-        print("pipeline_parallel > 1 is not implemented yet", file=sys.stderr)
+    info = load_model_info(cluster.model)
+    try:
+        check_model_layouts(cluster, info.config, only=inst.name)
+    except ConfigError as e:
+        print(f"{args.config}: {e}", file=sys.stderr)
         return 2
-    engine = build_engine(
-        cluster,
-        device=inst.devices[0],
-        kv_cache_bytes=int(inst.kv_cache_memory),
-        max_num_seqs=inst.max_num_seqs,
-        cpu_threads=cpu_threads_per_engine(cluster, inst.node),
-        max_batched_tokens=inst.max_batched_tokens,
-    )
     protocol = cluster.decode[0].transfer.protocol if cluster.decode else "tcp"
     transport = create_transport(
         TransportConfig(name="mooncake", host=node.host, protocol=protocol)
     )
-    sender = HandoffSender(transport, STAGING_BYTES, device=engine.device)
+    stages = start_stages(args.config, cluster, inst, info, transport)
+    engine = stages.engine
     host = EngineHost(engine)
     service = PrefillService(
         inst.name,
         host,
-        HandoffTable(sender, engine.runner.kv_caches),
+        stages.handoffs,
         num_devices=len(inst.devices),
     )
-    engine.set_kv_connector(
-        build_pool_connector(cluster, inst, engine, service.registry, service.kv_reporter)
-    )
+    if inst.pipeline_parallel == 1:
+        engine.set_kv_connector(
+            build_pool_connector(cluster, inst, engine, service.registry, service.kv_reporter)
+        )
+    elif cluster.pool_enabled:
+        logging.getLogger(__name__).warning(
+            "%s: the KV pool is not used with pipeline_parallel > 1 yet (per-stage "
+            "save/restore from the stage processes is not built); prompts are recomputed",
+            inst.name,
+        )
     serve_metrics_port(service.registry, node.host, inst.metrics_port)
     app = service.app()
 
@@ -63,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     @app.on_event("shutdown")
     async def _stop() -> None:
         host.stop()
-        engine.close()
+        engine.kv_connector.close()
+        stages.stop()
         await asyncio.sleep(0)
 
     serve(app, node.host, inst.port, cluster.log_level)

@@ -100,7 +100,7 @@ class PrefillService:
 
         def add(e: LLMEngine) -> None:
             if msg.landing:
-                self.handoffs.add(rid, msg.landing[0])
+                self.handoffs.add(rid, msg.landing, len(msg.prompt_token_ids))
             try:
                 e.add_request(msg.prompt_token_ids, msg.params, rid, prefill_only=True)
             except BaseException:

@@ -10,12 +10,13 @@ import re
 import types
 import typing
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
 
 import msgspec
 
 from protocol.cluster_types import BYTE_SIZE_HELP, ByteSize, device_name
 from protocol.config_errors import ConfigError
+from protocol.parallel import head_layout_error, layer_split_error
 
 if TYPE_CHECKING:
     from protocol.cluster import ClusterConfig, DecodeConfig, PrefillConfig
@@ -152,6 +153,50 @@ def _check_decode_layout(path: str, d: DecodeConfig) -> None:
             f"{path}.decode_context_parallel",
             f"{dcp} does not divide tensor_parallel {tp}; valid: {valid}",
         )
+    if dcp & (dcp - 1):
+        raise ConfigError(
+            f"{path}.decode_context_parallel",
+            f"{dcp} is not a power of two: the scheduler's blocks hold block_size x "
+            "decode_context_parallel tokens, a power of two",
+        )
+
+
+class ModelShape(Protocol):
+    """What the layout checks need of a model (modelinfo.config.ModelConfig has it)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+
+
+def check_model_layouts(c: ClusterConfig, model: ModelShape, only: str | None = None) -> None:
+    """ConfigError if a prefill layer split or a decode TP x DCP does not fit the model
+    (only instance `only` when given). Run where the model can be read: `kvserve check`
+    and `kvserve up`, and every worker at start."""
+    for i, p in enumerate(c.prefill):
+        if only is not None and p.name != only:
+            continue
+        if p.layer_split is not None:
+            problem = layer_split_error(p.layer_split, model.num_layers)
+            if problem is not None:
+                raise ConfigError(f"prefill[{i}].layer_split", problem)
+        elif p.pipeline_parallel > model.num_layers:
+            raise ConfigError(
+                f"prefill[{i}].pipeline_parallel",
+                f"{p.pipeline_parallel} stages for a model of {model.num_layers} layers; "
+                f"at most {model.num_layers}",
+            )
+    for i, d in enumerate(c.decode):
+        if only is not None and d.name != only:
+            continue
+        problem = head_layout_error(
+            model.num_heads, model.num_kv_heads, d.tensor_parallel, d.decode_context_parallel
+        )
+        if problem is not None:
+            raise ConfigError(f"decode[{i}].tensor_parallel", problem)
 
 
 def _check_gpu_sharing(c: ClusterConfig) -> None:

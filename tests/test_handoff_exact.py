@@ -49,7 +49,7 @@ def test_decode_receives_exactly_what_prefill_computed(engines, monkeypatch):
     assert send_t.peer_address.startswith("127.0.0.1:")
     sender = HandoffSender(send_t, 64 * 1024**2)
     arena = LandingArena(256 * 1024**2, land_t)
-    table = HandoffTable(sender, prefill.runner.kv_caches)
+    table = HandoffTable.direct(sender, prefill.runner.kv_caches)
     prefill.kv_observer = table.observe
 
     ids = prefill.info.tokenizer.encode("The history of the agent session: " * 120)[:700]
@@ -58,7 +58,7 @@ def test_decode_receives_exactly_what_prefill_computed(engines, monkeypatch):
     nbytes = len(ids) * prefill.layout.bytes_per_token
     region = arena.allocate("r1", nbytes, timeout_s=1)
     assert region is not None
-    table.add("r1", arena.landing_info(region, 0, decode.layout))
+    table.add("r1", [arena.landing_info(region, 0, decode.layout)], len(ids))
 
     held: dict[str, torch.Tensor] = {}
 

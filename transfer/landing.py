@@ -124,6 +124,18 @@ class LandingArena:
             self._used += size
             return region
 
+    def mirror(self, request_id: str, offset_bytes: int, nbytes: int) -> LandingRegion:
+        """The bytes [offset_bytes, + nbytes) of this arena as a region, where another
+        rank's arena of the same size allocated them (decode TP: rank 0 allocates one
+        offset for every rank). No bookkeeping here; the allocating arena owns it."""
+        if offset_bytes < 0 or offset_bytes + nbytes > self._total:
+            raise LandingError(
+                f"region [{offset_bytes}, +{nbytes}) of {request_id} is outside this "
+                f"{self._total}-byte arena: the ranks' landing sizes differ"
+            )
+        view = self.buffer[offset_bytes : offset_bytes + nbytes]
+        return LandingRegion(request_id, offset_bytes, nbytes, self.base_addr + offset_bytes, view)
+
     def free(self, request_id: str) -> bool:
         """Give the request's region back (on completion and on abort). False if it holds
         none (already freed, or never got one): aborts may race completion."""

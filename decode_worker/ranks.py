@@ -1,0 +1,203 @@
+"""The ranks of a decode instance (TP x DCP, protocol/parallel.py) and their landing
+buffers.
+
+    rank 0 (python -m decode_worker: HTTP, scheduler, rank 0's shard)
+        spawns ranks 1.. (python -m decode_worker.ranks), joins their process group,
+        receives each rank's RankLanding (transfer peer, landing buffer address)
+    every rank: its own Mooncake transport and landing buffer of landing_memory bytes
+
+One landing region per request, at the SAME offset in every rank's buffer (rank 0's
+arena allocates it, sized for the rank with the most tokens), so one LandingInfo per
+rank is just base_r + offset. /decode scatters with a RankCommand: every rank unpacks
+its segments into its own pages before the request's first step, and rank 0 frees the
+region only after every rank acknowledged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import msgspec
+import torch
+
+from engine.parallel.tp_runner import TPExecutor
+from protocol.kv_layout import KVLayout
+from protocol.messages import KVSegment, LandingInfo
+from protocol.parallel import DecodeRankShard
+from protocol.rank_messages import LandingScatter, RankLanding, encode
+from transfer import KVShard, LandingArena, LandingRegion, rank_landing_bytes, scatter_segments
+
+log = logging.getLogger(__name__)
+
+_scatter = msgspec.msgpack.Decoder(LandingScatter)
+
+
+class ScatterHook:
+    """Runs on every rank: unpacks its segments of a landed request into its pages."""
+
+    def __init__(self, arena: LandingArena, layout: KVLayout, shard: DecodeRankShard) -> None:
+        self.arena, self.layout, self.shard = arena, layout, shard
+        self.stripe = KVShard(dcp_size=shard.dcp_size, dcp_rank=shard.dcp_rank)
+
+    def __call__(self, payload: bytes, kv_caches: list[torch.Tensor]) -> str | None:
+        cmd = _scatter.decode(payload)
+        region = self.arena.mirror(cmd.request_id, cmd.offset_bytes, cmd.nbytes)
+        mine = [s for s in cmd.segments if s.rank == self.shard.rank]
+        scatter_segments(region, mine, self.layout, kv_caches, cmd.block_table, self.stripe)
+        return None
+
+
+class RankLandings:
+    """Rank 0's view of the instance: every rank's shard, cache layout and landing buffer;
+    sizes regions, describes them to prefill, and scatters landed requests on all ranks.
+    Engine thread for `scatter`; the rest is pure."""
+
+    def __init__(
+        self,
+        arena: LandingArena,
+        layout: KVLayout,
+        shards: list[DecodeRankShard],
+        landings: list[RankLanding],
+        executor: TPExecutor | None,
+        local_hook: ScatterHook,
+    ) -> None:
+        self.arena, self.layout, self.shards = arena, layout, shards
+        self.landings, self.executor, self.local_hook = landings, executor, local_hook
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.shards)
+
+    def region_bytes(self, num_prompt_tokens: int) -> int:
+        """One region size for every rank: that of the rank holding the most tokens."""
+        return max(
+            rank_landing_bytes(self.layout, s.dcp_size, s.dcp_rank, num_prompt_tokens)
+            for s in self.shards
+        )
+
+    def landing_infos(self, region: LandingRegion) -> list[LandingInfo]:
+        return [
+            LandingInfo(
+                rank=s.rank,
+                transport=lr.transport,
+                peer=lr.peer,
+                buffer_addr=lr.base_addr + region.offset_bytes,
+                capacity_bytes=region.nbytes,
+                layout=self.layout,
+                kv_head_start=s.kv_head_start,
+                dcp_size=s.dcp_size,
+                dcp_rank=s.dcp_rank,
+            )
+            for s, lr in zip(self.shards, self.landings, strict=True)
+        ]
+
+    def scatter(
+        self,
+        region: LandingRegion,
+        segments: list[KVSegment],
+        kv_caches: list[torch.Tensor],
+        block_table: list[int],
+    ) -> None:
+        """Every rank unpacks its segments (engine thread, inside admit_prefilled)."""
+        cmd = LandingScatter(
+            region.request_id, region.offset_bytes, region.nbytes, block_table, segments
+        )
+        if self.executor is None:
+            error = self.local_hook(encode(cmd), kv_caches)
+            if error is not None:
+                raise RuntimeError(error)
+        else:
+            self.executor.run_command(encode(cmd))
+
+
+def rank_landing(rank: int, arena: LandingArena) -> RankLanding:
+    assert arena.transport is not None
+    return RankLanding(
+        rank, arena.transport.name, arena.transport.peer_address, arena.base_addr, arena.total_bytes
+    )
+
+
+def rank_argv(config: str, name: str, rank: int, init_method: str) -> list[str]:
+    """Command line of rank `rank` (>= 1), run by rank 0."""
+    return [
+        sys.executable,
+        "-m",
+        "decode_worker.ranks",
+        "-c",
+        config,
+        "--name",
+        name,
+        "--rank",
+        str(rank),
+        "--init-method",
+        init_method,
+        "--parent-pid",
+        str(os.getpid()),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m decode_worker.ranks ...`: one rank >= 1 of a decode instance."""
+    ap = argparse.ArgumentParser(prog="python -m decode_worker.ranks")
+    ap.add_argument("-c", "--config", required=True)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--init-method", required=True)
+    ap.add_argument("--parent-pid", type=int, required=True)
+    args = ap.parse_args(argv)
+
+    from engine.parallel.comm import init_parallel, send_bytes, shutdown_parallel
+    from engine.parallel.procs import die_with_parent
+    from engine.parallel.tp_runner import build_tp_rank, serve_rank
+    from enginehost.startup import (
+        cpu_threads_per_engine,
+        engine_config,
+        set_cpu_threads,
+        setup_logging,
+    )
+    from modelinfo.info import load_model_info
+    from protocol.cluster import load_cluster
+    from transfer import TransportConfig, create_transport
+
+    die_with_parent(args.parent_pid)
+    cluster = load_cluster(args.config)
+    inst = cluster.decode_instance(args.name)
+    node = cluster.node(inst.node)
+    setup_logging(cluster.log_level, f"{inst.name}.rank{args.rank}")
+    device = inst.devices[args.rank]
+    set_cpu_threads(device, cpu_threads_per_engine(cluster, inst.node))
+    config = engine_config(
+        cluster, device=device, kv_cache_bytes=int(inst.kv_cache_memory), max_num_seqs=1
+    )
+    ctx = init_parallel(
+        args.rank,
+        inst.tensor_parallel,
+        config.device,
+        args.init_method,
+        dcp_size=inst.decode_context_parallel,
+    )
+    try:
+        rank = build_tp_rank(
+            load_model_info(cluster.model),
+            config,
+            ctx,
+            inst.tensor_parallel,
+            inst.decode_context_parallel,
+        )
+        transport = create_transport(
+            TransportConfig(name="mooncake", host=node.host, protocol=inst.transfer.protocol)
+        )
+        arena = LandingArena(int(inst.landing_memory) // 4096 * 4096, transport)
+        send_bytes(encode(rank_landing(args.rank, arena)), 0, ctx.cpu_group)
+        log.info("rank %d ready: %s", args.rank, rank.shard)
+        serve_rank(rank, ctx, ScatterHook(arena, rank.layout, rank.shard))
+    finally:
+        shutdown_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The pipeline stages of a prefill instance (PP = N, protocol/parallel.py).
+
+stage 0 (python -m prefill_worker: HTTP, the one scheduler, layers of stage 0)
+    spawns stages 1.. (python -m prefill_worker.stages) and joins their process group
+stage s: its layers [start_s, end_s) and their paged KV (same block ids everywhere),
+    its own Mooncake transport and staging buffer: after computing a step it sends
+    its layers' part of every handoff flow (StageSender), so handoff bytes leave every
+    stage's device in parallel, as DESIGN §5 asks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine
+from engine.parallel.comm import init_parallel
+from engine.parallel.pp_engine import build_pp_engine
+from engine.parallel.procs import ChildProcesses, rendezvous
+from enginehost.startup import cpu_threads_per_engine, engine_config, set_cpu_threads
+from modelinfo.info import ModelInfo
+from prefill_worker.handoff import HandoffTable, StageSender
+from protocol.cluster import ClusterConfig, PrefillConfig
+from protocol.parallel import even_layer_split, stage_layer_ranges
+from transfer import HandoffSender, Transport
+
+log = logging.getLogger(__name__)
+
+STAGING_BYTES = 64 * 1024**2
+"""Registered staging buffer of each stage (gathers of one flow segment at a time)."""
+
+
+def layer_split(inst: PrefillConfig, num_layers: int) -> tuple[int, ...]:
+    return inst.layer_split or even_layer_split(num_layers, inst.pipeline_parallel)
+
+
+@dataclass
+class PrefillStages:
+    """What stage 0 runs: the engine, its handoff table, and the processes of stages 1.."""
+
+    engine: LLMEngine
+    handoffs: HandoffTable
+    children: ChildProcesses | None
+
+    def stop(self) -> None:
+        if self.children is not None:
+            self.children.stop()
+
+
+def start_stages(
+    config_path: str,
+    cluster: ClusterConfig,
+    inst: PrefillConfig,
+    info: ModelInfo,
+    transport: Transport,
+) -> PrefillStages:
+    """Stage 0's engine: the whole model here (PP 1), or a pipeline over spawned stages."""
+    set_cpu_threads(inst.devices[0], cpu_threads_per_engine(cluster, inst.node))
+    config = engine_config(
+        cluster,
+        device=inst.devices[0],
+        kv_cache_bytes=int(inst.kv_cache_memory),
+        max_num_seqs=inst.max_num_seqs,
+        max_batched_tokens=inst.max_batched_tokens,
+    )
+    sender = HandoffSender(transport, STAGING_BYTES, device=config.device)
+    pp = inst.pipeline_parallel
+    if pp == 1:
+        engine = LLMEngine(info, config)
+        return PrefillStages(engine, HandoffTable.direct(sender, engine.runner.kv_caches), None)
+    split = layer_split(inst, info.config.num_layers)
+    init_method = rendezvous(os.environ.get("MASTER_ADDR"), inst.dist_port)
+    children = ChildProcesses(
+        [stage_argv(config_path, inst.name, s, init_method) for s in range(1, pp)],
+        "prefill stage",
+    )
+    ctx = init_parallel(0, pp, config.device, init_method)
+    hook = StageSender(sender, stage_layer_ranges(split)[0], 0)
+    engine = build_pp_engine(info, config, ctx, split, hook, depth=pp)
+    table = HandoffTable.pipelined()
+    engine.stage_commands = table.take_commands
+    engine.on_stage_reports = table.apply_reports
+    log.info("PP %d: layer split %s, every stage is up", pp, list(split))
+    return PrefillStages(engine, table, children)
+
+
+def stage_argv(config: str, name: str, stage: int, init_method: str) -> list[str]:
+    """Command line of stage `stage` (>= 1), run by stage 0."""
+    return [
+        sys.executable,
+        "-m",
+        "prefill_worker.stages",
+        "-c",
+        config,
+        "--name",
+        name,
+        "--stage",
+        str(stage),
+        "--init-method",
+        init_method,
+        "--parent-pid",
+        str(os.getpid()),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m prefill_worker.stages ...`: one stage >= 1 of a prefill instance."""
+    ap = argparse.ArgumentParser(prog="python -m prefill_worker.stages")
+    ap.add_argument("-c", "--config", required=True)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--stage", type=int, required=True)
+    ap.add_argument("--init-method", required=True)
+    ap.add_argument("--parent-pid", type=int, required=True)
+    args = ap.parse_args(argv)
+
+    from engine.parallel.comm import shutdown_parallel
+    from engine.parallel.pp_runner import build_stage, serve_stage
+    from engine.parallel.procs import die_with_parent
+    from enginehost.startup import setup_logging
+    from modelinfo.info import load_model_info
+    from protocol.cluster import load_cluster
+    from transfer import TransportConfig, create_transport
+
+    die_with_parent(args.parent_pid)
+    cluster = load_cluster(args.config)
+    inst = cluster.prefill_instance(args.name)
+    node = cluster.node(inst.node)
+    setup_logging(cluster.log_level, f"{inst.name}.stage{args.stage}")
+    device = inst.devices[args.stage]
+    set_cpu_threads(device, cpu_threads_per_engine(cluster, inst.node))
+    config = engine_config(
+        cluster,
+        device=device,
+        kv_cache_bytes=int(inst.kv_cache_memory),
+        max_num_seqs=inst.max_num_seqs,
+        max_batched_tokens=inst.max_batched_tokens,
+    )
+    pp = inst.pipeline_parallel
+    ctx = init_parallel(args.stage, pp, config.device, args.init_method)
+    try:
+        info = load_model_info(cluster.model)
+        split = layer_split(inst, info.config.num_layers)
+        stage = build_stage(info, config, ctx, split)
+        protocol = cluster.decode[0].transfer.protocol if cluster.decode else "tcp"
+        transport = create_transport(
+            TransportConfig(name="mooncake", host=node.host, protocol=protocol)
+        )
+        sender = HandoffSender(transport, STAGING_BYTES, device=config.device)
+        log.info("stage %d ready: layers %s", args.stage, stage.layers)
+        serve_stage(stage, ctx, StageSender(sender, stage.layers, args.stage), pp)
+    finally:
+        shutdown_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
