@@ -12,6 +12,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     block_size: int = 16
     """Tokens per KV block: the unit of paging and of the prefix cache."""
+    chunk_size: int = 256
+    """Tokens per pool chunk (cluster.yaml cache.chunk_size); part of the KV namespace."""
     kv_cache_bytes: int = 512 * 1024**2
     """Memory for the paged KV cache; ignored when num_blocks is set."""
     num_blocks: int | None = None
@@ -33,6 +35,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.chunk_size <= 0 or self.chunk_size % self.block_size:
+            raise ValueError(
+                f"chunk_size must be a positive multiple of block_size {self.block_size}, "
+                f"got {self.chunk_size}"
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.max_num_batched_tokens < 1:

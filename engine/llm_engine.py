@@ -126,6 +126,7 @@ class LLMEngine:
             weights_fingerprint=info.fingerprint,
             kv_dtype=config.dtype,
             block_size=config.block_size,
+            chunk_size=config.chunk_size,
             layer_split=self.runner.layer_split,
             rope=rope_key(info),
         )

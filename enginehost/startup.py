@@ -48,6 +48,7 @@ def engine_config(
     """The EngineConfig of one engine process (or one rank / stage of an instance)."""
     return EngineConfig(
         block_size=cluster.cache.block_size,
+        chunk_size=cluster.cache.chunk_size,
         kv_cache_bytes=kv_cache_bytes,
         max_num_batched_tokens=max_batched_tokens,
         max_num_seqs=max_num_seqs,
