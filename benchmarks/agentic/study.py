@@ -163,9 +163,9 @@ def run_config(label: str, args: argparse.Namespace, out: Path) -> dict[str, Any
             row.update(json.loads(report_path.read_text()))
         else:
             row["error"] = f"bench failed: {res.stderr[-800:]}"
+        row["pool_counters"] = pool_counters(cfg)
     except subprocess.TimeoutExpired:
         row["error"] = f"replay ran past {args.replay_timeout} s"
-        row["pool_counters"] = pool_counters(cfg)
     finally:
         down = _kvserve("down", "-c", str(config), "--state-dir", str(state), timeout=120)
         if down.returncode != 0:
@@ -208,8 +208,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     )
     lines = []
     for r in rows:
-        if "reuse" not in r:
-            lines.append(f"| {r['config']} | {r.get('error', 'failed')[:120]} |" + " |" * 9)
+        if "reuse" not in r or r.get("ttft_p50_s") is None:
+            why = r.get("error") or "; ".join(r.get("error_samples") or ["failed"])
+            lines.append(f"| {r['config']} | {why[:160]} |" + " |" * 9)
             continue
         u = r["reuse"]
         hit = u["gpu"] + u["pool"]
