@@ -30,7 +30,8 @@ def test_local_example_plans_pool_before_workers():
     master, (s0, s1) = stages[0][0], stages[1]
     assert master.health_url == "http://127.0.0.1:9003/health" and master.restart
     assert s0.argv[-4:] == ("--index", "0", "--health-port", "9061") and s1.restart
-    assert not stages[2][0].restart
+    assert all(w.restart for w in stages[2])  # workers come back too; the router does not
+    assert not stages[3][0].restart
     for spec in (master, s0, s1):
         assert spec.env["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"
         assert spec.argv[1:3] == ("-m", "kvpool.master" if spec is master else "kvpool.store")
