@@ -255,3 +255,37 @@ def test_block_pack_equals_kv_pack_and_unpack_inverts_it():
     for a, b in zip(layers, dst, strict=True):
         assert torch.equal(a[:, blocks[5:]], b[:, blocks[5:]])
         assert not b[:, blocks[:5]].any()
+
+
+def test_saturated_save_queue_drops_and_never_stalls_compute(tiny_llama_dir, weights_cache_dir):
+    """One save slot and a pool whose writes hang until released: the step that computes three
+    chunks packs one, drops two (counted) and returns without waiting for the write."""
+    import threading
+
+    from kvpool.local_backend import LocalBackend
+
+    release = threading.Event()
+
+    class SlowBackend(LocalBackend):
+        def put_from(self, keys, ptrs, sizes, group_ids):  # type: ignore[no-untyped-def]
+            release.wait(10)
+            return super().put_from(keys, ptrs, sizes, group_ids)
+
+    cfg = EngineConfig(cache_dir=weights_cache_dir, num_blocks=256, max_num_batched_tokens=1024)
+    e = LLMEngine.from_spec(str(tiny_llama_dir), cfg)
+    metrics = PoolMetrics(CollectorRegistry(), "test")
+    backend = SlowBackend(BackendConfig("127.0.0.1", "local-slow"))
+    client = PoolClient(
+        backend, e.namespace, e.layout, buffer_bytes=None, max_save_chunks=1, metrics=metrics
+    )
+    e.set_kv_connector(PoolConnector(client, e.runner.kv_caches, metrics))
+    try:
+        out = e.generate([_prompt(7, 1000)], GREEDY)[0]  # returns while the write hangs
+        assert len(out.token_ids) == 4
+        assert _value(metrics.save_dropped) == 2 and _value(metrics.save_queue_depth) == 1
+        release.set()
+        assert _conn(e).drain_saves(10)
+        assert _value(metrics.save_chunks) == 1 and _value(metrics.save_queue_depth) == 0
+    finally:
+        release.set()
+        e.close()
