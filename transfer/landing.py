@@ -227,4 +227,5 @@ def scatter_segments(
             raise LandingError(f"segment {seg} ends past region of {region.nbytes} bytes")
         shape = (l1 - l0, 2, n, layout.num_kv_heads, layout.head_dim)
         src = packed_view(region.buffer, seg.offset_bytes, shape, dtype)
+        src = src.to(kv_caches[0].device)  # host landing -> GPU pages (blocking: freed next)
         scatter(src, kv_caches[l0:l1], block_table, seg.token_start, seg.token_end, shard)
