@@ -1,6 +1,6 @@
 """Pool save and restore throughput per prefill stage, on CPU over Mooncake tcp (loopback).
 
-    python -m benchmarks.pool_restore [--chunks 8] [--split 8,8,7,7] [--reps 3]
+    python -m benchmarks.pool_restore [--chunks 8] [--split 8,8,7,7] [--reps 3] [--threads 1]
 
 Starts a real pool (`python -m kvpool.master` + two `python -m kvpool.store`, 127.0.0.1),
 then for SmolLM2-135M-shaped KV (30 layers x 3 KV heads x head_dim 64, float32: 11.8 MB
@@ -146,7 +146,14 @@ def main() -> None:
     p.add_argument("--split", default="8,8,7,7", help="layers per prefill stage")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (a prefill on a 2-core node gets 1; more oversubscribe here)",
+    )
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     split = tuple(int(x) for x in args.split.split(","))
     assert sum(split) == LAYOUT.num_layers, f"the split must cover {LAYOUT.num_layers} layers"
     n_chunks, n_tok = args.chunks, args.chunks * CHUNK
@@ -257,7 +264,8 @@ def main() -> None:
         f"float32 SmolLM2-135M KV ({chunk_bytes / 1e6:.1f} MB per chunk), median of {args.reps}"
     )
     print(
-        f"machine: {cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}; "
+        f"machine: {cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__} "
+        f"({args.threads} thread(s)); "
         f"Mooncake {mooncake_version()} tcp on 127.0.0.1, 2 store services\n"
     )
     print(
