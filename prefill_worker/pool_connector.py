@@ -134,6 +134,7 @@ class PoolConnector(KVConnector):
         self, request: Request, block_ids: list[BlockId], token_start: int, token_end: int
     ) -> None:
         cs = self.chunk_size
+        assert token_start % (cs // self.blocks_per_chunk) == 0, "a GPU prefix is whole blocks"
         first, end = token_start // cs, -(-token_end // cs)
         with self._lock:
             self._in_flight.add(request.request_id)
