@@ -22,6 +22,8 @@ import time
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 5.0
+"""A child stopped by SIGTERM ends the instance only if the driver is not stopping by then."""
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -58,6 +60,10 @@ class ChildProcesses:
         while not self._stopping:
             for i, p in enumerate(self.procs):
                 code = p.poll()
+                if code == -signal.SIGTERM:
+                    # `kvserve down` signals the whole process group: this process is
+                    # stopping too; give its own shutdown the time to begin.
+                    time.sleep(STOP_GRACE_S)
                 if code is not None and not self._stopping:
                     log.error(
                         "%s %d (pid %d) exited with code %s: stopping the instance",
