@@ -68,3 +68,25 @@ def test_prefill_pipeline_matches_single_process(
         layer_split=(3, 1),
     )
     assert got == reference
+
+
+def test_kv_heads_replicated_when_ranks_outnumber_them(
+    tmp_path_factory, tiny_tokenizer_dir, weights_cache_dir
+):
+    # One KV head, TP 2: each rank holds a copy of it and half of the query heads (vLLM's
+    # replication of KV heads).
+    from conftest import make_tiny_model
+
+    model = make_tiny_model(
+        tmp_path_factory.mktemp("tiny-mqa"),
+        tiny_tokenizer_dir,
+        "llama",
+        num_attention_heads=4,
+        num_key_value_heads=1,
+    )
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (6, 41)]
+    engine = LLMEngine.from_spec(str(model), EngineConfig(cache_dir=weights_cache_dir))
+    want = [c.token_ids for c in engine.generate(prompts, PARAMS)]
+    got = generate_parallel(str(model), _config(weights_cache_dir), prompts, PARAMS, tp=2)
+    assert got == want
