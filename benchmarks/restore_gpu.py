@@ -77,7 +77,7 @@ class Stage:
         perm = torch.randperm(num_blocks, generator=g)
         self.block_table = perm.to(self.dev)
         self.staging = [
-            torch.empty(self.spec.payload_bytes, dtype=torch.uint8, device=self.dev)
+            torch.empty(GROUP * self.obj_bytes, dtype=torch.uint8, device=self.dev)
             for _ in range(2)
         ]
         self.streams = [torch.cuda.Stream(self.dev) for _ in range(2)]
