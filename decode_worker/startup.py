@@ -62,7 +62,9 @@ def start_ranks(
         return DecodeRanks(engine, landings, None)
     init_method = rendezvous(os.environ.get("MASTER_ADDR"), inst.dist_port)
     children = ChildProcesses(
-        [rank_argv(config_path, inst.name, r, init_method) for r in range(1, tp)], "decode rank"
+        [rank_argv(config_path, inst.name, r, init_method) for r in range(1, tp)],
+        "decode rank",
+        init_method,
     )
     ctx = init_parallel(0, tp, config.device, init_method, dcp_size=dcp)
     engine, executor = build_tp_engine(info, config, ctx, tp, dcp)

@@ -76,6 +76,7 @@ def start_stages(
     children = ChildProcesses(
         [stage_argv(config_path, inst.name, s, init_method) for s in range(1, pp)],
         "prefill stage",
+        init_method,
     )
     ctx = init_parallel(0, pp, config.device, init_method)
     hook = StageSender(sender, stage_layer_ranges(split)[0], 0)

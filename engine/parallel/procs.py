@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -22,6 +23,7 @@ import time
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_RENDEZVOUS_PREFIX = "kvserve-dist-"
 STOP_GRACE_S = 5.0
 """A child stopped by SIGTERM ends the instance only if the driver is not stopping by then."""
 
@@ -43,14 +45,24 @@ def rendezvous(master_addr: str | None, dist_port: int | None) -> str:
     FileStore in a fresh temporary directory (nothing listens)."""
     if dist_port is not None:
         return f"tcp://{master_addr or '127.0.0.1'}:{dist_port}"
-    return f"file://{tempfile.mkdtemp(prefix='kvserve-dist-')}/store"
+    return f"file://{tempfile.mkdtemp(prefix=_RENDEZVOUS_PREFIX)}/store"
+
+
+def remove_rendezvous(init_method: str) -> None:
+    """Delete the FileStore directory `rendezvous` made (when the instance stops: NCCL
+    may still use the store after start, to set up communicators lazily)."""
+    path = init_method.removeprefix("file://")
+    folder = os.path.dirname(path)
+    if path != init_method and os.path.basename(folder).startswith(_RENDEZVOUS_PREFIX):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class ChildProcesses:
     """Owns the processes a driver started; watches them until `stop`."""
 
-    def __init__(self, argvs: list[list[str]], what: str) -> None:
+    def __init__(self, argvs: list[list[str]], what: str, init_method: str = "") -> None:
         self.what = what
+        self.init_method = init_method
         self.procs = [subprocess.Popen(argv) for argv in argvs]
         self._stopping = False
         self._watch = threading.Thread(target=self._watch_loop, name="child-watch", daemon=True)
@@ -89,3 +101,4 @@ class ChildProcesses:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        remove_rendezvous(self.init_method)
