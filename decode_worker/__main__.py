@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 
@@ -10,35 +9,20 @@ from decode_worker.service import DecodeService
 from decode_worker.startup import start_ranks
 from enginehost.host import EngineHost
 from enginehost.metrics import serve_metrics_port
-from enginehost.startup import serve, setup_logging
-from modelinfo.info import load_model_info
-from protocol.cluster import load_cluster
-from protocol.cluster_checks import check_model_layouts
-from protocol.config_errors import ConfigError
+from enginehost.startup import load_instance, serve
 from transfer import LandingArena, TransportConfig, create_transport
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m decode_worker")
-    ap.add_argument("-c", "--config", required=True)
-    ap.add_argument("--name", required=True)
-    args = ap.parse_args(argv)
-    cluster = load_cluster(args.config)
-    inst = cluster.decode_instance(args.name)
-    node = cluster.node(inst.node)
-    setup_logging(cluster.log_level, inst.name)
-    info = load_model_info(cluster.model)
-    try:
-        check_model_layouts(cluster, info.config, only=inst.name)
-    except ConfigError as e:
-        print(f"{args.config}: {e}", file=sys.stderr)
-        return 2
+    ctx = load_instance("decode", argv)
+    cluster, node, info = ctx.cluster, ctx.node, ctx.info
+    inst = cluster.decode_instance(ctx.instance.name)
     transport = create_transport(
         TransportConfig(name="mooncake", host=node.host, protocol=inst.transfer.protocol)
     )
     landing_bytes = int(inst.landing_memory) // 4096 * 4096
     arena = LandingArena(landing_bytes, transport)
-    ranks = start_ranks(args.config, cluster, inst, info, arena)
+    ranks = start_ranks(ctx.config_path, cluster, inst, info, arena)
     engine = ranks.engine
     host = EngineHost(engine)
     service = DecodeService(

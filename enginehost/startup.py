@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
+import sys
+from dataclasses import dataclass
 
 import torch
 import uvicorn
@@ -11,7 +14,45 @@ from fastapi import FastAPI
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from protocol.cluster import ClusterConfig
+from modelinfo.info import ModelInfo, load_model_info
+from protocol.cluster import ClusterConfig, DecodeConfig, NodeConfig, PrefillConfig, load_cluster
+from protocol.cluster_checks import check_model_layouts
+from protocol.config_errors import ConfigError
+
+
+@dataclass(frozen=True)
+class InstanceContext:
+    """What a worker entry point starts from: its section of cluster.yaml and the model."""
+
+    config_path: str
+    cluster: ClusterConfig
+    instance: PrefillConfig | DecodeConfig
+    node: NodeConfig
+    info: ModelInfo
+
+
+def load_instance(role: str, argv: list[str] | None) -> InstanceContext:
+    """`python -m {role}_worker -c FILE --name NAME`: parse, load the instance's section,
+    set up logging, load the model's metadata and check the instance's layout against it.
+    A layout that does not fit the model exits with status 2 and the key that is wrong."""
+    ap = argparse.ArgumentParser(prog=f"python -m {role}_worker")
+    ap.add_argument("-c", "--config", required=True)
+    ap.add_argument("--name", required=True)
+    args = ap.parse_args(argv)
+    cluster = load_cluster(args.config)
+    instance: PrefillConfig | DecodeConfig = (
+        cluster.prefill_instance(args.name)
+        if role == "prefill"
+        else cluster.decode_instance(args.name)
+    )
+    setup_logging(cluster.log_level, instance.name)
+    info = load_model_info(cluster.model)
+    try:
+        check_model_layouts(cluster, info.config, only=instance.name)
+    except ConfigError as e:
+        print(f"{args.config}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return InstanceContext(args.config, cluster, instance, cluster.node(instance.node), info)
 
 
 def setup_logging(level: str, name: str) -> None:

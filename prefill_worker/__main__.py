@@ -2,44 +2,28 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
 
 from enginehost.host import EngineHost
 from enginehost.metrics import serve_metrics_port
-from enginehost.startup import serve, setup_logging
-from modelinfo.info import load_model_info
+from enginehost.startup import load_instance, serve
 from prefill_worker.pool_connector import build_pool_connector
 from prefill_worker.service import PrefillService
 from prefill_worker.stages import start_stages
-from protocol.cluster import load_cluster
-from protocol.cluster_checks import check_model_layouts
-from protocol.config_errors import ConfigError
 from transfer import TransportConfig, create_transport
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m prefill_worker")
-    ap.add_argument("-c", "--config", required=True)
-    ap.add_argument("--name", required=True)
-    args = ap.parse_args(argv)
-    cluster = load_cluster(args.config)
-    inst = cluster.prefill_instance(args.name)
-    node = cluster.node(inst.node)
-    setup_logging(cluster.log_level, inst.name)
-    info = load_model_info(cluster.model)
-    try:
-        check_model_layouts(cluster, info.config, only=inst.name)
-    except ConfigError as e:
-        print(f"{args.config}: {e}", file=sys.stderr)
-        return 2
+    ctx = load_instance("prefill", argv)
+    cluster, node, info = ctx.cluster, ctx.node, ctx.info
+    inst = cluster.prefill_instance(ctx.instance.name)
     protocol = cluster.decode[0].transfer.protocol if cluster.decode else "tcp"
     transport = create_transport(
         TransportConfig(name="mooncake", host=node.host, protocol=protocol)
     )
-    stages = start_stages(args.config, cluster, inst, info, transport)
+    stages = start_stages(ctx.config_path, cluster, inst, info, transport)
     engine = stages.engine
     host = EngineHost(engine)
     service = PrefillService(
