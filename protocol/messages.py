@@ -148,7 +148,9 @@ class DecodeRequest(msgspec.Struct, frozen=True):
 
 class AbortRequest(msgspec.Struct, frozen=True):
     request_id: str
-    reason: Literal["client_disconnected", "error", "timeout"] = "client_disconnected"
+    reason: Literal["client_disconnected", "error", "timeout", "finished"] = "client_disconnected"
+    """"finished": the router has the request's end before this worker (a stop string it
+    found first, or a prefill that ended at its first token) and frees what is left."""
 
 
 class InstanceStatus(msgspec.Struct, frozen=True):

@@ -136,7 +136,7 @@ class RequestRun:
         if not self._closed:
             self._closed = True
             for inst in self._open:
-                self._s.client.abort_soon(inst, self.request_id, "client_disconnected")
+                self._s.client.abort_soon(inst, self.request_id, "finished")
 
     # -- the serving path -------------------------------------------------------------------
 
@@ -327,7 +327,7 @@ class RequestRun:
         if inst is not None and inst in self._open:
             self._open.remove(inst)
             self._contacted.remove(inst)
-            self._s.client.abort_soon(inst, self.request_id, "client_disconnected")
+            self._s.client.abort_soon(inst, self.request_id, "finished")
 
 
 def _name(inst: Instance | None) -> str:

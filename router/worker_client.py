@@ -51,7 +51,7 @@ RESET_PREFIX_CACHE_PATH = "/admin/reset_prefix_cache"
 
 _JSON_HEADERS = {"content-type": "application/json"}
 _E = TypeVar("_E")
-AbortReason = Literal["client_disconnected", "error", "timeout"]
+AbortReason = Literal["client_disconnected", "error", "timeout", "finished"]
 
 
 class InstanceUnreachable(WorkerUnavailable):

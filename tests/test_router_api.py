@@ -186,6 +186,7 @@ def test_first_token_finish_skips_decode(h: RouterHarness) -> None:
     assert kinds == ["admit"]  # admitted, then freed by an abort, never decoded
     rid = h.decode[0].received[0][1].request_id
     _wait_for(lambda: rid in h.decode[0].aborted_ids())
+    assert [a.reason for _, a in h.decode[0].aborts if a.request_id == rid] == ["finished"]
 
 
 def test_models_health_metrics(h: RouterHarness) -> None:
