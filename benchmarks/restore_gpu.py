@@ -6,11 +6,15 @@ measured in the same run.
         [--head-dim 128] [--dtype bfloat16] [--stages N]
 
 Each stage holds its layers of every 256-token chunk as pool objects (kvpool's object
-format: header + [L_s, 2, 256, H, D] payload + xxh3 checksum) in one pinned buffer, and a
-paged KV cache [2, blocks, 16, H, D] per layer on its GPU with a shuffled block table.
-Restore = per group of 8 chunks: check the objects (header and payload checksum, on the
-host, in a thread pool) → one async H2D copy into a GPU staging buffer → one scatter per
-layer into the pages, two groups in flight on two CUDA streams. Checked for exactness first, then timed. The wait is
+format v2: header + [L_s, 2, 256, H, D] payload + payload checksum) in one pinned buffer,
+and a paged KV cache [2, blocks, 16, H, D] per layer on its GPU with a shuffled block
+table. Restore = per group of 8 chunks: one async H2D copy into a GPU staging buffer → one
+scatter per layer into the pages, two groups in flight on two CUDA streams. Cases: no
+payload check; "device checksum" (headers checked on the host, then per group: copy →
+payload_checksum sums of every object on the device → compare with the headers → scatter,
+the compare of group g overlapping the copy and checksum of group g + 1, as the prefill
+worker does); "host checksum" (the same function on the host, in a thread pool, before
+the copy: what a CPU engine does). Checked for exactness first, then timed. The wait is
 measured from the first stage's start to the last stage's end (all stages at once).
 """
 
@@ -26,7 +30,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kvpool.object_format import HEADER_BYTES, ObjectSpec, check_object, write_header
+from kvpool.object_format import (
+    HEADER_BYTES,
+    ObjectSpec,
+    check_object,
+    checksums_of_sums,
+    payload_sums_t,
+    stored_payload_checksum,
+    write_header,
+)
 from protocol.ids import ChunkKey
 
 CHUNK = 256
@@ -83,23 +95,61 @@ class Stage:
         self.streams = [torch.cuda.Stream(self.dev) for _ in range(2)]
         self.hashers = cf.ThreadPoolExecutor(8)
 
-    def _check(self, c: int) -> str | None:
+    def _check(self, c: int, verify_payload: bool = True) -> str | None:
         o = c * self.obj_bytes
         return check_object(
-            self.host.numpy()[o : o + self.obj_bytes], self.obj_bytes, self.spec, self.keys[c]
+            self.host.numpy()[o : o + self.obj_bytes],
+            self.obj_bytes,
+            self.spec,
+            self.keys[c],
+            verify_payload,
         )
 
-    def restore(self, verify: bool) -> None:
+    def restore(self, verify: str) -> None:
         """All chunks into the pages, GROUP chunks per H2D copy; raises if an object fails
-        its check (checked before its group is copied)."""
+        its check. verify: "none", "host" (before its group is copied) or "device" (after
+        the copy, before the scatter)."""
         L = self.spec.layer_end - self.spec.layer_start
         H, D = self.spec.num_kv_heads, self.spec.head_dim
         checks = (
             [self.hashers.submit(self._check, c) for c in range(self.num_chunks)]
-            if verify
+            if verify == "host"
             else None
         )
+        want: list[int] = []
+        if verify == "device":  # headers on the host (128 B each), payloads on the device
+            flat = self.host.numpy()
+            for c in range(self.num_chunks):
+                if (why := self._check(c, verify_payload=False)) is not None:
+                    raise RuntimeError(f"chunk {c}: {why}")
+                o = c * self.obj_bytes
+                want.append(stored_payload_checksum(flat[o : o + self.obj_bytes]))
         bpc = CHUNK // BLOCK
+        pending: tuple[int, int, int, torch.Tensor, torch.cuda.Event] | None = None
+
+        def scatter(g: int, c0: int, n: int) -> None:
+            i = g % 2
+            with torch.cuda.stream(self.streams[i]):
+                span = self.staging[i][: n * self.obj_bytes]
+                # objects [n, header | payload [L, 2, 16 blocks, 16, H, D]] -> per layer
+                # [2, n * 16 blocks, 16, H, D] into the pages of those blocks
+                objs = span.view(n, self.obj_bytes)[:, HEADER_BYTES:]
+                pay = objs.view(self.dtype).view(n, L, 2, bpc, BLOCK, H, D)
+                ids = self.block_table[c0 * bpc : (c0 + n) * bpc]
+                for layer in range(L):
+                    src = pay[:, layer].transpose(0, 1).reshape(2, n * bpc, BLOCK, H, D)
+                    self.kv[layer].index_copy_(1, ids, src)
+
+        def settle() -> None:  # compare the pending group's sums, then scatter it
+            assert pending is not None
+            pg, pc0, pn, sums, done = pending
+            done.synchronize()  # that group's copy and sums only
+            got = checksums_of_sums(sums)
+            for k, (a, b) in enumerate(zip(got, want[pc0 : pc0 + pn], strict=True)):
+                if a != b:
+                    raise RuntimeError(f"chunk {pc0 + k}: checksum")
+            scatter(pg, pc0, pn)
+
         for g, c0 in enumerate(range(0, self.num_chunks, GROUP)):
             n = min(GROUP, self.num_chunks - c0)
             if checks is not None:
@@ -112,14 +162,18 @@ class Stage:
                 span.copy_(
                     self.host[c0 * self.obj_bytes : (c0 + n) * self.obj_bytes], non_blocking=True
                 )
-                # objects [n, header | payload [L, 2, 16 blocks, 16, H, D]] -> per layer
-                # [2, n * 16 blocks, 16, H, D] into the pages of those blocks
-                objs = span.view(n, self.obj_bytes)[:, HEADER_BYTES:]
-                pay = objs.view(self.dtype).view(n, L, 2, bpc, BLOCK, H, D)
-                ids = self.block_table[c0 * bpc : (c0 + n) * bpc]
-                for layer in range(L):
-                    src = pay[:, layer].transpose(0, 1).reshape(2, n * bpc, BLOCK, H, D)
-                    self.kv[layer].index_copy_(1, ids, src)
+                if verify == "device":
+                    sums = payload_sums_t(span.view(n, self.obj_bytes)[:, HEADER_BYTES:])
+                    done = torch.cuda.Event()
+                    done.record()
+            if verify != "device":
+                scatter(g, c0, n)
+                continue
+            if pending is not None:
+                settle()
+            pending = (g, c0, n, sums, done)
+        if pending is not None:
+            settle()
         for s in self.streams:
             s.synchronize()
 
@@ -182,18 +236,33 @@ def main() -> int:
         for s in range(args.stages)
     ]
     for st in stages:
-        st.restore(verify=True)
+        st.restore(verify="host")
         st.verify_pages()
+        for k in st.kv:
+            k.zero_()
+        st.restore(verify="device")
+        st.verify_pages()
+    # a flipped payload bit is caught by the device check
+    st = stages[0]
+    o = HEADER_BYTES + st.spec.payload_bytes // 2
+    st.host[o] ^= 0x04
+    try:
+        st.restore(verify="device")
+        raise AssertionError("the device checksum missed a flipped bit")
+    except RuntimeError as e:
+        assert "chunk 0: checksum" in str(e), e
+    st.host[o] ^= 0x04
     print(
         f"check: {args.stages} stage(s) x {stages[0].num_chunks} chunks restored exactly, "
-        f"checksums verified"
+        f"checksums verified (host and device), a flipped bit caught on the device"
     )
     nbytes = [st.spec.payload_bytes * st.num_chunks for st in stages]
     rows = []
     for name, fn in (
         ("H2D ceiling (one pinned copy)", lambda st: st.ceiling()),
-        ("restore, no host checksum", lambda st: st.restore(verify=False)),
-        ("restore + host xxh3 checksum", lambda st: st.restore(verify=True)),
+        ("restore, no payload checksum", lambda st: st.restore(verify="none")),
+        ("restore + device checksum", lambda st: st.restore(verify="device")),
+        ("restore + host checksum", lambda st: st.restore(verify="host")),
     ):
         best_wait, best_per = float("inf"), [float("inf")] * len(stages)
         for _ in range(args.reps):

@@ -29,7 +29,12 @@ from kvpool.buffer import SLOT_ALIGN, SlotBuffer
 from kvpool.errors import KeyStatus, PoolConfigError, PoolUnavailableError
 from kvpool.keys import PoolKeys, StageSpec, stages_of
 from kvpool.metrics import PoolMetrics
-from kvpool.object_format import ObjectSpec, check_object, write_header
+from kvpool.object_format import (
+    ObjectSpec,
+    check_object,
+    stored_payload_checksum,
+    write_header,
+)
 from protocol.ids import ChunkKey
 from protocol.kv_layout import KVLayout
 from protocol.namespace import KVNamespace
@@ -137,10 +142,18 @@ class PoolClient:
         return hit
 
     # -- reads ----------------------------------------------------------------------------
-    def read(self, stage: int, chunk_keys: Sequence[ChunkKey], slots: Sequence[int]) -> int:
+    def read(
+        self,
+        stage: int,
+        chunk_keys: Sequence[ChunkKey],
+        slots: Sequence[int],
+        verify_payload: bool = True,
+    ) -> int:
         """Read stage `stage`'s objects of `chunk_keys` into load `slots` and verify them.
         Returns how many leading chunks are valid in their slots; objects that do not
-        match are removed and counted."""
+        match are removed and counted. With verify_payload=False only size and header are
+        checked here: the caller checks each payload where it copies it (a GPU, after its
+        H2D copy) against `stored_checksum(slot)` and reports a mismatch to `discard`."""
         spec = self.specs[stage]
         buf = self.buffer
         keys = [self.keys.object_key(c, stage) for c in chunk_keys]
@@ -164,7 +177,7 @@ class PoolClient:
                 if res is KeyStatus.INVALID:  # an object of another size than ours
                     damaged.append(key)
                 continue
-            reason = check_object(buf.object(slot), res, spec, chunk)
+            reason = check_object(buf.object(slot), res, spec, chunk, verify_payload)
             if reason is not None:
                 self.metrics.failure("load", reason)
                 damaged.append(key)
@@ -178,6 +191,21 @@ class PoolClient:
             self._remove(damaged)
         return leading_run(valid)
 
+    def stored_checksum(self, slot: int) -> int:
+        """The payload checksum in the header of the object read into `slot`."""
+        return stored_payload_checksum(self.buffer.object(slot))
+
+    def discard(self, stage: int, chunk_keys: Sequence[ChunkKey], reason: str = "checksum") -> None:
+        """Count and remove stage `stage`'s objects of `chunk_keys`, found damaged by the
+        caller (a payload checksum mismatch after read(verify_payload=False))."""
+        if not chunk_keys:
+            return
+        keys = [self.keys.object_key(c, stage) for c in chunk_keys]
+        self.metrics.failure("load", reason, len(keys))
+        self.metrics.checksum_failures.inc(len(keys))
+        log.warning("removing %d damaged pool object(s), e.g. %s", len(keys), keys[0])
+        self._remove(keys)
+
     def _remove(self, keys: list[str]) -> None:
         try:
             for status in self.backend.remove(keys):
@@ -187,8 +215,15 @@ class PoolClient:
             self.metrics.failure("remove", KeyStatus.UNAVAILABLE.value)
 
     # -- writes ---------------------------------------------------------------------------
-    def write(self, stage: int, chunk_keys: Sequence[ChunkKey], slots: Sequence[int]) -> list[bool]:
-        """Seal the packed payloads in save `slots` (header + checksum) and store them as
+    def write(
+        self,
+        stage: int,
+        chunk_keys: Sequence[ChunkKey],
+        slots: Sequence[int],
+        checksums: Sequence[int | None] | None = None,
+    ) -> list[bool]:
+        """Seal the packed payloads in save `slots` (header + checksum: `checksums[i]` when
+        the packer computed it where it packed, else on the host) and store them as
         stage `stage`'s objects of `chunk_keys`, each in its chunk's group. Returns which
         were stored (an existing object counts as stored); failures are counted, and
         NO_SPACE is retried once after NO_SPACE_RETRY_S (the master evicts in the
@@ -198,8 +233,9 @@ class PoolClient:
         if self.breaker.is_open:
             self.metrics.failure("save", "unreachable", len(slots))
             return [False] * len(slots)
-        for chunk, slot in zip(chunk_keys, slots, strict=True):
-            write_header(buf.object(slot), spec, chunk)
+        sums: Sequence[int | None] = [None] * len(slots) if checksums is None else checksums
+        for chunk, slot, cks in zip(chunk_keys, slots, sums, strict=True):
+            write_header(buf.object(slot), spec, chunk, cks)
         stored = [False] * len(slots)
         todo = list(range(len(slots)))
         for attempt in range(2):
@@ -228,14 +264,22 @@ class PoolClient:
         return stored
 
     def save_chunks(
-        self, chunk_keys: Sequence[ChunkKey], slots: Sequence[Sequence[int]]
+        self,
+        chunk_keys: Sequence[ChunkKey],
+        slots: Sequence[Sequence[int]],
+        checksums: Sequence[Sequence[int | None]] | None = None,
     ) -> list[ChunkKey]:
         """Write every local stage's object of each chunk (slots[c][i]: chunk c's packed
-        slot for local_stages[i]); a chunk that some stage failed to store has its other
+        slot for local_stages[i], checksums[c][i] its payload checksum if known); a chunk that some stage failed to store has its other
         stages' objects removed, so this client never leaves a chunk that only some
         stages can load. Returns the chunks stored whole."""
         ok = [
-            self.write(stage.index, chunk_keys, [s[i] for s in slots])
+            self.write(
+                stage.index,
+                chunk_keys,
+                [s[i] for s in slots],
+                None if checksums is None else [c[i] for c in checksums],
+            )
             for i, stage in enumerate(self.local_stages)
         ]
         per_chunk = list(zip(*ok, strict=True))  # per chunk: stored flag of each stage

@@ -4,8 +4,9 @@
     ─────────────                       ───────────                    ───────────
     admission: lookup (every stage) ─┐
     start_load ──── queue ──────────▶│ per window of chunks, per stage:
-                                     │   read into load slots, verify, unpack into the
-                                     │   request's new blocks
+                                     │   read into load slots (size, header), copy each
+                                     │   payload to the device, checksum it there,
+                                     │   unpack the verified ones into the new blocks
     finished_loads ◀── LoadResult ───┘ whole leading chunks every stage has
     on_computed: pack new full prompt chunks into save slots ── queue ──▶ write (grouped)
                  no free slot: drop the chunk, count it                    free the slots
@@ -37,6 +38,12 @@ from enginehost.kv_events import KVReporter
 from kvpool.backend import BackendConfig, create_backend
 from kvpool.client import PoolClient
 from kvpool.metrics import PoolMetrics
+from kvpool.object_format import (
+    HEADER_BYTES,
+    checksums_of_sums,
+    payload_checksum_t,
+    payload_sums_t,
+)
 from kvpool.topology import master_address
 from protocol.cluster import ClusterConfig, PrefillConfig
 from protocol.hashing import chunk_keys
@@ -46,6 +53,10 @@ log = logging.getLogger(__name__)
 
 MAX_SAVE_BATCH = 32
 """Chunks written by one batch_put_from per stage."""
+
+VERIFY_GROUP = 8
+"""Objects copied to the device and checksummed together (one host sync per group); the
+device staging buffer holds this many payloads."""
 
 
 @dataclass
@@ -64,6 +75,9 @@ class _Save:
     key: ChunkKey
     slots: list[int]
     """One save slot per local stage, in PoolClient.local_stages order."""
+    checksums: list[int | None]
+    """Payload checksum of each slot computed on the device that packed it (None: on the
+    host, when the header is written)."""
 
 
 class PoolConnector(KVConnector):
@@ -107,6 +121,8 @@ class PoolConnector(KVConnector):
         self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         """Unpacks run on their own CUDA stream (compute goes on) and are synchronized
         before a slot is reused and before a load is reported."""
+        self._staging: torch.Tensor | None = None
+        """Device copies of up to VERIFY_GROUP payloads (load thread; CUDA only)."""
         self._threads = [
             threading.Thread(target=self._load_loop, name="pool-load", daemon=True),
             threading.Thread(target=self._save_loop, name="pool-save", daemon=True),
@@ -187,10 +203,12 @@ class PoolConnector(KVConnector):
                 self.metrics.save_dropped.inc()
                 continue
             blocks = list(block_ids[c * bpc : (c + 1) * bpc])
+            checksums: list[int | None] = []
             for stage, slot in zip(stages, slots, strict=True):
                 out = self.client.buffer.payload(slot, self.client.specs[stage.index])
-                pack_blocks(self.kv_caches[stage.layer_start : stage.layer_end], blocks, out)
-            self._saves.put(_Save(key, slots))
+                layers = self.kv_caches[stage.layer_start : stage.layer_end]
+                checksums.append(pack_blocks(layers, blocks, out))
+            self._saves.put(_Save(key, slots, checksums))
         self._next_save[rid] = last
         self._set_depth()
 
@@ -224,7 +242,9 @@ class PoolConnector(KVConnector):
                 self._set_depth()
 
     def _write(self, batch: list[_Save]) -> None:
-        stored = self.client.save_chunks([b.key for b in batch], [b.slots for b in batch])
+        stored = self.client.save_chunks(
+            [b.key for b in batch], [b.slots for b in batch], [b.checksums for b in batch]
+        )
         if stored and self._on_saved is not None:
             self._on_saved(stored)
 
@@ -268,18 +288,32 @@ class PoolConnector(KVConnector):
                 t = time.perf_counter()
                 self._sync_unpacks()  # the slots are about to be overwritten
                 slots = load_slots[i * window : i * window + len(keys)]
-                n = min(self.client.read(stage.index, keys, slots), window_ok)
+                on_device = self._stream is not None
+                n = self.client.read(stage.index, keys, slots, verify_payload=not on_device)
+                n = min(n, window_ok)
                 spec = self.client.specs[stage.index]
                 layers = self.kv_caches[stage.layer_start : stage.layer_end]
-                for j in range(n):
-                    # Blocks [b0, b1) of chunk c are the load's; those before token_start
-                    # (a GPU prefix ending inside the chunk, whole blocks) are not touched.
-                    c = job.first_chunk + num_ok + j
-                    b0 = max(job.token_start // bs, c * bpc)
-                    b1 = (c + 1) * bpc
-                    src = self.client.buffer.payload(slots[j], spec)[:, :, (b0 - c * bpc) * bs :]
-                    with self._unpack_stream():
-                        unpack_blocks(src, layers, job.block_ids[b0:b1])
+                g0 = 0
+                while g0 < n:
+                    group = range(g0, min(g0 + VERIFY_GROUP, n))
+                    srcs = [self.client.buffer.payload(slots[j], spec) for j in group]
+                    if on_device:
+                        srcs = self._verified_copies(stage.index, keys, slots, group)
+                    for j, src in zip(group, srcs, strict=False):
+                        # Blocks [b0, b1) of chunk c are the load's; those before
+                        # token_start (a GPU prefix ending inside the chunk, whole blocks)
+                        # are not touched.
+                        c = job.first_chunk + num_ok + j
+                        b0 = max(job.token_start // bs, c * bpc)
+                        b1 = (c + 1) * bpc
+                        with self._unpack_stream():
+                            unpack_blocks(
+                                src[:, :, (b0 - c * bpc) * bs :], layers, job.block_ids[b0:b1]
+                            )
+                    if len(srcs) < len(group):  # a damaged payload: the run ends before it
+                        n = group.start + len(srcs)
+                        break
+                    g0 = group.stop
                 self._sync_unpacks()
                 window_ok = n
                 stage_s[i] += time.perf_counter() - t
@@ -303,6 +337,34 @@ class PoolConnector(KVConnector):
         tokens = end - job.token_start
         self.metrics.restored_tokens.inc(tokens)
         return tokens
+
+    def _verified_copies(
+        self, stage: int, keys: list[ChunkKey], slots: list[int], group: range
+    ) -> list[torch.Tensor]:
+        """Copy the payloads of slots[j] (j in group) to the device staging buffer, checksum
+        each there, compare with its header's value; returns the device payloads
+        ([L_s, 2, n, H, D]) of the leading verified ones. Mismatching objects are damaged:
+        counted and removed (client.discard)."""
+        assert self._stream is not None
+        spec = self.client.specs[stage]
+        buf = self.client.buffer
+        nbytes = spec.payload_bytes
+        dev = self.kv_caches[0].device
+        with torch.cuda.stream(self._stream):
+            if self._staging is None or self._staging.numel() < VERIFY_GROUP * nbytes:
+                self._staging = torch.empty(VERIFY_GROUP * nbytes, dtype=torch.uint8, device=dev)
+            staged = self._staging[: len(group) * nbytes].view(len(group), nbytes)
+            for k, j in enumerate(group):
+                off = slots[j] * buf.slot_bytes + HEADER_BYTES
+                staged[k].copy_(buf.tensor[off : off + nbytes], non_blocking=True)
+            got = checksums_of_sums(payload_sums_t(staged))  # syncs the stream
+        want = [self.client.stored_checksum(slots[j]) for j in group]
+        ok = [g == w for g, w in zip(got, want, strict=True)]
+        bad = [keys[j] for j, good in zip(group, ok, strict=True) if not good]
+        self.client.discard(stage, bad)
+        dtype = getattr(torch, spec.dtype)
+        n = len(ok) if all(ok) else ok.index(False)
+        return [staged[k].view(dtype).view(spec.shape) for k in range(n)]
 
     def drain_saves(self, timeout_s: float) -> bool:
         """Wait until every packed chunk has been written (tests, benchmarks, shutdown);
@@ -332,10 +394,15 @@ class PoolConnector(KVConnector):
         self.client.close()
 
 
-def pack_blocks(layers: list[torch.Tensor], block_ids: list[BlockId], out: torch.Tensor) -> None:
+def pack_blocks(
+    layers: list[torch.Tensor], block_ids: list[BlockId], out: torch.Tensor
+) -> int | None:
     """Copy whole blocks of `layers` into `out`, a contiguous [L, 2, n, H, D] payload with
     n = len(block_ids) * block_size (token t of it = block block_ids[t // bs], offset
     t % bs): one index_select per layer, through a device temporary for a GPU cache.
+    Returns the payload checksum (payload_checksum_t) computed on the device before the
+    D2H copy for a device cache; None for a host cache (the save thread's write_header
+    computes it there, off the engine thread).
 
         kv[l]: [2, num_blocks, bs, H, D] --index_select(dim 1, block_ids)--> out[l] viewed
                                                                           [2, nblk, bs, H, D]
@@ -346,8 +413,11 @@ def pack_blocks(layers: list[torch.Tensor], block_ids: list[BlockId], out: torch
     _, _, bs, h, d = layers[0].shape
     for layer, kv in enumerate(layers):
         torch.index_select(kv, 1, idx, out=dst[layer].view(2, len(block_ids), bs, h, d))
-    if dst is not out:
-        out.copy_(dst)
+    if dst is out:
+        return None
+    checksum = payload_checksum_t(dst.view(-1).view(torch.uint8))
+    out.copy_(dst)
+    return checksum
 
 
 def unpack_blocks(src: torch.Tensor, layers: list[torch.Tensor], block_ids: list[BlockId]) -> None:

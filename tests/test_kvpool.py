@@ -24,7 +24,14 @@ from kvpool.client import PoolClient
 from kvpool.errors import KeyStatus, PoolConfigError
 from kvpool.master import master_argv
 from kvpool.metrics import PoolMetrics
-from kvpool.object_format import check_object, write_header
+from kvpool.object_format import (
+    check_object,
+    payload_checksum,
+    payload_checksum_t,
+    payload_sums_t,
+    stored_payload_checksum,
+    write_header,
+)
 from kvpool.topology import master_address, numa_plan
 from protocol.cluster import load_cluster
 from protocol.ids import ChunkKey
@@ -124,6 +131,84 @@ def test_object_header_and_checksum_catch_every_difference():
     obj[n - 1] ^= 0xFF
     obj[40] ^= 0x01  # inside the header: its own checksum catches it
     assert check_object(obj, n, spec, _key(7)) == "header"
+
+
+def test_payload_checksum_detects_flips_swaps_and_zeroed_ranges():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(0, 256, (64 * 1024,), dtype=torch.uint8, generator=g)
+    ref = payload_checksum_t(base)
+    assert ref == payload_checksum_t(base.clone())  # deterministic
+    for byte in (0, 1, 4097, base.numel() - 1):  # single-bit flips, every bit position
+        for bit in range(8):
+            x = base.clone()
+            x[byte] ^= 1 << bit
+            assert payload_checksum_t(x) != ref, (byte, bit)
+    words = base.view(torch.int32)
+    for i, j in ((0, 1), (5, 9000), (100, words.numel() - 1)):  # swapped int32 words
+        x = words.clone()
+        assert x[i] != x[j]
+        x[i], x[j] = words[j].clone(), words[i].clone()
+        assert payload_checksum_t(x.view(torch.uint8)) != ref, (i, j)
+    # swapped words whose difference is a large power of two (s1 unchanged, s2 must see it)
+    x = torch.zeros(1024, dtype=torch.int32)
+    x[3] = -(2**31)
+    y = x.clone()
+    y[3], y[700] = 0, -(2**31)
+    assert payload_checksum_t(x.view(torch.uint8)) != payload_checksum_t(y.view(torch.uint8))
+    for lo, hi in ((0, 4096), (1000, 1003), (30000, 65536)):  # zeroed ranges
+        x = base.clone()
+        x[lo:hi] = 0
+        assert payload_checksum_t(x) != ref, (lo, hi)
+    # a length that is not a multiple of 4: zero padded, trailing byte still covered
+    odd = base[:4099].clone()
+    flipped = odd.clone()
+    flipped[-1] ^= 1
+    assert payload_checksum_t(odd) != payload_checksum_t(flipped)
+
+
+def test_payload_checksum_same_on_every_view_and_device():
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(2, 2, 256, 4, 8, generator=g).to(torch.bfloat16)
+    flat = kv.reshape(-1).view(torch.uint8)
+    ref = payload_checksum_t(flat)
+    assert payload_checksum_t(kv.view(torch.uint8)) == ref  # [..., 2*D] bytes view: flattened
+    assert payload_checksum_t(torch.from_numpy(flat.numpy().copy())) == ref  # numpy path
+    # a non-contiguous uint8 view of the same bytes (made contiguous inside)
+    strided = torch.empty(flat.numel() * 2, dtype=torch.uint8)[::2]
+    strided.copy_(flat)
+    assert not strided.is_contiguous()
+    assert payload_checksum_t(strided) == ref
+    # batched sums == per-payload sums
+    two = torch.stack((flat, flat.flip(0)))
+    sums = payload_sums_t(two)
+    assert sums[0].tolist() == payload_sums_t(flat).tolist()
+    assert sums[1].tolist() == payload_sums_t(flat.flip(0)).tolist()
+    # int64 wraparound: all-ones words overflow the products, still order independent
+    big = torch.full((1 << 16,), -1, dtype=torch.int32).view(torch.uint8)
+    assert payload_checksum_t(big) == payload_checksum_t(big.clone())
+    if torch.cuda.is_available():
+        assert payload_checksum_t(flat.cuda()) == ref
+        assert payload_checksum_t(big.cuda()) == payload_checksum_t(big)
+        assert payload_sums_t(two.cuda()).cpu().tolist() == sums.tolist()
+
+
+def test_header_takes_a_checksum_computed_elsewhere():
+    client = _client(NoneBackend())
+    spec = client.specs[0]
+    obj = client.buffer.object(0)
+    pay = client.buffer.payload(0, spec)
+    pay.normal_()
+    cks = payload_checksum_t(pay.reshape(-1).view(torch.uint8))
+    assert cks == payload_checksum(obj, spec)
+    write_header(obj, spec, _key(3), cks)
+    assert stored_payload_checksum(obj) == cks
+    assert check_object(obj, spec.object_bytes, spec, _key(3)) is None
+    obj[spec.object_bytes - 1] ^= 0x10
+    assert check_object(obj, spec.object_bytes, spec, _key(3)) == "checksum"
+    # the caller verifies the payload itself: only size and header here
+    assert check_object(obj, spec.object_bytes, spec, _key(3), verify_payload=False) is None
+    write_header(obj, spec, _key(3), cks ^ 1)  # a wrong value given by the caller
+    assert check_object(obj, spec.object_bytes, spec, _key(3)) == "checksum"
 
 
 def test_buffer_too_small_says_how_much_is_needed():

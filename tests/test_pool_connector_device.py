@@ -1,0 +1,119 @@
+"""PoolConnector's verified restore on each device it runs on (CPU here, CUDA where there is
+one) over the in-process "local" backend: the payload checksum is computed where the
+payload is packed (device before D2H, or host) and verified where it is unpacked (on a GPU
+after its H2D copy); a damaged object ends the leading run before its chunk, is counted
+and removed, and its chunk's blocks are never reported."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from engine.request import Request
+from kvpool.backend import BackendConfig, create_backend
+from kvpool.client import PoolClient
+from kvpool.metrics import PoolMetrics
+from prefill_worker.pool_connector import PoolConnector
+from protocol.ids import BlockHash, RequestId
+from protocol.kv_layout import KVLayout
+from protocol.namespace import KVNamespace
+from protocol.sampling import SamplingParams
+
+CHUNK = 256
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
+NS = KVNamespace(
+    weights_fingerprint="w0", kv_dtype="float32", block_size=16, layer_split=(2, 2), rope="r"
+)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _connector(address: str, kv: list[torch.Tensor]) -> PoolConnector:
+    metrics = PoolMetrics(CollectorRegistry(), "test")
+    backend = create_backend("local", BackendConfig("127.0.0.1", address))
+    client = PoolClient(
+        backend,
+        NS,
+        LAYOUT,
+        buffer_bytes=4 << 20,
+        max_save_chunks=4,
+        metrics=metrics,
+        pin_memory=kv[0].device.type == "cuda",
+    )
+    return PoolConnector(client, kv, metrics)
+
+
+def _load(conn: PoolConnector, req: Request, blocks: list[int], end: int) -> int:
+    conn.start_load(req, blocks, 0, end)  # type: ignore[arg-type]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done = conn.finished_loads()
+        if done:
+            return done[0].num_tokens
+        time.sleep(0.01)
+    raise AssertionError("load did not finish")
+
+
+def _count(metric, **labels) -> float:  # type: ignore[no-untyped-def]
+    return float(metric.labels(**labels)._value.get() if labels else metric._value.get())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_verified_restore_stops_before_a_damaged_object(device: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    nblk = 64
+    kv_a = [torch.randn(2, nblk, 16, 2, 16, generator=g).to(device) for _ in range(4)]
+    kv_b = [torch.zeros(2, nblk, 16, 2, 16, device=device) for _ in range(4)]
+    address = f"local-device-{device}"
+    a, b = _connector(address, kv_a), _connector(address, kv_b)
+    try:
+        prompt = list(range(100, 100 + 3 * CHUNK + 10))
+        req = Request(
+            RequestId("r0"),
+            prompt,
+            SamplingParams(max_tokens=1),
+            block_size=16,
+            hash_root=BlockHash(b"\x01" * 16),
+        )
+        blocks_a = list(range(nblk - 1, -1, -1))[: len(prompt) // 16 + 1]
+        a.on_computed(req, 0, len(prompt), blocks_a)  # type: ignore[arg-type]
+        assert a.drain_saves(10)
+        assert _count(a.metrics.save_chunks) == 3
+        blocks_b = list(range(3, 3 + 3 * CHUNK // 16))
+
+        def same(chunks: int) -> bool:
+            n = chunks * CHUNK // 16
+            return all(
+                torch.equal(kb[:, blocks_b[:n]], ka[:, blocks_a[:n]])
+                for ka, kb in zip(kv_a, kv_b, strict=True)
+            )
+
+        assert _load(b, req, blocks_b, 3 * CHUNK) == 3 * CHUNK
+        assert same(3)
+        for k in kv_b:
+            k.zero_()
+        # Flip one payload bit of chunk 1's stage-1 object and store it back.
+        client = a.client
+        keys = a._keys(req, 0, 3)
+        victim = client.keys.object_key(keys[1], 1)
+        slot = client.buffer.load_slot_ids[0]
+        n = client.specs[1].object_bytes
+        assert client.backend.get_into(
+            [victim], [client.buffer.ptr(slot)], [client.buffer.slot_bytes]
+        ) == [n]
+        client.buffer.object(slot)[n - 5] ^= 0x08
+        client.backend.remove([victim])
+        client.backend.put_from(
+            [victim], [client.buffer.ptr(slot)], [n], [client.keys.group_id(keys[1])]
+        )
+        assert _load(b, req, blocks_b, 3 * CHUNK) == CHUNK  # chunk 0 only
+        assert same(1)
+        m = b.metrics
+        assert _count(m.checksum_failures) == 1
+        assert _count(m.failures, instance="test", op="load", reason="checksum") == 1
+        assert client.backend.exists([victim]) == [False]  # removed
+    finally:
+        a.close()
+        b.close()
