@@ -160,10 +160,9 @@ def test_sequential_replay_reuses_exactly_the_ceiling(
         args = ["--synthetic", "--sessions", "2", "--turns", "4", "--max-context", "1500"]
         args += ["--block-tokens", str(block_size), "--max-output", "4", "--seed", "3"]
         args += ["--time-scale", "0.001", "--max-concurrency", "1", "--vocab-size", str(vocab)]
+        args += ["--url", cluster.router_url, "--out", str(out)]
         res = subprocess.run(
-            [sys.executable, "-m", "kvserve.cli", "bench", "agentic"]
-            + ["--url", cluster.router_url, "--out", str(out)]
-            + args,
+            [sys.executable, "-m", "kvserve.cli", "bench", "agentic", *args],
             capture_output=True,
             text=True,
             timeout=180,
