@@ -30,6 +30,7 @@ from router.output import OutputDelta, OutputStream
 from router.policies import RouteContext
 from router.preprocess import PreparedRequest, Preprocessor
 from router.relay import RelayServices, RequestRun
+from router.request_body import decode_json, read_json_body
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +82,11 @@ async def serve_generation(ctx: ServingContext, request: Request, endpoint: str)
     stream: OutputStream | None = None
     try:
         ctx.check_auth(request)
-        body = await request.body()
+        body = await read_json_body(request)
         if endpoint == "chat":
-            prepared = await ctx.preprocessor.chat(decode_chat(body))
+            prepared = await ctx.preprocessor.chat(decode_json(decode_chat, body))
         else:
-            prepared = await ctx.preprocessor.completion(decode_completion(body))
+            prepared = await ctx.preprocessor.completion(decode_json(decode_completion, body))
         stream = _open_stream(ctx, prepared, record, ctx.session_of(request, prepared.user))
         fmt = formatter_for(prepared, ctx.model.tokenizer)
         deltas = stream.deltas()
