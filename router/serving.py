@@ -11,6 +11,7 @@ A client that disconnects at any point cancels what is awaited; the run aborts i
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -60,7 +61,9 @@ class ServingContext:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != self.api_key:
+        presented = token.strip().encode()
+        # Constant time: a key must not leak through how fast a wrong guess is refused.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented, self.api_key.encode()):
             raise Unauthorized(
                 "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                 code="invalid_api_key",
