@@ -1,16 +1,19 @@
-"""Per-request handoff state on the prefill side, driven from the engine thread.
+"""The P->D handoff as a KV connector (engine/kv_connector.py), prefill side.
 
 The handoff of one request is a set of flows, one per (prefill stage, decode rank): each
 carries the stage's layers of the rank's tokens and KV heads (transfer/flows.py places
 its segments in the rank's landing region). It streams: after every step that computed
 tokens of the request, KV [sent_upto, end) goes out as one segment per flow.
 
-    PP = 1     the engine's KV observer sends at once, from this process's cache
-    PP >= 2    the KV observer plans a HandoffCommand that rides the step through the
-               pipeline; every stage (StageSender) sends its layers after computing the
-               step and reports the segments; the reports come back with the step's
-               sampled tokens (apply_reports), so when the first token is out, every
-               flow of every stage has landed.
+    scheduler side (HandoffTable, engine thread of stage 0): build_step_meta plans one
+        HandoffCommand per request the step computes, riding the step to every stage
+    worker side (StageSender, every stage's process): start_saves sends the stage's
+        layers after computing the step and reports the segments; the reports come back
+        with the step's result (update_from_workers), so when the first token is out,
+        every flow of every stage has landed.
+
+The sends run inside start_saves, so they are done before a later step can reuse the
+blocks (request_finished never holds them).
 
 Tokens served from the prefix cache were never computed in a step, so the first segment
 starts at token 0, not at the first computed token.
@@ -19,11 +22,19 @@ starts at token 0, not at the first computed token.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 import torch
 
+from engine.kv_connector import (
+    ConnectorUpdate,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    StepKV,
+    WorkerPlace,
+)
 from engine.request import Request
 from protocol.ids import BlockId
 from protocol.messages import HandoffDone, KVSegment, LandingInfo
@@ -71,18 +82,40 @@ class Handoff:
         self.seconds += report.seconds
 
 
-class StageSender:
-    """Runs the handoff commands of a step on one stage: its layers to every decode rank.
-    The stage hook of engine/parallel/pp_runner.py (stage 0 runs it in the driver)."""
+class StageSender(KVConnectorWorker):
+    """The handoff's worker side on one stage: runs the step's HandoffCommands, sending
+    this stage's layers to every decode rank."""
 
-    def __init__(self, sender: HandoffSender, layers: tuple[int, int], stage: int) -> None:
-        self.sender, self.layers, self.stage = sender, layers, stage
+    def __init__(self, sender: HandoffSender) -> None:
+        self.sender = sender
+        self.layers = (0, 0)
+        self.stage = 0
+        self.kv_caches: list[torch.Tensor] = []
+        self._reports: list[HandoffReport] = []
 
-    def send(self, cmd: HandoffCommand, kv_caches: list[torch.Tensor]) -> HandoffReport:
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], place: WorkerPlace) -> None:
+        self.kv_caches = kv_caches
+        self.layers = (place.layer_start, place.layer_end)
+        self.stage = place.stage
+
+    def start_loads(self, meta: bytes) -> None:
+        return None
+
+    def start_saves(self, meta: bytes) -> None:
+        if meta:
+            self._reports.extend(self.send(cmd) for cmd in _commands.decode(meta))
+
+    def get_finished(self) -> bytes:
+        if not self._reports:
+            return b""
+        reports, self._reports = self._reports, []
+        return msgspec.msgpack.encode(reports)
+
+    def send(self, cmd: HandoffCommand) -> HandoffReport:
         try:
             segments, stats = send_flows(
                 self.sender,
-                kv_caches,
+                self.kv_caches,
                 self.layers,
                 cmd.block_table,
                 cmd.token_start,
@@ -98,32 +131,13 @@ class StageSender:
             cmd.request_id, self.stage, segments, stats.num_bytes, stats.num_ops, stats.seconds
         )
 
-    def __call__(self, commands: bytes, kv_caches: list[torch.Tensor]) -> bytes:
-        reports = [self.send(cmd, kv_caches) for cmd in _commands.decode(commands)]
-        return msgspec.msgpack.encode(reports)
 
+class HandoffTable(KVConnectorScheduler):
+    """Owns the live handoffs of one prefill instance: the handoff's scheduler side.
+    Engine thread only."""
 
-class HandoffTable:
-    """Owns the live handoffs of one prefill instance. Engine thread only.
-
-    With `local` (PP = 1) the observer sends through it at once; without (PP >= 2) it
-    plans commands for the pipeline (take_commands / apply_reports)."""
-
-    def __init__(self, local: StageSender | None, kv_caches: list[torch.Tensor] | None) -> None:
-        self.local = local
-        self.kv_caches = kv_caches
+    def __init__(self) -> None:
         self._live: dict[str, Handoff] = {}
-        self._planned: list[HandoffCommand] = []
-
-    @classmethod
-    def direct(cls, sender: HandoffSender, kv_caches: list[torch.Tensor]) -> HandoffTable:
-        """PP = 1: every layer is in `kv_caches`, sent from this process."""
-        return cls(StageSender(sender, (0, len(kv_caches)), 0), kv_caches)
-
-    @classmethod
-    def pipelined(cls) -> HandoffTable:
-        """PP >= 2: the stages send (their StageSenders run as stage hooks)."""
-        return cls(None, None)
 
     def add(self, request_id: str, landing: list[LandingInfo], num_prompt_tokens: int) -> None:
         self._live[request_id] = Handoff(list(landing), num_prompt_tokens)
@@ -131,31 +145,39 @@ class HandoffTable:
     def pop(self, request_id: str) -> Handoff | None:
         return self._live.pop(request_id, None)
 
-    def observe(self, req: Request, start: int, end: int, table: list[BlockId]) -> None:
-        """The engine's KV observer: hand KV [sent_upto, end) of the prompt to the flows."""
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[BlockId], num_external_tokens: int
+    ) -> None:
+        return None
+
+    def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
+        """Hand KV [sent_upto, end) of each computed prompt to the flows (b"" if none)."""
+        planned = []
+        for kv in computed:
+            cmd = self._plan(kv.request, kv.token_end, kv.block_ids)
+            if cmd is not None:
+                planned.append(cmd)
+        return msgspec.msgpack.encode(planned) if planned else b""
+
+    def _plan(self, req: Request, end: int, table: list[BlockId]) -> HandoffCommand | None:
         h = self._live.get(req.request_id)
         if h is None or h.error is not None:
-            return
+            return None
         end = min(end, req.num_prompt_tokens)
         if end <= h.sent_upto:
-            return
+            return None
         cmd = HandoffCommand(
             req.request_id, h.num_prompt_tokens, h.sent_upto, end, list(table), h.landing
         )
         h.sent_upto = end
-        if self.local is not None and self.kv_caches is not None:
-            h.add_report(self.local.send(cmd, self.kv_caches))
-        else:
-            self._planned.append(cmd)
+        return cmd
 
-    def take_commands(self) -> bytes:
-        """The commands planned for the step being issued (b"" if none)."""
-        if not self._planned:
-            return b""
-        planned, self._planned = self._planned, []
-        return msgspec.msgpack.encode(planned)
-
-    def apply_reports(self, reports: list[bytes]) -> None:
+    def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
         """Every stage's reports of a collected step (stage order)."""
         for payload in reports:
             if not payload:
@@ -164,3 +186,7 @@ class HandoffTable:
                 h = self._live.get(report.request_id)
                 if h is not None:
                     h.add_report(report)
+        return ConnectorUpdate()
+
+    def request_finished(self, request: Request, block_ids: list[BlockId]) -> bool:
+        return False

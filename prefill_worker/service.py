@@ -1,7 +1,7 @@
 """The prefill instance's HTTP service: POST /prefill streams FirstToken, then HandoffDone.
 
-/prefill ─▶ engine.add_request(prefill_only) ─▶ steps (KV observer streams the handoff
-per chunk into decode's landing region) ─▶ first token sampled ─▶ FirstToken
+/prefill ─▶ engine.add_request(prefill_only) ─▶ steps (the handoff connector streams the
+KV per chunk into decode's landing region) ─▶ first token sampled ─▶ FirstToken
 ─▶ HandoffDone (segments, bytes, ops) | ErrorEvent (the handoff failed)
 """
 
@@ -56,7 +56,6 @@ class PrefillService:
         self.handoffs = handoffs
         self.metrics = PrefillMetrics(name, host, num_devices)
         self.registry = self.metrics.registry
-        host.engine.kv_observer = handoffs.observe
         self.kv_reporter = KVReporter(name, "prefill", host, record_block_events=True)
         """GET /info and /kv_events for KV-aware routing; the pool connector reports its
         saves and restores to it (record_pool_saved, record_restore)."""
