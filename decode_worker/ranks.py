@@ -30,6 +30,7 @@ from transfer import LandingArena, LandingRegion, rank_landing_bytes
 
 log = logging.getLogger(__name__)
 
+
 class RankLandings:
     """Rank 0's view of the instance: every rank's shard, cache layout and landing buffer;
     sizes regions and describes them to prefill. Pure."""

@@ -259,7 +259,9 @@ class HandoffReceiver(KVConnectorScheduler):
                     landed = r.coverage.landed_tokens if r.error is None else self._safe(r)
                     update.finished_loads[RequestId(r.request_id)] = max(0, landed - r.skip_below)
                     if r.error is not None:
-                        log.warning("handoff of %s fell short, recomputing: %s", r.request_id, r.error)
+                        log.warning(
+                            "handoff of %s fell short, recomputing: %s", r.request_id, r.error
+                        )
                 self._maybe_free_region(r)
                 self._maybe_forget(r)
         return update
@@ -366,7 +368,13 @@ class LandingWorker(KVConnectorWorker):
                 region = self.arena.mirror(p.request_id, p.offset_bytes, p.nbytes)
                 mine = [s for s in p.segments if s.rank == self.rank]
                 scatter_segments(
-                    region, mine, self.layout, self.kv_caches, p.block_table, self.stripe, p.skip_below
+                    region,
+                    mine,
+                    self.layout,
+                    self.kv_caches,
+                    p.block_table,
+                    self.stripe,
+                    p.skip_below,
                 )
             except Exception as e:  # a bad piece fails its request only
                 log.exception("scatter of %s failed", p.request_id)

@@ -151,7 +151,10 @@ class HandoffScheduler(KVConnectorScheduler):
         if not h.opened:
             del self._live[request.request_id]  # nothing was ever sent
             return False
-        if request.status is RequestStatus.FINISHED_ABORTED or h.sent_upto < h.open.num_prompt_tokens:
+        if (
+            request.status is RequestStatus.FINISHED_ABORTED
+            or h.sent_upto < h.open.num_prompt_tokens
+        ):
             self._cancels.append(request.request_id)
         return True
 

@@ -156,7 +156,9 @@ class PrefillService:
                 self.metrics.outcome("finished")
                 await self.host.call(lambda _e: self.handoffs.cancel(rid))
                 return
-            await self._tell_decode(notify_url, PrefillFirstToken(rid, out.new_token_ids[0], out.new_logprobs[0]))
+            await self._tell_decode(
+                notify_url, PrefillFirstToken(rid, out.new_token_ids[0], out.new_logprobs[0])
+            )
         finally:
             self.host.close_stream(rid)
             if not finished:  # the client (router) went away before the first token

@@ -164,9 +164,7 @@ class KVWatcher:
         self._view = view
         self._interval_s = interval_s
         """The longest a worker holds back news on its stream."""
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(5.0, read=None), trust_env=False
-        )
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=None), trust_env=False)
         self._batch_decoder = msgspec.json.Decoder(KVEventBatch)
         self._info_decoder = msgspec.json.Decoder(WorkerInfo)
         self._tasks: list[asyncio.Task[None]] = []

@@ -9,7 +9,7 @@ LandingInfo tells it where); decode scatters each landed piece into the request'
 and frees the region once no write into it can be in flight. When the arena is full,
 `allocate` waits (first come, first served) until frees make room or its timeout ends:
 running out of landing space is back-pressure, not an error. A region is at most
-`max_region_bytes` (a share of the arena) whatever the prompt: a long prompt streams
+`max_region_bytes` (a share of the arena, protocol/parallel.py) whatever the prompt: a long prompt streams
 through it, so no request is refused for its size.
 """
 
@@ -26,6 +26,7 @@ import torch
 
 from protocol.kv_layout import KVLayout
 from protocol.messages import KVSegment, LandingInfo
+from protocol.parallel import landing_region_max
 from transfer.errors import LandingError
 from transfer.kv_pack import FULL, KVShard, packed_view, scatter, torch_dtype
 from transfer.transport import Transport
@@ -33,10 +34,6 @@ from transfer.transport import Transport
 ALIGN_BYTES = 4096
 """Region starts and sizes are multiples of this: any dtype view is aligned, and RDMA
 page boundaries are not shared between requests."""
-
-REGION_SHARE = 4
-"""A region is at most 1/REGION_SHARE of the arena: that many long prompts stream at once
-(shorter ones take what their whole KV needs)."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +62,7 @@ class LandingArena:
     ) -> None:
         if total_bytes <= 0 or total_bytes % ALIGN_BYTES:
             raise LandingError(f"landing size {total_bytes} must be a positive multiple of 4 KiB")
-        cap = max_region_bytes or total_bytes // REGION_SHARE
+        cap = max_region_bytes or landing_region_max(total_bytes)
         self.max_region_bytes = max(ALIGN_BYTES, min(cap, total_bytes) // ALIGN_BYTES * ALIGN_BYTES)
         """The largest region handed out: a prompt whose KV is larger streams through it."""
         self.buffer = torch.empty(
