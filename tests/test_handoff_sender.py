@@ -1,0 +1,245 @@
+"""The asynchronous handoff sender with the real pieces in one process: a paged KV cache,
+the "local" transport into a registered landing arena, and a decode stand-in that
+scatters every landed piece into its own pages before answering (as decode_worker does).
+Landing regions smaller than the prompt force the ring to be reused."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from protocol.kv_layout import KVLayout
+from protocol.messages import FlowClosed, HandoffNotice, LandingInfo, SegmentsLanded
+from transfer import (
+    FlowCoverage,
+    HandoffFaults,
+    HandoffSender,
+    KVShard,
+    LandingArena,
+    LocalFabric,
+    LocalTransport,
+    RingSpace,
+    scatter_segments,
+)
+from transfer.ring import RING_ALIGN
+
+L, H, D, BS = 4, 2, 8, 16
+LAYOUT = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, block_size=BS, dtype="float32")
+
+
+def test_ring_reuses_space_in_order_and_never_wraps_a_piece():
+    ring = RingSpace(4 * RING_ALIGN)
+    assert [ring.place(RING_ALIGN) for _ in range(4)] == [0, 256, 512, 768]
+    assert ring.place(1) is None  # full
+    ring.release_oldest()
+    assert ring.place(RING_ALIGN) == 0  # wraps to the freed start
+    assert ring.place(1) is None
+    ring.release_oldest()
+    ring.release_oldest()
+    assert ring.place(2 * RING_ALIGN) == 256  # [256, 768) is free again
+    ring.release_oldest()
+    ring.release_oldest()
+    ring.release_oldest()
+    assert ring.empty and ring.place(4 * RING_ALIGN) == 0
+    assert RingSpace(RING_ALIGN).place(RING_ALIGN + 1) is None  # larger than the ring
+
+
+class Decode:
+    """Decode stand-in: a landing arena and paged caches per rank; scatters each landed
+    piece (checking the flows tile the prompt) before answering its notice."""
+
+    def __init__(self, fabric: LocalFabric, ranks: list[KVShard], region_bytes: int) -> None:
+        self.transport = LocalTransport(fabric=fabric)
+        self.arenas = [  # one landing buffer per rank, as every decode rank has its own
+            LandingArena(16 << 20, self.transport, max_region_bytes=region_bytes) for _ in ranks
+        ]
+        self.ranks = ranks
+        self.caches = {
+            r: [torch.zeros(2, 64, BS, H // (len(ranks) // s.dcp_size), D) for _ in range(L)]
+            for r, s in enumerate(ranks)
+        }
+        self.closed: dict[str, FlowClosed] = {}
+        self.coverage: dict[str, FlowCoverage] = {}
+        self.regions: dict[tuple[str, int], object] = {}
+        self.gone: set[str] = set()
+        self.lock = threading.Lock()
+
+    def landing(self, rid: str, num_tokens: int) -> list[LandingInfo]:
+        self.coverage[rid] = FlowCoverage(len(self.ranks), L, num_tokens)
+        infos = []
+        for r, s in enumerate(self.ranks):
+            region = self.arenas[r].allocate(rid, num_tokens * LAYOUT.bytes_per_token, 1)
+            assert region is not None
+            self.regions[rid, r] = region
+            heads = H // (len(self.ranks) // s.dcp_size)
+            layout = KVLayout(
+                num_layers=L, num_kv_heads=heads, head_dim=D, block_size=BS, dtype="float32"
+            )
+            infos.append(
+                LandingInfo(
+                    r,
+                    "local",
+                    self.transport.peer_address,
+                    region.addr,
+                    region.nbytes,
+                    layout,
+                    s.head_start,
+                    s.dcp_size,
+                    s.dcp_rank,
+                )
+            )
+        return infos
+
+    def notify(self, url: str, notice: HandoffNotice) -> bool:
+        with self.lock:
+            if notice.request_id in self.gone:
+                return False
+            if isinstance(notice, FlowClosed):
+                self.closed[notice.request_id] = notice
+                return True
+            assert isinstance(notice, SegmentsLanded)
+            cov = self.coverage[notice.request_id]
+            for seg in notice.segments:
+                assert cov.check(seg) is None
+                cov.add(seg)
+                shard = self.ranks[seg.rank]
+                caches = self.caches[seg.rank]
+                heads = caches[0].shape[3]
+                layout = KVLayout(
+                    num_layers=L, num_kv_heads=heads, head_dim=D, block_size=BS, dtype="float32"
+                )
+                stripe = KVShard(dcp_size=shard.dcp_size, dcp_rank=shard.dcp_rank)
+                table = list(range(64))
+                region = self.regions[notice.request_id, seg.rank]
+                scatter_segments(region, [seg], layout, caches, table, stripe)
+            return True
+
+
+def _prefill_cache() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [torch.randn(2, 64, BS, H, D) for _ in range(L)]
+
+
+def _wait_closed(sender: HandoffSender, n: int, timeout_s: float = 20) -> dict[str, object]:
+    done: dict[str, object] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(done) < n and time.monotonic() < deadline:
+        sender.wait_finished(0.05)
+        for r in sender.finished():
+            done[r.request_id] = r
+    assert len(done) == n, f"only {list(done)} closed"
+    return done
+
+
+def _closed_at_decode(decode: Decode, rid: str, timeout_s: float = 5) -> FlowClosed:
+    """The FlowClosed decode got (its notifier posts it after the flow reported closed)."""
+    deadline = time.monotonic() + timeout_s
+    while rid not in decode.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return decode.closed[rid]
+
+
+def _expected(cache: list[torch.Tensor], table: list[int], n: int, shard: KVShard) -> torch.Tensor:
+    """[L, 2, n_rank, h, D] of the shard's tokens and heads, read from paged KV."""
+    toks = shard.tokens(0, n)
+    slots = torch.tensor([table[t // BS] * BS + t % BS for t in toks.tolist()])
+    h0, h1 = shard.head_start, shard.head_end
+    return torch.stack([c.flatten(1, 2)[:, slots, h0:h1] for c in cache])
+
+
+def _decoded(caches: list[torch.Tensor], n: int, shard: KVShard) -> torch.Tensor:
+    local = shard.tokens(0, n) // shard.dcp_size
+    return torch.stack([c.flatten(1, 2)[:, local] for c in caches])
+
+
+@pytest.mark.parametrize(
+    "ranks",
+    [
+        [KVShard()],
+        [KVShard(0, 1, 2, 0), KVShard(0, 1, 2, 1), KVShard(1, 2, 2, 0), KVShard(1, 2, 2, 1)],
+    ],
+    ids=["one-rank", "tp4-dcp2"],
+)
+def test_streamed_kv_lands_exactly_through_a_small_ring(ranks):
+    fabric = LocalFabric()
+    cache = _prefill_cache()
+    n = 700
+    region = 96 * LAYOUT.bytes_per_token  # far smaller than the prompt: the ring turns
+    decode = Decode(fabric, ranks, region)
+    sender = HandoffSender(
+        LocalTransport(fabric=fabric), 1 << 20, cache, (0, L), notify=decode.notify
+    )
+    try:
+        table = list(range(63, -1, -1))  # non-contiguous blocks
+        sender.open("r1", decode.landing("r1", n), n, "decode")
+        for a in range(0, n, 256):  # one submit per prefill chunk
+            sender.submit("r1", a, min(n, a + 256), table, last=a + 256 >= n)
+        res = _wait_closed(sender, 1)["r1"]
+        assert res.error is None
+        assert _closed_at_decode(decode, "r1").error is None
+        assert decode.coverage["r1"].complete
+        assert res.num_bytes == n * LAYOUT.bytes_per_token  # each token once per head group
+        for r, shard in enumerate(ranks):
+            want = _expected(cache, table, n, shard)
+            assert torch.equal(_decoded(decode.caches[r], n, shard), want)
+    finally:
+        sender.close()
+
+
+def test_a_failed_write_fails_only_its_request_and_submit_never_waits():
+    fabric = LocalFabric()
+    cache = _prefill_cache()
+    decode = Decode(fabric, [KVShard()], 64 * LAYOUT.bytes_per_token)
+    faults = HandoffFaults(fail_prompt_tokens=300, write_delay_s=0.02)
+    sender = HandoffSender(
+        LocalTransport(fabric=fabric), 1 << 20, cache, (0, L), notify=decode.notify, faults=faults
+    )
+    try:
+        table = list(range(64))
+        sender.open("bad", decode.landing("bad", 300), 300, "decode")
+        sender.open("good", decode.landing("good", 400), 400, "decode")
+        started = time.perf_counter()
+        sender.submit("bad", 0, 300, table, last=True)
+        sender.submit("good", 0, 400, table, last=True)
+        blocked = time.perf_counter() - started
+        assert blocked < 0.01, f"submit blocked the caller {blocked:.4f}s"
+        done = _wait_closed(sender, 2)
+        assert done["good"].error is None and decode.coverage["good"].complete
+        assert "injected fault" in (done["bad"].error or "")
+        assert _closed_at_decode(decode, "bad").error == done["bad"].error
+        assert not decode.coverage["bad"].complete
+    finally:
+        sender.close()
+
+
+def test_cancel_closes_once_no_write_is_in_flight_and_decode_gone_stops_it():
+    fabric = LocalFabric()
+    cache = _prefill_cache()
+    decode = Decode(fabric, [KVShard()], 32 * LAYOUT.bytes_per_token)
+    sender = HandoffSender(
+        LocalTransport(fabric=fabric),
+        1 << 20,
+        cache,
+        (0, L),
+        notify=decode.notify,
+        faults=HandoffFaults(write_delay_s=0.05),
+    )
+    try:
+        table = list(range(64))
+        sender.open("a", decode.landing("a", 800), 800, "decode")
+        sender.open("b", decode.landing("b", 800), 800, "decode")
+        sender.submit("a", 0, 800, table, last=True)
+        sender.submit("b", 0, 800, table, last=True)
+        time.sleep(0.1)
+        sender.cancel("a")
+        decode.gone.add("b")  # decode aborted it: its next notice is answered 410
+        done = _wait_closed(sender, 2)
+        assert done["a"].error == "aborted"
+        assert done["b"].error is not None
+        assert _closed_at_decode(decode, "a").error == "aborted"
+        assert not sender.in_flight("a") and not sender.in_flight("b")
+    finally:
+        sender.close()
