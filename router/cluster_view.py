@@ -212,8 +212,10 @@ class KVWatcher:
                 if not line.strip():
                     continue
                 batch = self._batch_decoder.decode(line)
-                if batch.epoch != st.epoch and st.epoch:
-                    # A restarted worker: its namespace or capacity may have changed.
+                st = self._view.state(inst)
+                if (batch.epoch != st.epoch and st.epoch) or st.info is None:
+                    # A restarted worker (its namespace or capacity may have changed), or
+                    # a view that was reset.
                     await self._fetch_info(inst)
                 self._view.apply_batch(inst, batch)
                 self.received += 1
