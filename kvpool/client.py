@@ -35,6 +35,7 @@ from kvpool.object_format import (
     stored_payload_checksum,
     write_header,
 )
+from kvpool.stats import StageCounters
 from protocol.ids import ChunkKey
 from protocol.kv_layout import KVLayout
 from protocol.namespace import KVNamespace
@@ -80,7 +81,7 @@ class PoolClient:
         *,
         buffer_bytes: int | None,
         max_save_chunks: int,
-        metrics: PoolMetrics,
+        metrics: PoolMetrics | StageCounters,
         local_stages: Sequence[int] | None = None,
         pin_memory: bool = False,
     ) -> None:
@@ -261,6 +262,7 @@ class PoolClient:
             todo = retry
             time.sleep(NO_SPACE_RETRY_S)
         self.metrics.save_bytes.inc(sum(stored) * spec.object_bytes)
+        self.metrics.stage_objects("save", stage, sum(stored))
         return stored
 
     def save_chunks(

@@ -23,8 +23,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from protocol.kv_layout import KVLayout
 from protocol.kv_events import KVEventBatch, WorkerLoad
+from protocol.kv_layout import KVLayout
 from protocol.messages import (
     AbortRequest,
     DecodeReady,

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from prefill_worker.handoff import HandoffTable
+from prefill_worker.handoff import HandoffTable, StageSender
+from protocol.rank_messages import HandoffCommand
 from protocol.sampling import SamplingParams
 from transfer import MAX_OP_BYTES, HandoffSender, LandingArena, TransportConfig, create_transport
 from transfer.landing import scatter_segments
@@ -49,8 +51,7 @@ def test_decode_receives_exactly_what_prefill_computed(engines, monkeypatch):
     assert send_t.peer_address.startswith("127.0.0.1:")
     sender = HandoffSender(send_t, 64 * 1024**2)
     arena = LandingArena(256 * 1024**2, land_t)
-    table = HandoffTable.direct(sender, prefill.runner.kv_caches)
-    prefill.kv_observer = table.observe
+    table = HandoffTable()
 
     ids = prefill.info.tokenizer.encode("The history of the agent session: " * 120)[:700]
     assert len(ids) == 700
@@ -62,12 +63,16 @@ def test_decode_receives_exactly_what_prefill_computed(engines, monkeypatch):
 
     held: dict[str, torch.Tensor] = {}
 
-    def snapshot(req, start, end, blocks):  # runs before the request's blocks are freed
-        table.observe(req, start, end, blocks)
-        if end == len(ids):
-            held["prefill"] = _tokens(ids, prefill.runner.kv_caches, list(blocks), len(ids))
+    class Snapshot(StageSender):
+        """Sends, then keeps the prompt's KV as prefill holds it (before it is freed)."""
 
-    prefill.kv_observer = snapshot
+        def start_saves(self, meta: bytes) -> None:
+            super().start_saves(meta)
+            for cmd in msgspec.msgpack.decode(meta, type=list[HandoffCommand]) if meta else []:
+                if cmd.token_end == len(ids):
+                    held["prefill"] = _tokens(ids, self.kv_caches, cmd.block_table, len(ids))
+
+    prefill.set_kv_connector(table, Snapshot(sender))
     prefill.add_request(ids, params, "r1", prefill_only=True)
     outs = []
     while prefill.has_unfinished():
@@ -108,6 +113,5 @@ def test_decode_receives_exactly_what_prefill_computed(engines, monkeypatch):
     while decode.has_unfinished():
         for o in decode.step():
             tokens += o.new_token_ids
-    prefill.kv_observer = None
     alone = prefill.generate([ids], params)[0].token_ids
     assert tokens == alone

@@ -13,7 +13,6 @@ Layer 2: imports protocol and torch only. Importing the package registers every 
 
 from transfer.errors import (
     LandingError,
-    LandingTooLargeError,
     PackLayoutError,
     TransferError,
     TransportConfigError,
@@ -47,7 +46,6 @@ __all__ = [
     "LandingArena",
     "LandingError",
     "LandingRegion",
-    "LandingTooLargeError",
     "LocalFabric",
     "LocalTransport",
     "MooncakeTransport",

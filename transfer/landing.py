@@ -155,7 +155,7 @@ class LandingArena:
             return True
 
     def landing_info(self, region: LandingRegion, rank: int, layout: KVLayout) -> LandingInfo:
-        """What prefill needs to write into `region` (sent to it in AdmitResponse)."""
+        """What prefill needs to write into `region` (sent to it in DecodeReady)."""
         if self.transport is None:
             raise LandingError("this arena has no transport: pass one to LandingArena")
         return LandingInfo(
