@@ -147,17 +147,17 @@ class HandoffReceiver(KVConnectorScheduler):
 
     def closed(self, notice: FlowClosed) -> None:
         """A prefill stage sends nothing more for the request."""
+        self.on_flow_closed(notice)
         with self._cond:
             r = self._remotes.get(notice.request_id)
             if r is None:
-                return
+                return  # landed in full and done: nothing was waiting for this
             r.num_stages = notice.num_stages
             r.closed_stages.add(notice.stage)
             if notice.error is not None and not r.coverage.complete:
                 r.error = r.error or notice.error
             self._maybe_free_region(r)
             self._cond.notify_all()
-        self.on_flow_closed(notice)
 
     def abort(self, request_id: str, prefill_contacted: bool) -> None:
         """The router gave the request up (the engine aborted it already)."""

@@ -26,6 +26,7 @@ from prefill_worker.handoff import HandoffScheduler
 from prefill_worker.metrics import PrefillMetrics
 from protocol.errors import InvalidRequestError, PromptTooLongError
 from protocol.messages import (
+    AbortRequest,
     ErrorEvent,
     FirstToken,
     InstanceStatus,
@@ -84,11 +85,16 @@ class PrefillService:
         )
 
     def app(self) -> FastAPI:
-        app = base_app(self.host, self.status, self.registry)
+        app = base_app(self.host, self.status, self.registry, on_abort=self.on_abort)
         self.kv_reporter.install(app)
         app.post("/prefill")(self.prefill)
         app.post("/admin/reset_prefix_cache")(self.reset_prefix_cache)
         return app
+
+    def on_abort(self, msg: AbortRequest) -> None:
+        """The request may have left the engine with its KV still on the way: stop that."""
+        rid = msg.request_id
+        self.host.loop.submit(lambda _e: self.handoffs.cancel(rid))
 
     async def reset_prefix_cache(self) -> Response:
         n = await self.host.call(lambda e: e.reset_prefix_cache())
