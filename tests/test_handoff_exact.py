@@ -52,7 +52,9 @@ def _tokens(caches: list[torch.Tensor], table: list[int], n: int) -> torch.Tenso
 class Recording(HandoffScheduler):
     """Records the block table prefill computes the prompt into."""
 
-    table: list[int] = []
+    def __init__(self, num_stages: int) -> None:
+        super().__init__(num_stages)
+        self.table: list[int] = []
 
     def build_step_meta(self, computed):  # type: ignore[no-untyped-def]
         for kv in computed:
