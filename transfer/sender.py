@@ -308,7 +308,7 @@ class HandoffSender:
             with self._lock:
                 while not self._stop and (job := self._next_piece()) is None:
                     self._lock.wait()
-                if self._stop:
+                if self._stop or job is None:
                     return
             flow, piece, table, ready, offsets = job
             try:
