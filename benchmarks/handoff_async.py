@@ -17,8 +17,8 @@ sent over Mooncake tcp on 127.0.0.1 into a landing ring in another process
   sync (the old path)     gather + write of each chunk on the calling thread, one staging
                           buffer: blocked = transfer.
 
-The first rep checks every landed byte against a reference pack (sha256) with a region
-holding the whole prompt; the timed reps use a region of --region-mib (the ring turns).
+A first run checks every landed segment against a reference pack (sha256, where it landed,
+before it is answered); the timed reps use a region of --region-mib (the ring turns).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import hashlib
 import os
 import platform
 import statistics
-import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 import torch
@@ -38,7 +38,7 @@ from benchmarks.handoff import LAYOUT, cpu_name, make_cache, mooncake_version, r
 from engine.kv_connector import WorkerPlace
 from prefill_worker.handoff import HandoffWorker
 from protocol.handoff_messages import FlowOpen, FlowReport, FlowSend, HandoffMeta
-from protocol.messages import HandoffNotice, LandingInfo, SegmentsLanded
+from protocol.messages import HandoffNotice, KVSegment, LandingInfo, SegmentsLanded
 from transfer import TransportConfig, create_transport, gather
 from transfer.probe import ProbeProcess
 
@@ -48,16 +48,18 @@ def sha(t: torch.Tensor) -> str:
 
 
 class Acks:
-    """Decode stand-in: records landed segments and answers at once."""
+    """Decode stand-in: answers at once; with `check`, first verifies every landed segment
+    where it lies (the ring reuses its bytes once answered)."""
 
     def __init__(self) -> None:
-        self.segments: list = []
-        self.lock = threading.Lock()
+        self.check: Callable[[KVSegment], None] | None = None
+        self.num_checked = 0
 
     def __call__(self, url: str, notice: HandoffNotice) -> bool:
-        if isinstance(notice, SegmentsLanded):
-            with self.lock:
-                self.segments.extend(notice.segments)
+        if isinstance(notice, SegmentsLanded) and self.check is not None:
+            for seg in notice.segments:
+                self.check(seg)
+                self.num_checked += seg.token_end - seg.token_start
         return True
 
 
@@ -133,14 +135,19 @@ def main() -> None:
         worker = HandoffWorker(te, args.staging_mib << 20, acks)
         worker.register_kv_caches(caches, WorkerPlace(0, LAYOUT.num_layers))
 
-        # correctness: a region for the whole prompt, every landed segment checked
-        whole = LandingInfo(0, "mooncake", probe.peer, probe.buffer_addr, probe.nbytes, LAYOUT)
-        run_async(worker, table, n, chunk, whole, "check")
+        # correctness: every landed segment checked where it landed, before it is answered
         expect = reference_pack(caches, table, n)
-        for seg in acks.segments:
+
+        def check(seg: KVSegment) -> None:
             want = expect[:, :, seg.token_start : seg.token_end]
             if probe.sha256(seg.offset_bytes, seg.num_bytes) != sha(want):
                 raise SystemExit(f"segment {seg}: landed bytes differ from the reference")
+
+        whole = LandingInfo(0, "mooncake", probe.peer, probe.buffer_addr, probe.nbytes, LAYOUT)
+        acks.check = check
+        run_async(worker, table, n, chunk, whole, "check")
+        assert acks.num_checked == n, acks.num_checked
+        acks.check = None
 
         ring = LandingInfo(
             0, "mooncake", probe.peer, probe.buffer_addr, args.region_mib << 20, LAYOUT
