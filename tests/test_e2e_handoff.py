@@ -1,8 +1,10 @@
-"""The P->D handoff through `kvserve up` with the real SmolLM2: long prompts stream through
-decode's bounded landing ring (deploy/examples/local.yaml's instance settings: 256 MiB of
-landing, a 64 MiB region per request, ~46 KB of KV per token), a transfer that fails
-mid-flight fails only its own request, a client that goes away mid-transfer frees KV and
-landing within 1 s, and a slow transport does not slow the decode of other requests."""
+"""The P->D handoff through `kvserve up`: long prompts stream through decode's bounded
+landing ring, a transfer that fails mid-flight recomputes only its own request, a client
+that goes away mid-transfer frees KV and landing within 1 s, and a slow transport does not
+slow the decode of other requests (a tiny Llama with 1 MiB of landing: every prompt turns
+the ring several times). Slow: the real SmolLM2 with deploy/examples/local.yaml's
+instance settings (256 MiB of landing, 64 MiB regions, 46 KB of KV per token), 8,100-token
+prompts, one and four at once."""
 
 from __future__ import annotations
 
@@ -165,6 +167,7 @@ def local(tmp_path_factory, weights_cache_dir: str):
     assert res.returncode == 0, res.stderr
 
 
+@pytest.mark.slow
 def test_8100_token_prompt_streams_through_the_landing_ring(local: Cluster):
     """8,100 prompt tokens need 373 MB of KV at decode: ~6 turns of a 64 MiB region."""
     res = _complete(local, _prompt(8100, 1), 64)
