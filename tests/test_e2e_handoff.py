@@ -240,18 +240,20 @@ def test_slow_transport_does_not_slow_other_decodes(slow: Cluster):
     reader.start()
     assert wait_until(lambda: len(stamps) > 40, timeout_s=30)
     t0 = time.monotonic()
-    res = _complete(slow, _prompt(3000, 9), 4, timeout=120)
+    res = _complete(slow, _prompt(4000, 9), 4, timeout=120)
     t1 = time.monotonic()
     stop.set()
     reader.join(30)
     assert res["status"] == 200, res["body"]
-    assert t1 - t0 > 2.0, "the injected delay should make this handoff take seconds"
+    assert t1 - t0 > 3.0, "the injected delay should make this handoff take seconds"
     before = [b - a for a, b in itertools.pairwise(stamps) if b < t0]
     during = [b - a for a, b in itertools.pairwise(stamps) if t0 + 0.5 < a and b < t1]
     assert len(during) > 20, f"only {len(during)} tokens while the other handoff ran"
     before.sort()
     during.sort()
     p50_before, p50_during = before[len(before) // 2], during[len(during) // 2]
-    assert max(during) < 1.0, f"decode stalled {max(during):.2f}s during a slow handoff"
+    # a loop that waited on the transport would stall for the whole handoff (> 3 s), or
+    # 0.2 s per piece (the median); the bounds leave room for a loaded 2-core machine
+    assert max(during) < 2.0, f"decode stalled {max(during):.2f}s during a slow handoff"
     assert p50_during < 3 * p50_before + 0.05, (p50_before, p50_during)
     assert wait_until(lambda: _free(slow), timeout_s=5)
