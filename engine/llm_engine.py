@@ -14,7 +14,7 @@ KV moves in and out only through the KV connector (engine/kv_connector.py), set 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import count
 from typing import Protocol, runtime_checkable
@@ -41,7 +41,7 @@ from modelinfo.detokenizer import RequestOutputText
 from modelinfo.info import ModelInfo, load_model_info
 from protocol.errors import InvalidRequestError, PromptTooLongError
 from protocol.hashing import namespace_seed
-from protocol.ids import BlockId, RequestId
+from protocol.ids import RequestId
 from protocol.kv_layout import KVLayout
 from protocol.namespace import KVNamespace
 from protocol.sampling import SamplingParams
@@ -254,40 +254,18 @@ class LLMEngine:
         self._texts[rid] = RequestOutputText(self.info.tokenizer, params, req.eos_token_ids)
         return req
 
-    def admit_prefilled(
-        self,
-        prompt_token_ids: list[int],
-        first_token_id: int,
-        first_logprob: float | None,
-        params: SamplingParams,
-        request_id: str,
-        fill_kv: Callable[[list[torch.Tensor], list[BlockId]], None],
+    def append_remote_token(
+        self, request_id: str, token_id: int, logprob: float | None
     ) -> RequestOutput | None:
-        """Start decoding a request whose prompt KV was computed elsewhere (a decode
-        instance). Allocates blocks for the prompt, lets `fill_kv(kv_caches, block_table)`
-        write the prompt's KV into them, and continues after `first_token_id`.
-
-        Returns the first token's output (finished if that token already ends it); None,
-        with nothing changed, when blocks or running slots are short (retry later).
-        Raises InvalidRequestError / PromptTooLongError for requests that can never fit."""
-        sched = self.scheduler
-        if len(sched.running) >= sched.max_num_seqs:
+        """Decode: append the first token, sampled by prefill, to a request whose prompt
+        KV arrives through the KV connector (it waits in WAITING_FOR_KV until the load
+        is reported, then computes this token's KV and samples the next). Returns the
+        token's output (finished if it already ends the request; the caller does not
+        stream it otherwise: prefill did); None if the request is unknown or has output."""
+        req = self._requests.get(RequestId(request_id))
+        if req is None or req.num_output_tokens or req.status.finished:
             return None
-        req = self._new_request(prompt_token_ids, params, request_id)
-        if not self.kv.allocate_slots(req, req.num_prompt_tokens):
-            del self._requests[req.request_id], self._texts[req.request_id]
-            return None
-        try:
-            fill_kv(self.runner.kv_caches, list(self.kv.block_table(req.request_id)))
-        except BaseException:
-            self.kv.free(req)
-            del self._requests[req.request_id], self._texts[req.request_id]
-            raise
-        req.num_computed_tokens = req.num_prompt_tokens
-        req.num_cached_prompt_tokens = 0
-        self.kv.cache_full_blocks(req)
-        sched.add_running(req)
-        return self._append_token(req, first_token_id, first_logprob)
+        return self._append_token(req, token_id, logprob)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Check a request against this engine's limits without queueing it."""
