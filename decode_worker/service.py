@@ -167,7 +167,13 @@ class DecodeService:
 
         def admit(e: LLMEngine) -> RequestOutput | None:
             return e.admit_prefilled(
-                msg.prompt_token_ids, msg.first_token_id, msg.first_logprob, msg.params, rid, fill
+                msg.prompt_token_ids,
+                msg.first_token_id,
+                msg.first_logprob,
+                msg.params,
+                rid,
+                fill,
+                msg.first_top_logprobs,
             )
 
         queue = self.host.open_stream(rid)
@@ -217,13 +223,25 @@ class DecodeService:
                 outs = [i for i in items if isinstance(i, RequestOutput)]
                 tokens = [t for o in outs for t in o.new_token_ids]
                 logprobs = [lp for o in outs for lp in o.new_logprobs]
+                tops = None
+                if any(o.new_top_logprobs for o in outs):
+                    tops = [
+                        t
+                        for o in outs
+                        for t in (o.new_top_logprobs or [None] * len(o.new_token_ids))
+                    ]
                 finished = outs[-1].finished
                 self.metrics.generated_tokens.inc(len(tokens))
                 if finished:
                     self.metrics.outcome("finished")
                 yield encode_line(
                     TokenBatch(
-                        rid, tokens, logprobs, outs[-1].finish_reason, outs[-1].num_output_tokens
+                        rid,
+                        tokens,
+                        logprobs,
+                        outs[-1].finish_reason,
+                        outs[-1].num_output_tokens,
+                        top_logprobs=tops,
                     )
                 )
         finally:

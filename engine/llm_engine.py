@@ -18,12 +18,13 @@ import torch
 from engine.attention.base import get_backend
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.grammar import GrammarCompiler
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnector, NoKVConnector
 from engine.model_runner import ModelExecutor, ModelRunner
 from engine.models.registry import build_model
 from engine.request import Request, RequestStatus
-from engine.sampler import Sampler, SamplingState
+from engine.sampler import Sampler, SamplingState, TopLogprobs
 from engine.scheduler import Scheduler, SchedulerCounters
 from engine.weights.cache import load_weights
 from modelinfo.detokenizer import RequestOutputText
@@ -56,6 +57,8 @@ class RequestOutput:
     prefill_done: bool = False
     """A prefill-only request sampled its first token and left the engine (its KV was
     handed on through the KV observer); finish_reason stays None: decode continues it."""
+    new_top_logprobs: list[TopLogprobs | None] | None = None
+    """Per new token, its top_logprobs alternatives when the request asked for them."""
 
     @property
     def finished(self) -> bool:
@@ -136,6 +139,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(info.tokenizer, mc.vocab_size, info.eos_token_ids)
+        """Compiles requests' grammars (structured output) on its own thread, cached."""
         self._texts: dict[RequestId, RequestOutputText] = {}
         self._requests: dict[RequestId, Request] = {}
         self._ids = count()
@@ -203,6 +208,8 @@ class LLMEngine:
             hash_root=self._hash_root,
             eos_token_ids=self.info.eos_token_ids,
         )
+        if params.grammar is not None:
+            req.grammar = self.grammars.new_state(params.grammar)
         self._requests[rid] = req
         self._texts[rid] = RequestOutputText(self.info.tokenizer, params, req.eos_token_ids)
         return req
@@ -215,6 +222,7 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str,
         fill_kv: Callable[[list[torch.Tensor], list[BlockId]], None],
+        first_top_logprobs: TopLogprobs | None = None,
     ) -> RequestOutput | None:
         """Start decoding a request whose prompt KV was computed elsewhere (a decode
         instance). Allocates blocks for the prompt, lets `fill_kv(kv_caches, block_table)`
@@ -240,7 +248,7 @@ class LLMEngine:
         req.num_cached_prompt_tokens = 0
         self.kv.cache_full_blocks(req)
         sched.add_running(req)
-        return self._append_token(req, first_token_id, first_logprob)
+        return self._append_token(req, first_token_id, first_logprob, first_top_logprobs)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Check a request against this engine's limits without queueing it."""
@@ -302,13 +310,23 @@ class LLMEngine:
         sampling = [s.request for s in plan.scheduled if s.samples]
         tokens: list[int] = []
         logprobs: list[float | None] = []
+        tops: list[TopLogprobs | None] = []
         if logits is not None:
             states = [
-                SamplingState(r.params, r.num_output_tokens, r.generator, r.eos_token_ids)
+                SamplingState(
+                    r.params,
+                    r.num_output_tokens,
+                    r.generator,
+                    r.eos_token_ids,
+                    r.prompt_token_ids,
+                    r.output_token_ids,
+                    r.grammar,
+                )
                 for r in sampling
             ]
             result = self.sampler.sample(logits, states)
             tokens, logprobs = result.token_ids, result.logprobs
+            tops = result.top_logprobs or [None] * len(tokens)
         for s in plan.scheduled:
             r = s.request
             start = r.num_computed_tokens
@@ -319,11 +337,13 @@ class LLMEngine:
                 self.kv_observer(r, start, r.num_computed_tokens, table)
             self.kv_connector.on_computed(r, start, r.num_computed_tokens, table)
         outputs = []
-        for req, tok, lp in zip(sampling, tokens, logprobs, strict=True):
-            outputs.append(self._append_token(req, tok, lp))
+        for req, tok, lp, top in zip(sampling, tokens, logprobs, tops, strict=True):
+            outputs.append(self._append_token(req, tok, lp, top))
         return outputs
 
-    def _append_token(self, req: Request, token: int, logprob: float | None) -> RequestOutput:
+    def _append_token(
+        self, req: Request, token: int, logprob: float | None, top: TopLogprobs | None = None
+    ) -> RequestOutput:
         req.append_output(token, logprob)
         delta, reason = self._texts[req.request_id].append(token)
         prefill_done = reason is None and req.prefill_only
@@ -347,6 +367,7 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             num_pool_tokens=req.num_pool_prompt_tokens,
             prefill_done=prefill_done,
+            new_top_logprobs=[top] if top is not None else None,
         )
 
     # -- helpers -----------------------------------------------------------------------
@@ -401,6 +422,7 @@ class LLMEngine:
         holds no threads)."""
         self.kv_connector.close()
         self.runner.close()
+        self.grammars.close()
 
     @property
     def counters(self) -> SchedulerCounters:

@@ -139,6 +139,7 @@ class PrefillService:
                     logprob=out.new_logprobs[0],
                     usage=usage,
                     finish_reason=out.finish_reason,
+                    top_logprobs=out.new_top_logprobs[0] if out.new_top_logprobs else None,
                 )
             )
             finished = True

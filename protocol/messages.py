@@ -107,6 +107,8 @@ class FirstToken(msgspec.Struct, frozen=True, tag="first_token"):
     usage: PromptUsage
     finish_reason: str | None
     """Set when the request is already finished after this token (no decode needed)."""
+    top_logprobs: list[tuple[int, float]] | None = None
+    """(token id, logprob) alternatives when params.top_logprobs > 0."""
 
 
 class HandoffDone(msgspec.Struct, frozen=True, tag="handoff_done"):
@@ -123,6 +125,8 @@ class TokenBatch(msgspec.Struct, frozen=True, tag="tokens"):
     logprobs: list[float | None]
     finish_reason: str | None
     num_output_tokens: int
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    """Per token, its (token id, logprob) alternatives when params.top_logprobs > 0."""
 
 
 class ErrorEvent(msgspec.Struct, frozen=True, tag="error"):
@@ -144,6 +148,7 @@ class DecodeRequest(msgspec.Struct, frozen=True):
     first_logprob: float | None
     params: SamplingParams
     segments: list[KVSegment]
+    first_top_logprobs: list[tuple[int, float]] | None = None
 
 
 class AbortRequest(msgspec.Struct, frozen=True):

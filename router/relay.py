@@ -55,6 +55,8 @@ class WorkerTokens:
     token_ids: list[int]
     logprobs: list[float | None]
     finish_reason: str | None
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    """Per token, (token id, logprob) alternatives when the request asked for them."""
 
 
 @dataclass
@@ -154,7 +156,8 @@ class RequestRun:
                     self._completed = True
                 elif handoff is not None:
                     self._done(self.prefill)
-                yield WorkerTokens([event.token_id], [event.logprob], event.finish_reason)
+                top = [event.top_logprobs] if event.top_logprobs is not None else None
+                yield WorkerTokens([event.token_id], [event.logprob], event.finish_reason, top)
             elif isinstance(event, HandoffDone):
                 handoff = event
                 if first is not None:
@@ -178,6 +181,7 @@ class RequestRun:
             prompt_token_ids=list(self.ctx.prompt_token_ids),
             first_token_id=first.token_id,
             first_logprob=first.logprob,
+            first_top_logprobs=first.top_logprobs,
             params=self.params,
             segments=handoff.segments,
         )
@@ -189,7 +193,9 @@ class RequestRun:
             if batch.finish_reason is not None:
                 self._done(self.decode)
                 self._completed = True
-            yield WorkerTokens(batch.token_ids, batch.logprobs, batch.finish_reason)
+            yield WorkerTokens(
+                batch.token_ids, batch.logprobs, batch.finish_reason, batch.top_logprobs
+            )
             if batch.finish_reason is not None:
                 return
         raise WorkerFailed(f"{_name(self.decode)} ended its stream without a finish_reason")
