@@ -38,7 +38,7 @@ def apply_penalties(
 ) -> torch.Tensor:
     """[M, V] logits (float32) of M rows that process logits -> a new [M, V] tensor."""
     device = logits.device
-    num_rows, vocab = logits.shape
+    vocab = logits.shape[1]
     x = logits.clone()
 
     rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]

@@ -154,13 +154,22 @@ def test_sampling_params_reach_workers(h: RouterHarness) -> None:
         top_p=0.9,
         seed=11,
         user="session-1",
-        extra_body={"top_k": 5, "min_tokens": 2, "ignore_eos": True, "unknown_field": 1},
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        logit_bias={"17": -5, "3": 2.5},
+        logprobs=True,
+        top_logprobs=4,
+        response_format={"type": "json_object"},
+        extra_body={"top_k": 5, "min_tokens": 2, "ignore_eos": True, "repetition_penalty": 1.1},
     )
     kind, admit = h.decode[0].received[0]
     assert kind == "admit" and admit.max_tokens == 7
     p = h.prefill[0].received[0][1].params
     assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.top_k) == (7, 0.3, 0.9, 11, 5)
     assert p.min_tokens == 2 and p.ignore_eos is True
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.1)
+    assert p.logit_bias == ((17, -5.0), (3, 2.5)) and (p.logprobs, p.top_logprobs) == (True, 4)
+    assert p.grammar is not None and p.grammar.kind == "json_object"
     decode_req = h.decode[0].received[1][1]
     assert decode_req.first_token_id == h.info.tokenizer.encode(TEXT)[0]
     assert (
