@@ -10,7 +10,7 @@ import llguidance
 
 from protocol.sampling import GrammarSpec
 
-JSON_STYLE: dict[str, Any] = {
+JSON_STYLE: Any = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",

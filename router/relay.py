@@ -156,7 +156,9 @@ class RequestRun:
                     self._completed = True
                 elif handoff is not None:
                     self._done(self.prefill)
-                top = [event.top_logprobs] if event.top_logprobs is not None else None
+                top: list[list[tuple[int, float]] | None] | None = None
+                if event.top_logprobs is not None:
+                    top = [event.top_logprobs]
                 yield WorkerTokens([event.token_id], [event.logprob], event.finish_reason, top)
             elif isinstance(event, HandoffDone):
                 handoff = event

@@ -86,8 +86,8 @@ def parse_call_body(body: str, complete: bool) -> ParsedCall | None:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return ParsedCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
+    value = obj.get("arguments", obj.get("parameters", {}))
+    return ParsedCall(obj["name"], value if isinstance(value, str) else json.dumps(value))
 
 
 class HermesParser(ToolParser):
@@ -124,6 +124,8 @@ class Llama3JsonParser(ToolParser):
         body = text.lstrip(_WHITESPACE)
         if body.startswith(self.TAG):
             body = body[len(self.TAG) :].lstrip(_WHITESPACE)
+            if not body and not final:
+                return ParsedOutput("")  # the tag: a call follows
         elif not final and self.TAG.startswith(body):
             return ParsedOutput("")  # maybe the tag; maybe nothing yet
         if not body.startswith("{"):
