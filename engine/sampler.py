@@ -223,13 +223,20 @@ class Sampler:
             logits[i, states[i].min_tokens_mask_ids] = float("-inf")
         if grammar_rows:
             rows = []
-            for i in grammar_rows:
+            for k, i in enumerate(grammar_rows):
                 state = states[i]
                 grammar = state.grammar
                 assert grammar is not None
                 grammar.sync(state.output_token_ids)
-                rows.append((i, grammar, state.eos_token_ids))
-            apply_bitmask(logits, fill_bitmasks(len(states), rows, logits.shape[1]))
+                rows.append((k, grammar, state.eos_token_ids))
+            bitmask = fill_bitmasks(len(rows), rows, logits.shape[1])
+            if len(grammar_rows) == len(states):
+                apply_bitmask(logits, bitmask)
+            else:  # only the constrained rows pay for the mask
+                idx = torch.tensor(grammar_rows, device=logits.device)
+                sub = logits[idx]
+                apply_bitmask(sub, bitmask)
+                logits[idx] = sub
         return logits
 
     def _sample_random(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
