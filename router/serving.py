@@ -12,6 +12,7 @@ A client that disconnects at any point cancels what is awaited; the run aborts i
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -43,6 +44,7 @@ from router.output import OutputStream, RequestTiming
 from router.policies import RouteContext
 from router.preprocess import PreparedRequest, Preprocessor
 from router.relay import RelayServices, RequestRun
+from router.request_body import decode_json, read_json_body
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,9 @@ class ServingContext:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != self.api_key:
+        presented = token.strip().encode()
+        # Constant time: a key must not leak through how fast a wrong guess is refused.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented, self.api_key.encode()):
             raise Unauthorized(
                 "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                 code="invalid_api_key",
@@ -94,11 +98,11 @@ async def serve_generation(ctx: ServingContext, request: Request, endpoint: str)
     choices: list[Choice] = []
     try:
         ctx.check_auth(request)
-        body = await request.body()
+        body = await read_json_body(request)
         if endpoint == "chat":
-            prepared = await ctx.preprocessor.chat(decode_chat(body))
+            prepared = await ctx.preprocessor.chat(decode_json(decode_chat, body))
         else:
-            prepared = await ctx.preprocessor.completion(decode_completion(body))
+            prepared = await ctx.preprocessor.completion(decode_json(decode_completion, body))
         session = ctx.session_of(request, prepared.user)
 
         def open_choice(index: int) -> tuple[OutputStream, ResponseFormatter]:
