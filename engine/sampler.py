@@ -2,8 +2,8 @@
 
 Per row, in this order (the order vLLM and OpenAI use):
 
-    raw logits ─▶ penalties, logit_bias ─▶ min_tokens mask ─▶ grammar mask ─▶ greedy? ─ yes ─▶ argmax
-      │            (engine/logits_process.py)                (engine/grammar.py)     │ no    (ties: lowest id)
+    raw logits ─▶ penalties, logit_bias ─▶ grammar mask ─▶ min_tokens mask ─▶ greedy? ─ yes ─▶ argmax
+      │            (engine/logits_process.py)  (engine/grammar.py)                   │ no    (ties: lowest id)
       │                                                                              ▼
       │                                       / temperature ─▶ top-k ─▶ top-p ─▶ softmax ─▶ draw
       ▼
@@ -219,8 +219,6 @@ class Sampler:
                 logits[torch.tensor(penalty_rows, device=logits.device)] = processed
             else:
                 logits = processed
-        for i in masked_rows:
-            logits[i, states[i].min_tokens_mask_ids] = float("-inf")
         if grammar_rows:
             rows = []
             for k, i in enumerate(grammar_rows):
@@ -237,6 +235,15 @@ class Sampler:
                 sub = logits[idx]
                 apply_bitmask(sub, bitmask)
                 logits[idx] = sub
+        for i in masked_rows:
+            if states[i].grammar is None:
+                logits[i, states[i].min_tokens_mask_ids] = float("-inf")
+                continue
+            # A grammar that allows only EOS (its JSON is complete) wins over min_tokens:
+            # masking EOS too would leave the row nothing to sample. Decided on the device.
+            row = logits[i].clone()
+            row[states[i].min_tokens_mask_ids] = float("-inf")
+            logits[i] = torch.where(torch.isfinite(row).any(), row, logits[i])
         return logits
 
     def _sample_random(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

@@ -177,3 +177,22 @@ def test_bad_grammar_allows_only_eos(smollm2_compiler) -> None:  # type: ignore[
     logits = torch.zeros(1, info.config.vocab_size)
     apply_bitmask(logits, fill_bitmasks(1, [(0, state, (2,))], info.config.vocab_size))
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [2]
+
+
+def test_min_tokens_yields_to_a_grammar_that_allows_only_eos(smollm2_compiler) -> None:  # type: ignore[no-untyped-def]
+    """A complete JSON object with min_tokens not reached: EOS is the only way on, so the
+    min_tokens mask is dropped for that row rather than leaving nothing to sample."""
+    compiler, info = smollm2_compiler
+    eos = info.eos_token_ids
+    ids = info.tokenizer.encode('{"a": 1}', add_special_tokens=False)
+    vocab = info.config.vocab_size
+    params = SamplingParams(temperature=0.0, min_tokens=50, max_tokens=60)
+    state = SamplingState(
+        params, len(ids), None, eos, (), ids, compiler.new_state(GrammarSpec(kind="json_object"))
+    )
+    free = SamplingState(params, len(ids), None, eos, (), ids)  # no grammar: EOS masked
+    logits = torch.zeros(2, vocab)
+    logits[:, eos[0]] = 5.0
+    out = Sampler(seed=0).sample(logits, [state, free])
+    assert out.token_ids[0] == eos[0]
+    assert out.token_ids[1] != eos[0]
