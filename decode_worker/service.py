@@ -201,13 +201,25 @@ class DecodeService:
                 outs = [i for i in items if isinstance(i, RequestOutput)]
                 tokens = [t for o in outs for t in o.new_token_ids]
                 logprobs = [lp for o in outs for lp in o.new_logprobs]
+                tops = None
+                if any(o.new_top_logprobs for o in outs):
+                    tops = [
+                        t
+                        for o in outs
+                        for t in (o.new_top_logprobs or [None] * len(o.new_token_ids))
+                    ]
                 finished = outs[-1].finished
                 self.metrics.generated_tokens.inc(len(tokens))
                 if finished:
                     self.metrics.outcome("finished")
                 yield encode_line(
                     TokenBatch(
-                        rid, tokens, logprobs, outs[-1].finish_reason, outs[-1].num_output_tokens
+                        rid,
+                        tokens,
+                        logprobs,
+                        outs[-1].finish_reason,
+                        outs[-1].num_output_tokens,
+                        top_logprobs=tops,
                     )
                 )
         finally:
@@ -238,7 +250,9 @@ class DecodeService:
         """Engine thread: continue the waiting request after prefill's first token."""
         if not self.receiver.holds(notice.request_id):
             return False
-        out = e.append_remote_token(notice.request_id, notice.token_id, notice.logprob)
+        out = e.append_remote_token(
+            notice.request_id, notice.token_id, notice.logprob, notice.top_logprobs
+        )
         if out is None:
             return False
         self.receiver.first_token(notice.request_id)

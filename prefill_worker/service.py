@@ -152,6 +152,7 @@ class PrefillService:
                     logprob=out.new_logprobs[0],
                     usage=usage,
                     finish_reason=out.finish_reason,
+                    top_logprobs=out.new_top_logprobs[0] if out.new_top_logprobs else None,
                 )
             )
             finished = True
@@ -162,9 +163,9 @@ class PrefillService:
                 self.metrics.outcome("finished")
                 await self.host.call(lambda _e: self.handoffs.cancel(rid))
                 return
-            await self._tell_decode(
-                notify_url, PrefillFirstToken(rid, out.new_token_ids[0], out.new_logprobs[0])
-            )
+            top = out.new_top_logprobs[0] if out.new_top_logprobs else None
+            notice = PrefillFirstToken(rid, out.new_token_ids[0], out.new_logprobs[0], top)
+            await self._tell_decode(notify_url, notice)
         finally:
             self.host.close_stream(rid)
             if not finished:  # the client (router) went away before the first token

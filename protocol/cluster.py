@@ -39,6 +39,7 @@ from protocol.config_errors import ConfigError
 Dtype = Literal["float32", "bfloat16", "float16"]
 Protocol = Literal["tcp", "rdma"]
 RoutingPolicy = Literal["round_robin", "random", "session", "kv_aware"]
+ToolParserName = Literal["hermes", "llama3_json", "mistral"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 MiB = 1024**2
 
@@ -254,6 +255,8 @@ class RouterConfig(_Section, frozen=True, kw_only=True):
     admission: AdmissionConfig = AdmissionConfig()
     metrics_port: Port | None = None
     """Separate Prometheus port; None: /metrics on `port`."""
+    tool_parser: ToolParserName | None = None
+    """Format of the model's tool calls (docs/router.md); None: read from the chat template."""
     env: dict[str, str] = {}
     """Extra environment for the router process."""
 

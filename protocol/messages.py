@@ -122,6 +122,8 @@ class FirstToken(msgspec.Struct, frozen=True, tag="first_token"):
     usage: PromptUsage
     finish_reason: str | None
     """Set when the request is already finished after this token (no decode needed)."""
+    top_logprobs: list[tuple[int, float]] | None = None
+    """(token id, logprob) alternatives when params.top_logprobs > 0."""
 
 
 class TokenBatch(msgspec.Struct, frozen=True, tag="tokens"):
@@ -130,6 +132,8 @@ class TokenBatch(msgspec.Struct, frozen=True, tag="tokens"):
     logprobs: list[float | None]
     finish_reason: str | None
     num_output_tokens: int
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    """Per token, its (token id, logprob) alternatives when params.top_logprobs > 0."""
 
 
 class ErrorEvent(msgspec.Struct, frozen=True, tag="error"):
@@ -178,6 +182,8 @@ class PrefillFirstToken(msgspec.Struct, frozen=True, tag="first_token"):
     request_id: str
     token_id: int
     logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None = None
+    """(token id, logprob) alternatives when params.top_logprobs > 0."""
 
 
 HandoffNotice = SegmentsLanded | FlowClosed | PrefillFirstToken

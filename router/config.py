@@ -68,6 +68,8 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True):
     admission_max_waiting: Annotated[int, msgspec.Meta(ge=0)] = 1024
     max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     """Longest completion accepted (and the default max_tokens cap); None: the context."""
+    tool_parser: str | None = None
+    """hermes, llama3_json or mistral; None: picked from the chat template."""
     session_headers: tuple[str, ...] = (
         "x-session-id",
         "x-session-affinity",
@@ -131,6 +133,7 @@ def settings_from_cluster(cluster: ClusterConfig) -> RouterSettings:
         admission_headroom=adm.headroom,
         admission_max_waiting=adm.max_waiting,
         max_output_tokens=adm.max_output_tokens,
+        tool_parser=r.tool_parser,
     )
 
 

@@ -60,6 +60,8 @@ class WorkerTokens:
     token_ids: list[int]
     logprobs: list[float | None]
     finish_reason: str | None
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    """Per token, (token id, logprob) alternatives when the request asked for them."""
 
 
 @dataclass
@@ -171,7 +173,10 @@ class RequestRun:
                 if event.finish_reason is not None:
                     self._release(self.decode)  # its pages and landing are not needed
                     self._completed = True
-                yield WorkerTokens([event.token_id], [event.logprob], event.finish_reason)
+                top: list[list[tuple[int, float]] | None] | None = None
+                if event.top_logprobs is not None:
+                    top = [event.top_logprobs]
+                yield WorkerTokens([event.token_id], [event.logprob], event.finish_reason, top)
             else:
                 raise WorkerError(event.status, event.message)
         self._done(self.prefill)
@@ -191,7 +196,9 @@ class RequestRun:
             if batch.finish_reason is not None:
                 self._done(self.decode)
                 self._completed = True
-            yield WorkerTokens(batch.token_ids, batch.logprobs, batch.finish_reason)
+            yield WorkerTokens(
+                batch.token_ids, batch.logprobs, batch.finish_reason, batch.top_logprobs
+            )
             if batch.finish_reason is not None:
                 return
         raise WorkerFailed(f"{_name(self.decode)} ended its stream without a finish_reason")

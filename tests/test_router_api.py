@@ -154,7 +154,13 @@ def test_sampling_params_reach_workers(h: RouterHarness) -> None:
         top_p=0.9,
         seed=11,
         user="session-1",
-        extra_body={"top_k": 5, "min_tokens": 2, "ignore_eos": True, "unknown_field": 1},
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        logit_bias={"17": -5, "3": 2.5},
+        logprobs=True,
+        top_logprobs=4,
+        response_format={"type": "json_object"},
+        extra_body={"top_k": 5, "min_tokens": 2, "ignore_eos": True, "repetition_penalty": 1.1},
     )
     # two worker calls: decode first (it answers DecodeReady), then prefill with its landing
     kind, decode_req = h.decode[0].received[0]
@@ -164,6 +170,9 @@ def test_sampling_params_reach_workers(h: RouterHarness) -> None:
     p = prefill_req.params
     assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.top_k) == (7, 0.3, 0.9, 11, 5)
     assert p.min_tokens == 2 and p.ignore_eos is True
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.1)
+    assert p.logit_bias == ((17, -5.0), (3, 2.5)) and (p.logprobs, p.top_logprobs) == (True, 4)
+    assert p.grammar is not None and p.grammar.kind == "json_object"
     assert decode_req.params == p
     assert decode_req.prompt_token_ids == prefill_req.prompt_token_ids
     assert prefill_req.landing and prefill_req.notify_url.endswith("/kv_notify")

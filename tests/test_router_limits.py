@@ -202,11 +202,12 @@ def test_json_content_types_are_served(h: RouterHarness) -> None:
 
 @pytest.mark.parametrize("depth", [1000, 30_000])
 def test_deeply_nested_json_is_400(h: RouterHarness, depth: int) -> None:
+    # Inside a field that takes any JSON (an unknown field is refused before its value)
     body = (
-        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "metadata": '
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"a": '
         + b"[" * depth
         + b"]" * depth
-        + b"}"
+        + b"}]}"
     )
     before = _server_errors(h)
     r = httpx.post(
