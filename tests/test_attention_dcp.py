@@ -18,8 +18,10 @@ from engine.attention.base import (
     merge_partials,
 )
 
+from test_attention_backends import make_backend
+
 HQ, HKV, D = 6, 2, 16
-BLOCK_SIZE, NUM_BLOCKS = 4, 48
+NUM_BLOCKS = 48
 
 
 def _lse_backends() -> list[str]:
@@ -42,7 +44,7 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
 def _run(backend_name: str, seqs: list[tuple[int, int]], dcp: int, seed: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    backend = get_backend(backend_name)
+    backend, BLOCK_SIZE = make_backend(backend_name, "cpu")  # noqa: N806
     assert isinstance(backend, LSEAttentionBackend)
     scale = D**-0.5
     full_k = [torch.randn(c + n, HKV, D, generator=gen) for c, n in seqs]
