@@ -8,10 +8,10 @@ import random
 
 import pytest
 import torch
+from flex_simulator import simulate_flex
 
 from engine.attention.base import _BACKENDS, AttentionBackend, AttentionMetadata, get_backend
 from engine.attention.flex import FlexAttentionBackend
-from flex_simulator import simulate_flex
 
 HQ, HKV, D = 6, 2, 16
 NUM_BLOCKS = 200
@@ -48,7 +48,7 @@ def _run_step(backend_name: str, device: str, seqs: list[tuple[int, int]], num_l
     sharing one metadata (so backends exercise their per-step state) and checks both."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    backend, BLOCK_SIZE = make_backend(backend_name, device)  # noqa: N806
+    backend, block_size = make_backend(backend_name, device)
     gen = torch.Generator().manual_seed(0)
     rng = random.Random(0)
     free = list(range(NUM_BLOCKS))
@@ -56,10 +56,10 @@ def _run_step(backend_name: str, device: str, seqs: list[tuple[int, int]], num_l
     tables, slot_mapping, qsl, seq_lens = [], [], [0], []
     for cached, new in seqs:
         seq_len = cached + new
-        table = [free.pop() for _ in range(-(-seq_len // BLOCK_SIZE))]
+        table = [free.pop() for _ in range(-(-seq_len // block_size))]
         tables.append(table)
         slot_mapping += [
-            table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached, seq_len)
+            table[p // block_size] * block_size + p % block_size for p in range(cached, seq_len)
         ]
         qsl.append(qsl[-1] + new)
         seq_lens.append(seq_len)
@@ -72,13 +72,13 @@ def _run_step(backend_name: str, device: str, seqs: list[tuple[int, int]], num_l
     )
     scale = D**-0.5
     for _ in range(num_layers):
-        cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, HKV, D, generator=gen)  # garbage around
+        cache = torch.randn(2, NUM_BLOCKS, block_size, HKV, D, generator=gen)  # garbage around
         full_k = [torch.randn(c + n, HKV, D, generator=gen) for c, n in seqs]
         full_v = [torch.randn(c + n, HKV, D, generator=gen) for c, n in seqs]
         for (cached, _), table, k, v in zip(seqs, tables, full_k, full_v, strict=True):
             for p in range(cached):  # the cached prefix is already in the paged cache
-                cache[0, table[p // BLOCK_SIZE], p % BLOCK_SIZE] = k[p]
-                cache[1, table[p // BLOCK_SIZE], p % BLOCK_SIZE] = v[p]
+                cache[0, table[p // block_size], p % block_size] = k[p]
+                cache[1, table[p // block_size], p % block_size] = v[p]
         q = torch.randn(qsl[-1], HQ, D, generator=gen)
         new_k = torch.cat([k[c:] for (c, _), k in zip(seqs, full_k, strict=True)])
         new_v = torch.cat([v[c:] for (c, _), v in zip(seqs, full_v, strict=True)])
@@ -94,7 +94,7 @@ def _run_step(backend_name: str, device: str, seqs: list[tuple[int, int]], num_l
                 out[qsl[b] : qsl[b + 1]].double(), want, atol=2e-5, rtol=1e-5
             )
             for p in range(cached + new):  # every position, old and new, sits at its slot
-                blk, off = table[p // BLOCK_SIZE], p % BLOCK_SIZE
+                blk, off = table[p // block_size], p % block_size
                 assert torch.equal(cache[0, blk, off], full_k[b][p])
                 assert torch.equal(cache[1, blk, off], full_v[b][p])
 
