@@ -36,7 +36,7 @@ class AttentionMetadata:
     seq_lens: list[int]
     """B total KV lengths after this step (host list)."""
     block_tables: torch.Tensor
-    """[B, max_blocks] int64 on the device, padded with 0."""
+    """[B, max_blocks] int32 or int64 on the device, padded with 0 (or any block id)."""
     backend_state: dict[str, Any] = field(default_factory=dict)
     seq_lens_tensor: torch.Tensor | None = None
     """[B] int32 on the device, equal to seq_lens, when the model runner keeps one (a
@@ -70,6 +70,11 @@ class AttentionBackend(ABC):
     """
 
     name: str = ""
+    graph_safe_decode: bool = False
+    """True when a pure-decode step reads only meta's tensors (block_tables,
+    seq_lens_tensor, slot_mapping) on the device, never host values of seq_lens, and makes
+    no host sync: such a step can be captured once in a CUDA graph and replayed on new
+    values of those tensors (engine/cuda_graphs.py)."""
 
     @abstractmethod
     def forward(

@@ -91,6 +91,7 @@ class FlexAttentionBackend(LSEAttentionBackend):
     steps, sized by the cache."""
 
     name = "flex"
+    graph_safe_decode = True
 
     def __init__(self, kernel: Callable[..., Any] | None = None) -> None:
         self._page_logical: torch.Tensor | None = None
