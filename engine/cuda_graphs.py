@@ -20,19 +20,15 @@ from __future__ import annotations
 import torch
 
 from engine.attention.base import AttentionMetadata
+from engine.attention.flex import padded_batch
 from engine.models.llama import LlamaForCausalLM
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then multiples of 8 up to 32, of 16 up to 128, of 32 beyond; and
-    max_batch itself (few graphs, at most ~12% padding past 8 rows)."""
-    sizes = [1, 2, 4]
-    b = 8
-    while b < max_batch:
-        sizes.append(b)
-        b += 8 if b < 32 else 16 if b < 128 else 32
-    sizes.append(max_batch)
-    return sorted({s for s in sizes if s <= max_batch})
+    """The batch sizes the flex backend pads decode rows to (1, 2, 4, 8, then multiples
+    of 8 to 32, of 16 to 128, of 32 beyond), up to the first >= max_batch: few graphs,
+    at most ~12% padding past 8 rows, and no second padding inside the backend."""
+    return sorted({padded_batch(n) for n in range(1, max_batch + 1)})
 
 
 class DecodeGraphs:
@@ -48,10 +44,13 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         scratch_block: int,
         device: torch.device,
+        sizes: list[int] | None = None,
     ) -> None:
+        """`sizes` overrides the buckets (each must be a padded_batch size)."""
         self.model, self.kv_caches = model, kv_caches
         self.block_size = block_size
-        self.sizes = bucket_sizes(max_batch)
+        self.sizes = sorted(sizes) if sizes else bucket_sizes(max_batch)
+        assert all(padded_batch(s) == s for s in self.sizes), self.sizes
         self.max_batch = self.sizes[-1]
         self.width = max_blocks_per_seq
         self.scratch_slot = scratch_block * block_size

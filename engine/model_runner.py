@@ -65,6 +65,7 @@ class ModelRunner:
         cuda_graphs: bool = False,
         max_batch: int = 64,
         max_model_len: int | None = None,
+        graph_sizes: list[int] | None = None,
     ) -> None:
         self.model = model
         self.layout = layout
@@ -98,6 +99,7 @@ class ModelRunner:
                 max_blocks_per_seq=-(-max_len // layout.block_size),
                 scratch_block=num_blocks,
                 device=device,
+                sizes=graph_sizes,
             )
             self.graphs.capture()
 

@@ -34,6 +34,7 @@ def simulate_flex(
     group = num_heads // k.shape[1]
     assert enable_gqa == (group != 1)
     allowed = torch.zeros(num_seqs, q_len, num_slots, dtype=torch.bool)
+    dev = block_mask.kv_indices.device  # where mask_mod's captured tensors live
     lists = (
         (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, False),
         (block_mask.kv_num_blocks, block_mask.kv_indices, True),
@@ -43,6 +44,8 @@ def simulate_flex(
         for m in range(-(-q_len // q_block)):
             q_idx = torch.arange(m * q_block, min((m + 1) * q_block, q_len))
             for counts, indices, masked in lists:
+                if counts is None:  # no full tiles
+                    continue
                 count = int(counts[mb, 0, m])
                 for tile in indices[mb, 0, m, :count].tolist():
                     kv_idx = torch.arange(tile * kv_block, (tile + 1) * kv_block)
@@ -51,7 +54,10 @@ def simulate_flex(
                         allowed[b, q_idx, cols] = True
                         continue
                     keep = block_mask.mask_mod(
-                        torch.tensor(b), torch.tensor(0), q_idx[:, None], kv_idx[None, :]
+                        torch.tensor(b, device=dev),
+                        torch.tensor(0, device=dev),
+                        q_idx[:, None].to(dev),
+                        kv_idx[None, :].to(dev),
                     )
                     allowed[b, q_idx, cols] = keep.expand(len(q_idx), kv_block).cpu()
     kk = k.double().cpu().repeat_interleave(group, dim=1).expand(num_seqs, -1, -1, -1)

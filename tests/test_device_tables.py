@@ -60,4 +60,5 @@ def test_absent_requests_release_rows_and_changed_tables_reupload() -> None:
 def test_bucket_sizes() -> None:
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
-    assert bucket_sizes(200)[-3:] == [160, 192, 200]
+    assert bucket_sizes(200)[-3:] == [160, 192, 224]
+    assert bucket_sizes(5) == [1, 2, 4, 8]
