@@ -237,10 +237,15 @@ def check_tiny(report: dict[str, Any]) -> None:
     assert all(same.values()), results
 
 
-def check_big(model: LlamaForCausalLM, report: dict[str, Any]) -> None:
-    """flex vs torch logits on the 8B model, same inputs, separate small caches."""
+def check_big(model: LlamaForCausalLM, hf: Any, report: dict[str, Any]) -> None:
+    """flex vs the torch reference backend on the 8B model, same inputs (three prompts,
+    then 8 teacher-forced decode steps), separate small caches. In bf16 the two differ by
+    rounding, so each is also compared with transformers (an independent bf16 stack): flex
+    must be as close to it as the reference is."""
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 128000, (n,), generator=gen).tolist() for n in (1000, 37, 300)]
+    steps = 9
+    forced = [[1000 + 7 * (s + 1) + i for s in range(steps)] for i in range(3)]
     logits = {}
     for name in ("torch", "flex"):
         set_backend(model, name)
@@ -249,22 +254,41 @@ def check_big(model: LlamaForCausalLM, report: dict[str, Any]) -> None:
         reqs = [FakeRequest(f"r{i}", list(p), 0) for i, p in enumerate(prompts)]
         new = [len(p) for p in prompts]
         rows = []
-        for _ in range(9):  # teacher-forced: same next tokens for both backends
+        for s in range(steps):
             out = runner.execute(step_of(reqs, new), cast(Any, kv))
             assert out is not None
             rows.append(out.float())
             for i, (r, n) in enumerate(zip(reqs, new, strict=True)):
                 r.num_computed_tokens += n
-                r.all_token_ids.append(1000 + 7 * len(rows) + i)
+                r.all_token_ids.append(forced[i][s])
             new = [1] * 3
-        logits[name] = torch.cat(rows)
+        logits[name] = torch.cat(rows)  # row s * 3 + i
         del runner
-    a, b = logits["flex"], logits["torch"]
-    rel = ((a - b).norm() / b.norm()).item()
-    agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
-    report["bf16_8b_logits"] = {"rel_err": rel, "argmax_agreement": agree, "rows": a.shape[0]}
-    print(f"8B bf16 flex vs torch logits: rel err {rel:.2e}, argmax agree {agree:.3f}")
-    assert rel < 3e-2 and agree > 0.9, (rel, agree)
+    hf_rows = torch.empty_like(logits["torch"])
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            ids = torch.tensor([p + forced[i][: steps - 1]], device="cuda")
+            out = hf(ids).logits[0, len(p) - 1 :].float()  # [steps, V]
+            hf_rows[i::3] = out
+    logits["transformers"] = hf_rows
+
+    def rel(a: str, b: str) -> float:
+        return ((logits[a] - logits[b]).norm() / logits[b].norm()).item()
+
+    def agree(a: str, b: str) -> float:
+        return (logits[a].argmax(-1) == logits[b].argmax(-1)).float().mean().item()
+
+    res = {
+        "flex_vs_torch": (rel("flex", "torch"), agree("flex", "torch")),
+        "flex_vs_transformers": (rel("flex", "transformers"), agree("flex", "transformers")),
+        "torch_vs_transformers": (rel("torch", "transformers"), agree("torch", "transformers")),
+        "rows": logits["torch"].shape[0],
+    }
+    report["bf16_8b_logits_rel_err_argmax_agree"] = res
+    print(f"8B bf16 logits (rel err, argmax agreement): {res}", flush=True)
+    f_rel, f_agree = res["flex_vs_transformers"]
+    t_rel, t_agree = res["torch_vs_transformers"]
+    assert f_rel <= 1.5 * t_rel + 1e-3 and f_agree >= t_agree - 0.1, res
     set_backend(model, "flex")
 
 
@@ -384,7 +408,7 @@ def main() -> None:
     hf = hf_model(LLAMA3_8B, torch.bfloat16)
     model = ours(hf, LLAMA3_8B, torch.bfloat16, "flex")
     print(f"8B models built in {time.perf_counter() - t0:.0f} s", flush=True)
-    check_big(model, report)
+    check_big(model, hf, report)
 
     hf_rows: dict[str, float] = {}
     if not args.skip_hf:
