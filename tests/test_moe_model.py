@@ -340,8 +340,14 @@ def test_kvserve_check_refuses_an_unbuildable_architecture(tmp_path: Path) -> No
         check(path, io.StringIO())
     assert e.value.path == "model"
     assert "DeepseekV2ForCausalLM" in e.value.message and "Glm4MoeForCausalLM" in e.value.message
-    # The same folder with GLM-4.5-Air's architecture passes (layouts checked vs its heads).
+    # GLM-4.5-Air's config passes, and the GPU examples that serve it fit its layers and heads.
     (folder / "config.json").write_text(json.dumps(GLM_45_AIR))
-    out = io.StringIO()
-    assert check(path, out) == 0
-    assert "46 layers, 96 query / 8 KV heads" in out.getvalue()
+    for name in ("single-server-8gpu.yaml", "four-server.yaml"):
+        text = (REPO / "deploy/examples" / name).read_text()
+        assert "hf download zai-org/GLM-4.5-Air" in text
+        example = yaml.safe_load(text)
+        example["model"] = str(folder)
+        path.write_text(yaml.safe_dump(example))
+        out = io.StringIO()
+        assert check(path, out) == 0
+        assert "46 layers, 96 query / 8 KV heads" in out.getvalue()
