@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.attention.base import AttentionMetadata, get_backend
+from engine.models.llama import LlamaDecoderLayer
 from engine.models.moe import SparseMoeBlock
 from engine.models.registry import build_model
 from modelinfo.config import model_config_from_hf
@@ -155,7 +156,7 @@ def bench_model(cfg, layers: int, dtype, device: torch.device, tokens: int, iter
     print(f"\nwhole layers: {layers} of the model, one {tokens}-token prefill step")
     for impl in ("grouped", "loop"):
         for layer in model.layers:
-            if layer.moe is not None:
+            if isinstance(layer, LlamaDecoderLayer) and layer.moe is not None:
                 layer.moe.impl = impl
 
         def step() -> torch.Tensor:
