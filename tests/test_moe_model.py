@@ -351,3 +351,48 @@ def test_kvserve_check_refuses_an_unbuildable_architecture(tmp_path: Path) -> No
         out = io.StringIO()
         assert check(path, out) == 0
         assert "46 layers, 96 query / 8 KV heads" in out.getvalue()
+
+
+def test_missing_expert_weight_is_named(tmp_path: Path) -> None:
+    from protocol.errors import ModelLoadError
+
+    make_tiny_moe(tmp_path, "glm4_moe")
+    config = _config(tmp_path)
+    weights = load_weights("hf", tmp_path, config)
+    del weights["model.layers.2.mlp.experts.5.up_proj.weight"]
+    del weights["model.layers.1.mlp.gate.e_score_correction_bias"]
+    with pytest.raises(ModelLoadError) as e:
+        build_model(
+            config, dtype=torch.float32, device="cpu", backend=get_backend("torch"), weights=weights
+        )
+    assert "model.layers.2.mlp.experts.5.up_proj.weight" in str(e.value)
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in str(e.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", sorted(TINY_MOE))
+def test_tiny_moe_on_cuda(arch: str, tmp_path: Path) -> None:
+    """float32 on CUDA (the loop path) matches transformers; in bfloat16 the grouped GEMM
+    (the CUDA default) agrees with the loop."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    hf = make_tiny_moe(tmp_path, arch)
+    config = _config(tmp_path)
+    weights = load_weights("hf", tmp_path, config)
+    model = build_model(
+        config, dtype=torch.float32, device="cuda", backend=get_backend("torch"), weights=weights
+    )
+    prompt = list(range(7, 40))
+    logits = PagedRunner(model).step({0: prompt})
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert_logits_close(logits, ref)
+    bf16 = build_model(
+        config, dtype=torch.bfloat16, device="cuda", backend=get_backend("torch"), weights=weights
+    )
+    blocks = [layer.moe for layer in bf16.layers if layer.moe is not None]
+    assert blocks and all(b.impl == "grouped" for b in blocks)
+    h = torch.randn(300, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    grouped = blocks[0](h)
+    blocks[0].impl = "loop"
+    torch.testing.assert_close(grouped, blocks[0](h), rtol=2e-2, atol=2e-2)
