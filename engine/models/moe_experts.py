@@ -36,7 +36,10 @@ def _sorted_rows(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tor
     """-> (order [T*K]: (token, k) pair positions sorted by expert, counts [E] int64)."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    return order, torch.bincount(flat, minlength=num_experts)
+    # scatter_add rather than bincount: bincount on CUDA reads the max id back to the host
+    # to size its output, a sync per layer (and no CUDA-graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    return order, counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def _combine(
