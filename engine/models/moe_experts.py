@@ -15,7 +15,7 @@ argsort), so each expert's rows are contiguous:
     come to the host once). The CPU path and the reference.
 
 Each (token, expert) row's output is weighted in float32 and summed over its K experts in
-a fixed order, so results do not depend on how many tokens other experts got.
+a fixed order (k = 0..K-1), the same in both paths.
 """
 
 from __future__ import annotations
