@@ -37,7 +37,7 @@ from protocol.cluster import ClusterConfig, load_cluster, local_nodes
 from protocol.cluster_checks import check_model_layouts, cluster_ports, rank_kv_bytes_per_token
 from protocol.cluster_types import format_bytes
 from protocol.config_errors import ConfigError
-from protocol.errors import ModelLoadError
+from protocol.errors import ModelLoadError, UnsupportedArchitectureError
 from protocol.parallel import landing_region_max
 
 __all__ = ["LaunchError", "LaunchOptions", "check", "down", "status", "up"]
@@ -288,10 +288,13 @@ def check(config_path: str | Path, out: IO[str] = sys.stdout) -> int:
 
 def check_model(cluster: ClusterConfig, source: str) -> str:
     """Check the prefill layer splits and decode TP x DCP against the model's layers and
-    heads (ConfigError naming the key); the model's config is read, nothing loaded.
-    A model this host cannot read is left to the workers, which check at start."""
+    heads (ConfigError naming the key); the model's config is read, nothing loaded. An
+    architecture the engine cannot build is a ConfigError on `model` naming the supported
+    ones. A model this host cannot read is left to the workers, which check at start."""
     try:
         model = load_model_config(cluster.model)
+    except UnsupportedArchitectureError as e:
+        raise ConfigError("model", str(e), source) from None
     except ModelLoadError as e:
         return f"  layouts  not checked against the model on this host: {e}"
     try:
