@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     from enginehost.startup import setup_logging
     from modelinfo.info import load_model_info
     from protocol.cluster import load_cluster
-    from transfer import TransportConfig, create_transport
+    from transfer import create_transport, handoff_transport_config
 
     die_with_parent(args.parent_pid)
     cluster = load_cluster(args.config)
@@ -220,9 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         split = layer_split(inst, info.config.num_layers)
         stage = build_stage(info, config, ctx, split)
         protocol = cluster.decode[0].transfer.protocol if cluster.decode else "tcp"
-        transport = create_transport(
-            TransportConfig(name="mooncake", host=node.host, protocol=protocol)
-        )
+        transport = create_transport(handoff_transport_config(protocol, node.host))
         sender = handoff_worker(inst, transport)
         worker = stage_worker(cluster, inst, info, config, args.stage, sender)
         log.info("stage %d ready: layers %s", args.stage, stage.layers)

@@ -38,6 +38,7 @@ from protocol.config_errors import ConfigError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Protocol = Literal["tcp", "rdma"]
+HandoffProtocol = Literal["tcp", "rdma", "cuda_ipc"]
 RoutingPolicy = Literal["round_robin", "random", "session", "kv_aware"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 MiB = 1024**2
@@ -174,7 +175,10 @@ class PrefillConfig(_Section, frozen=True, kw_only=True):
 class TransferConfig(_Section, frozen=True, kw_only=True):
     """How KV reaches a decode instance from prefill (the handoff)."""
 
-    protocol: Protocol = "tcp"
+    protocol: HandoffProtocol = "tcp"
+    """Mooncake Transfer Engine over "tcp" or "rdma" (any hosts), or "cuda_ipc": GPU to GPU
+    between processes of one host (every prefill and this decode on GPUs of its node; the
+    landing buffer lives on the decode GPU)."""
     port: Port | None = None
     """Transfer engine port of rank 0 (rank r uses port + r); None: picked at start."""
     rdma_devices: tuple[str, ...] = ()
