@@ -14,7 +14,8 @@ is timed:
                       HandoffSender from a paged cache (blocks in a random order), per
                       2,048-token chunk: gather -> staging -> write into a GPU landing
                       region -> notice -> decode scatters into its pages (GPU to GPU) and
-                      answers; with the staging size the workers use and a larger one;
+                      answers; with the staging a prefill worker has over Mooncake (64
+                      MiB) and over cuda_ipc (1 GiB: 256 MiB pieces);
                       decode's pages are checked against the prefill's
 """
 
@@ -29,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from protocol.device_budget import handoff_staging_bytes
 from protocol.kv_layout import KVLayout
 from protocol.messages import HandoffNotice, SegmentsLanded
 from transfer import (
@@ -43,7 +45,6 @@ from transfer.probe import ProbeProcess
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
 CHUNK_TOKENS = 2048
-WORKER_STAGING_BYTES = 64 << 20  # prefill_worker/stages.py STAGING_BYTES
 
 
 def timed(fn: Callable[[], object], reps: int) -> list[float]:
@@ -187,14 +188,15 @@ def main() -> None:
     }
     result["d2d_copy"] = bench_d2d(nbytes, args.reps)
     result["cuda_ipc_write"] = bench_ipc_write(nbytes, args.reps)
-    result["sender_worker_staging"] = bench_sender(args.num_tokens, WORKER_STAGING_BYTES, 3)
-    result["sender_256mib_staging"] = bench_sender(args.num_tokens, 256 << 20, 3)
+    for protocol in ("tcp", "cuda_ipc"):  # the staging a prefill worker has for each
+        staging = handoff_staging_bytes(protocol)
+        result[f"sender_staging_{staging >> 20}mib"] = bench_sender(args.num_tokens, staging, 3)
     print(json.dumps(result, indent=2))
     d2d = result["d2d_copy"]["gb_per_s"]  # type: ignore[index]
     print(f"\ncontext {nbytes / 1e9:.2f} GB ({args.num_tokens} tokens) on {result['device']}")
-    for key in ("d2d_copy", "cuda_ipc_write", "sender_worker_staging", "sender_256mib_staging"):
-        r = result[key]
-        assert isinstance(r, dict)
+    for key, r in result.items():
+        if not isinstance(r, dict):
+            continue
         print(f"  {key:24s} {r['gb_per_s']:8.1f} GB/s  ({r['gb_per_s'] / d2d:5.1%} of d2d copy)")
     if args.out:
         with open(args.out, "w") as f:
