@@ -75,7 +75,7 @@ class RemoteKV:
     num_prompt_tokens: int
     on_ready: Callable[[], None]
     coverage: FlowCoverage
-    block_ids: list[BlockId] | None = None
+    block_ids: list[int] | None = None
     skip_below: int = 0
     first_token: bool = False
     error: str | None = None
@@ -216,7 +216,7 @@ class HandoffReceiver(KVConnectorScheduler):
             r = self._remotes.get(request.request_id)
             if r is None:
                 return
-            r.block_ids = list(block_ids)
+            r.block_ids = [int(b) for b in block_ids]
             r.skip_below = request.num_computed_tokens
         r.on_ready()
 

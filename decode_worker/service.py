@@ -145,8 +145,12 @@ class DecodeService:
         loop = asyncio.get_running_loop()
         ready = loop.create_future()
 
+        def resolve() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
         def on_ready() -> None:  # engine thread: the pages are reserved
-            loop.call_soon_threadsafe(lambda: ready.done() or ready.set_result(None))
+            loop.call_soon_threadsafe(resolve)
 
         self.receiver.expect(rid, region, len(msg.prompt_token_ids), on_ready)
         queue = self.host.open_stream(rid)

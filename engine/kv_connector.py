@@ -16,6 +16,8 @@ The engine step reads schedule -> execute -> update:
 
     schedule   admission of a waiting request with a GPU prefix of g tokens (whole blocks):
                  n, is_async = get_num_new_matched_tokens(req, g)   tokens [g, g+n)
+                 n None: not known yet (a lookup in flight): the request stays waiting,
+                 the next waiting one is considered, and it is asked again next step
                  n > 0: blocks for [0, g+n) allocated; update_state_after_alloc(req,
                  block_ids, n); is_async -> the request waits in WAITING_FOR_KV (no budget,
                  counts against max_num_seqs, others run); not is_async -> the tokens count
@@ -43,10 +45,10 @@ handed to compute before its finished_loads entry; a save must have read the ste
 KV before a later step can overwrite it (a save that copies in start_saves, in the
 stream order of the forward, needs no hold; one that reads later must hold).
 
-What may block: nothing on the scheduler side (bounded metadata lookups such as the
-pool's existence check are allowed in get_num_new_matched_tokens); start_loads and
-start_saves only queue work or copy in stream order (never wait on a network); wait()
-is the one call that sleeps (the engine's idle poll).
+What may block: nothing on the scheduler side (a lookup that needs the network runs on
+the connector's thread: get_num_new_matched_tokens answers None until it is back);
+start_loads and start_saves only queue work or copy in stream order (never wait on a
+network); wait() is the one call that sleeps (the engine's idle poll).
 
 Load results: a load writes only the slots of its tokens, and nothing after it reported.
 Tokens valid = a whole-chunk prefix of the load (0 when it failed); the engine runs the
@@ -115,12 +117,14 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         """(n, is_async): the connector can provide tokens [num_computed_tokens,
         num_computed_tokens + n) (num_computed_tokens: the GPU prefix, whole blocks),
-        ending before the request's last token (its logits are needed); n = 0: none.
+        ending before the request's last token (its logits are needed); n = 0: none;
+        n = None: not known yet (ask again next step; has_pending() is True meanwhile).
         is_async: the tokens arrive later (finished_loads); else the workers write them
-        in start_loads of this very step, before its forward. Never raises."""
+        in start_loads of this very step, before its forward. Never raises, never
+        blocks."""
 
     @abstractmethod
     def update_state_after_alloc(
@@ -142,8 +146,9 @@ class KVConnectorScheduler(ABC):
 
     @abstractmethod
     def request_finished(self, request: Request, block_ids: list[BlockId]) -> bool:
-        """The engine is about to free the request's blocks (finished, aborted, or
-        preempted: status WAITING). True = keep them until `released` names it."""
+        """The request finished or was aborted (every request, once; `block_ids` may be
+        empty), or was preempted (status WAITING): the engine is about to free its blocks.
+        True = keep them until `released` names the request."""
 
     def has_pending(self) -> bool:
         """Transfers whose reports are still due: the engine keeps polling its workers
@@ -175,8 +180,9 @@ class KVConnectorWorker(ABC):
         """Report of what finished (or failed) since the last call; b"" for nothing."""
 
     def wait(self, timeout_s: float) -> None:
-        """Sleep until a transfer of this worker may have finished, or timeout_s (the
-        engine's idle poll)."""
+        """Sleep until a transfer of this worker (or a lookup of its scheduler side in
+        this process) may have finished, or timeout_s: the engine's idle poll. A worker
+        that cannot be woken keeps this default, a plain sleep."""
         time.sleep(timeout_s)
 
     def close(self) -> None:  # noqa: B027 (optional hook)
@@ -188,7 +194,7 @@ class NoConnectorScheduler(KVConnectorScheduler):
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         return 0, False
 
     def update_state_after_alloc(

@@ -53,9 +53,11 @@ class MultiConnectorScheduler(KVConnectorScheduler):
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         for i, part in enumerate(self.parts):
             n, is_async = part.get_num_new_matched_tokens(request, num_computed_tokens)
+            if n is None:  # not known yet: the parts after it wait for it
+                return None, is_async
             if n > 0:
                 self._owner[request.request_id] = i
                 return n, is_async
@@ -129,8 +131,13 @@ class MultiConnectorWorker(KVConnectorWorker):
         return _pack([p.get_finished() for p in self.parts])
 
     def wait(self, timeout_s: float) -> None:
-        for p in self.parts:
-            p.wait(timeout_s / len(self.parts))
+        # Threads cannot wait on several events at once: wait on the first part that can
+        # be woken (its own wait), or sleep when none can.
+        wakeable = [p for p in self.parts if type(p).wait is not KVConnectorWorker.wait]
+        if wakeable:
+            wakeable[0].wait(timeout_s)
+        else:
+            super().wait(timeout_s)
 
     def close(self) -> None:
         for p in self.parts:

@@ -149,23 +149,27 @@ class Scheduler:
                 budget -= n
         if out.preempted:
             return out  # memory is tight: admit nothing new this step
+        undecided: list[Request] = []
         while self.waiting and budget > 0 and self._num_seqs() < self.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.popleft()
             prefix = self.kv.find_prefix(req)
             num_external, is_async = self.connector.get_num_new_matched_tokens(
                 req, prefix.num_tokens
             )
+            if num_external is None:  # the connector is still looking: the next one
+                undecided.append(req)
+                continue
             if num_external > 0 and is_async:
                 if not self.kv.allocate_slots(req, num_external, prefix):
+                    self.waiting.appendleft(req)
                     break
-                self.waiting.popleft()
                 self._start_load(req, prefix.num_tokens, num_external)
                 continue
             start = prefix.num_tokens + num_external
             n = min(req.num_tokens - start, budget)
             if not self.kv.allocate_slots(req, num_external + n, prefix):
+                self.waiting.appendleft(req)
                 break
-            self.waiting.popleft()
             req.num_computed_tokens = prefix.num_tokens
             self.connector.update_state_after_alloc(
                 req, list(self.kv.block_table(req.request_id)), num_external
@@ -176,6 +180,7 @@ class Scheduler:
                 self.counters.loads_started += 1
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+        self.waiting.extendleft(reversed(undecided))  # back in front, in their order
         return out
 
     def _num_seqs(self) -> int:
@@ -226,9 +231,10 @@ class Scheduler:
                 self.kv.free_table(table)
 
     def _release(self, req: Request) -> None:
-        """Free the request's blocks, or keep them while the connector uses them."""
+        """Tell the connector, then free the request's blocks, or keep them while the
+        connector uses them."""
         table = list(self.kv.block_table(req.request_id))
-        if table and self.connector.request_finished(req, table):
+        if self.connector.request_finished(req, table) and table:
             self.held.setdefault(req.request_id, []).append(self.kv.detach(req))
         else:
             self.kv.free(req)

@@ -26,6 +26,7 @@ Measured rates (what kv_aware routing prices with):
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 import uuid
@@ -195,7 +196,7 @@ class KVReporter:
                 since = -1
             epoch = q.get("epoch", "")
             self._start_drainer()
-            batch = await self.host.call(lambda e, s=since, ep=epoch: self._batch(e, s, ep))
+            batch = await self.host.call(functools.partial(self._batch, since=since, epoch=epoch))
             return Response(msgspec.json.encode(batch), media_type="application/json")
 
         @app.get("/kv_events/stream")
@@ -219,7 +220,7 @@ class KVReporter:
         last_load = None
         loop = asyncio.get_running_loop()
         while True:
-            batch = await self.host.call(lambda e, s=since, ep=epoch: self._batch(e, s, ep))
+            batch = await self.host.call(functools.partial(self._batch, since=since, epoch=epoch))
             now = loop.time()
             news = batch.events or batch.reset or batch.load != last_load
             if news or now - last_sent >= HEARTBEAT_S:

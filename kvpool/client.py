@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from kvpool import faults
 from kvpool.backend import PoolBackend
 from kvpool.breaker import Breaker
 from kvpool.buffer import SLOT_ALIGN, SlotBuffer
@@ -171,7 +172,14 @@ class PoolClient:
             return 0
         valid: list[bool] = []
         damaged: list[str] = []
-        for key, chunk, slot, res in zip(keys, chunk_keys, slots, results, strict=True):
+        injected = faults.take("load", stage)
+        for i, (key, chunk, slot, res) in enumerate(
+            zip(keys, chunk_keys, slots, results, strict=True)
+        ):
+            if injected and i > 0:
+                self.metrics.failure("load", "injected")
+                valid.append(False)
+                continue
             if isinstance(res, KeyStatus):
                 self.metrics.failure("load", res.value)
                 valid.append(False)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpool.topology import master_component, master_nodes, store_component
+from kvserve.bind_narrowing import narrowing_env
 from protocol.cluster import ClusterConfig, NodeConfig, is_loopback_host
 from protocol.config_errors import ConfigError
 
@@ -98,13 +99,18 @@ class ComponentSpec:
 
 
 def component_env(
-    node: NodeConfig, dist_port: int | None, extra: Mapping[str, str]
+    node: NodeConfig,
+    dist_port: int | None,
+    extra: Mapping[str, str],
+    narrow_binds: bool = True,
 ) -> dict[str, str]:
     """Environment a component on `node` needs beyond the launcher's own.
 
     Mooncake advertises the host's first LAN address unless MC_TCP_BIND_ADDRESS is set,
     and gloo/NCCL pick an interface on their own; on a loopback node all of them must stay
-    on `lo`. Section `env` entries win over everything.
+    on `lo`. Mooncake's and torch.distributed's listeners bind the wildcard whatever they
+    advertise: `narrow_binds` keeps them on the node's address (kvserve/bind_narrowing.py).
+    Section `env` entries win over everything.
     """
     env = {
         "MC_TCP_BIND_ADDRESS": node.host,
@@ -126,6 +132,8 @@ def component_env(
         )
     if dist_port is not None:
         env["MASTER_PORT"] = str(dist_port)
+    if narrow_binds:
+        env.update(narrowing_env(env["MC_TCP_BIND_ADDRESS"]))
     env.update(extra)
     return env
 
@@ -206,7 +214,8 @@ def plan_components(
             by_kind["decode"].append(spec(dec.name, "decode", node, node.host, dec.port, env))
     router_node = cluster.router_node
     if router_node.name in selected:
-        env = component_env(router_node, None, cluster.router.env)
+        # The router binds exactly router.host (a wildcard there is the user's choice).
+        env = component_env(router_node, None, cluster.router.env, narrow_binds=False)
         host = cluster.router_bind_host
         if host in ("0.0.0.0", "::"):
             host = router_node.host  # reachable from this node whatever the wildcard

@@ -2,7 +2,8 @@
 on stage 0, over one PoolWorker per prefill process (pool_worker.py), for PP = 1 and PP > 1.
 
     stage 0 engine thread (PoolScheduler)              every stage's process (PoolWorker)
-    admission: lookup over EVERY stage (hit rule) ─┐
+    admission: lookup over EVERY stage (hit rule,  ─┐
+      on the lookup thread; None until it is back)  │
     update_state_after_alloc: plan the load        │
     build_step_meta: PoolStepMeta ─────────────────┼──▶ start_loads: its stages' objects
       loads, cancels, new full prompt chunks       │    start_saves: pack its layers
@@ -21,6 +22,8 @@ every stage reported the load (cancelled early), then they are released.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +72,16 @@ class _LoadState:
 
 
 @dataclass
+class _Lookup:
+    first: int
+    last: int
+    """Chunks [first, last) asked about."""
+    keys: list[ChunkKey]
+    hit: int | None = None
+    """Leading chunks every stage holds; None while the lookup is in flight."""
+
+
+@dataclass
 class _SaveState:
     expected: int = 0
     """Reports still due (one per worker per time the chunk was planned)."""
@@ -91,9 +104,12 @@ class PoolScheduler(KVConnectorScheduler):
         *,
         on_saved: Callable[[list[ChunkKey]], None] | None = None,
         on_restored: Callable[[int, float], None] | None = None,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         """`on_saved(chunk_keys)` and `on_restored(bytes, seconds)` tell the worker's KV
-        reporter what the pool now holds and how fast restores run (KV-aware routing)."""
+        reporter what the pool now holds and how fast restores run (KV-aware routing);
+        `wake()` ends the engine's idle wait when a lookup is back (this process's
+        worker's `wake`)."""
         self.client = client
         self.metrics = metrics
         self.num_workers = num_workers
@@ -110,6 +126,15 @@ class PoolScheduler(KVConnectorScheduler):
         self._loads: dict[str, _LoadState] = {}
         self._saving: dict[bytes, _SaveState] = {}
         self._depth: dict[int, int] = {}
+        self._wake = wake
+        self._lookups: dict[RequestId, _Lookup] = {}
+        """Lookups by request (guarded by _lock: the lookup thread fills in `hit`)."""
+        self._lock = threading.Lock()
+        self._lookup_queue: queue.Queue[tuple[RequestId, _Lookup] | None] = queue.Queue()
+        self._lookup_thread = threading.Thread(
+            target=self._lookup_loop, name="pool-lookup", daemon=True
+        )
+        self._lookup_thread.start()
 
     def _keys(self, request: Request, first: int, end: int) -> list[ChunkKey]:
         bpc = self.blocks_per_chunk
@@ -119,15 +144,45 @@ class PoolScheduler(KVConnectorScheduler):
     # -- admission --------------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         cs = self.chunk_size
         # Whole prompt chunks before the last token (its logits must be computed).
         last = min((request.num_tokens - 1) // cs, request.num_prompt_tokens // cs)
         first = num_computed_tokens // cs
+        rid = request.request_id
         if first >= last:
+            with self._lock:
+                self._lookups.pop(rid, None)
             return 0, True
-        n = self.client.lookup(self._keys(request, first, last))
-        return ((first + n) * cs - num_computed_tokens if n else 0), True
+        with self._lock:
+            look = self._lookups.get(rid)
+            if look is not None and (look.first, look.last) == (first, last):
+                if look.hit is None:
+                    return None, True  # still in flight
+                del self._lookups[rid]
+                n = look.hit
+                return ((first + n) * cs - num_computed_tokens if n else 0), True
+            # A new question (or the GPU prefix moved since the last one): ask the pool
+            # on the lookup thread; the request stays waiting until it is back.
+            look = _Lookup(first, last, self._keys(request, first, last))
+            self._lookups[rid] = look
+        self._lookup_queue.put((rid, look))
+        return None, True
+
+    def _lookup_loop(self) -> None:
+        while True:
+            item = self._lookup_queue.get()
+            if item is None:
+                return
+            rid, look = item
+            with self._lock:
+                if self._lookups.get(rid) is not look:
+                    continue  # finished or asked again meanwhile
+            hit = self.client.lookup(look.keys)  # never raises: 0 when the pool is away
+            with self._lock:
+                look.hit = hit
+            if self._wake is not None:
+                self._wake()
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[BlockId], num_external_tokens: int
@@ -236,6 +291,8 @@ class PoolScheduler(KVConnectorScheduler):
         rid = request.request_id
         if request.status is not RequestStatus.WAITING:  # finished, not preempted
             self._next_save.pop(rid, None)
+            with self._lock:
+                self._lookups.pop(rid, None)
         st = self._loads.get(rid)
         if st is None:
             return False
@@ -245,7 +302,13 @@ class PoolScheduler(KVConnectorScheduler):
         return True
 
     def has_pending(self) -> bool:
-        return bool(self._loads or self._saving or self._cancels)
+        with self._lock:
+            looking = bool(self._lookups)
+        return bool(looking or self._loads or self._saving or self._cancels)
+
+    def close(self) -> None:
+        self._lookup_queue.put(None)
+        self._lookup_thread.join(timeout=5)
 
 
 def build_pool_client(
@@ -304,6 +367,7 @@ def build_pool_connector(
         0 if pp > 1 else None,
         torch.device(config.device),
     )
+    worker = PoolWorker(client, counters)
     scheduler = PoolScheduler(
         client,
         PoolMetrics(registry, inst.name),
@@ -311,5 +375,6 @@ def build_pool_connector(
         pp,
         on_saved=reporter.record_pool_saved if reporter is not None else None,
         on_restored=reporter.record_restore if reporter is not None else None,
+        wake=worker.wake,
     )
-    return scheduler, PoolWorker(client, counters)
+    return scheduler, worker

@@ -187,6 +187,10 @@ class PoolWorker(KVConnectorWorker):
         self._wake.wait(timeout_s)
         self._wake.clear()
 
+    def wake(self) -> None:
+        """End a wait now (this process's scheduler side got a lookup back)."""
+        self._wake.set()
+
     def close(self) -> None:
         if self._threads:
             self.drain_saves(timeout_s=5.0)

@@ -203,7 +203,11 @@ class KVWatcher:
         st = self._view.state(inst)
         if st.info is None and not await self._fetch_info(inst):
             return False  # a worker without /info: the view stays empty, policies cope
-        params = {"since": st.next_seq, "epoch": st.epoch, "interval_s": self._interval_s}
+        params: dict[str, str | int | float] = {
+            "since": st.next_seq,
+            "epoch": st.epoch,
+            "interval_s": self._interval_s,
+        }
         got = False
         async with self._http.stream("GET", inst.url + "/kv_events/stream", params=params) as resp:
             if resp.status_code != 200:

@@ -10,6 +10,7 @@ from typing import Annotated
 import msgspec
 
 from protocol.cluster import ClusterConfig
+from router.http_limits import HttpLimits
 from router.policies import policy_names
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True):
         "x-conversation-id",
     )
     """Request headers naming the client's session (first present wins), else `user`."""
+    http_limits: HttpLimits = HttpLimits()
+    """Sizes and timeouts of a request's headers and body (router/http_limits.py)."""
 
 
 def settings_from_cluster(cluster: ClusterConfig) -> RouterSettings:

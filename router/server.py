@@ -1,5 +1,6 @@
 """Running the router app under uvicorn: uvloop, httptools, TCP_NODELAY on every client
-connection (a streamed chunk must leave at once, not wait for the previous one's ACK)."""
+connection (a streamed chunk must leave at once, not wait for the previous one's ACK),
+and the HTTP limits of router/http_limits.py (sizes and timeouts of headers and body)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,18 @@ import socket
 import uvicorn
 from fastapi import FastAPI
 from prometheus_client import start_http_server
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from modelinfo.info import load_model_info
 from router.app import create_app
 from router.config import RouterSettings
+from router.http_limits import GuardedHttpToolsProtocol, HttpLimits, guarded_protocol
 
 log = logging.getLogger(__name__)
 
 
-class NoDelayHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with Nagle's algorithm turned off explicitly."""
+class NoDelayHttpToolsProtocol(GuardedHttpToolsProtocol):
+    """uvicorn's httptools protocol with Nagle's algorithm turned off explicitly (and the
+    HTTP limits of its base)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         sock = transport.get_extra_info("socket")
@@ -29,13 +31,19 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
 
 
-def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+def uvicorn_config(
+    app: FastAPI,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    limits: HttpLimits | None = None,
+) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         loop="uvloop",
-        http=NoDelayHttpToolsProtocol,
+        http=guarded_protocol(limits or HttpLimits(), NoDelayHttpToolsProtocol),
         log_level=log_level,
         access_log=False,
         timeout_keep_alive=30,
@@ -60,4 +68,5 @@ def run_router(settings: RouterSettings, log_level: str = "info") -> None:
         len(settings.prefill),
         len(settings.decode),
     )
-    uvicorn.Server(uvicorn_config(app, settings.host, settings.port, log_level)).run()
+    config = uvicorn_config(app, settings.host, settings.port, log_level, settings.http_limits)
+    uvicorn.Server(config).run()

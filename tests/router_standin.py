@@ -270,6 +270,7 @@ class RouterHarness:
     def __init__(self, num_prefill: int = 1, num_decode: int = 1, **settings: Any) -> None:
         from router.app import create_app
         from router.config import InstanceEndpoint, RouterSettings
+        from router.http_limits import guarded_protocol
         from router.server import NoDelayHttpToolsProtocol
 
         self.prefill = [StandinWorker() for _ in range(num_prefill)]
@@ -291,7 +292,8 @@ class RouterHarness:
         )
         self.info = smollm2_info()
         self.app = create_app(self.settings, self.info)
-        self.router = ServerThread(self.app, loop="uvloop", http=NoDelayHttpToolsProtocol)
+        http = guarded_protocol(self.settings.http_limits, NoDelayHttpToolsProtocol)
+        self.router = ServerThread(self.app, loop="uvloop", http=http)
         self.router.start()
         self.url = self.router.url
 

@@ -119,3 +119,72 @@ def test_tiny_agentic_benchmark_matches_worker_counters(
         down = cluster.down()
         assert down.returncode == 0, down.stderr
     assert time.monotonic() - t0 < 120
+
+
+def _expected_reuse(prompts: list[list[int]], block_size: int) -> list[int]:
+    """Prompt tokens a prefix cache that keeps everything reuses, request by request in
+    the order sent, computed from the token ids alone (not from trace hash ids, usage or
+    counters): the longest prefix of whole blocks some earlier prompt also had, always
+    leaving the last prompt token's block to compute (its logits are sampled)."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for p in prompts:
+        full = len(p) // block_size
+        matched = 0
+        while matched < full and tuple(p[: (matched + 1) * block_size]) in seen:
+            matched += 1
+        out.append(min(matched, (len(p) - 1) // block_size) * block_size)
+        seen.update(tuple(p[: (j + 1) * block_size]) for j in range(full))
+    return out
+
+
+def test_sequential_replay_reuses_exactly_the_ceiling(
+    tmp_path: Path, tiny_llama_dir: Path, weights_cache_dir: str
+) -> None:
+    """One prefill instance whose cache holds the whole trace, requests one at a time:
+    every request's reused tokens (usage) equal an independent count over the prompts'
+    token ids, and the report's ceiling (computed from trace hash ids) equals their sum."""
+    from benchmarks.agentic.replay import TokenBlocks
+    from benchmarks.agentic.trace import read_trace
+
+    block_size, vocab = 16, 32_000
+    cluster = start_cluster(
+        tmp_path,
+        str(tiny_llama_dir),
+        cache_dir=weights_cache_dir,
+        prefill={"kv_cache_memory": "64MiB"},
+        name="agentic-seq",
+    )
+    try:
+        out = tmp_path / "bench"
+        args = ["--synthetic", "--sessions", "2", "--turns", "4", "--max-context", "1500"]
+        args += ["--block-tokens", str(block_size), "--max-output", "4", "--seed", "3"]
+        args += ["--time-scale", "0.001", "--max-concurrency", "1", "--vocab-size", str(vocab)]
+        args += ["--url", cluster.router_url, "--out", str(out)]
+        res = subprocess.run(
+            [sys.executable, "-m", "kvserve.cli", "bench", "agentic", *args],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+    finally:
+        down = cluster.down()
+        assert down.returncode == 0, down.stderr
+    report = json.loads((out / "report.json").read_text())
+    trace = read_trace(out / "trace.jsonl")
+    by_key = {(t.session, t.thread): t.requests for t in trace.threads}
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    rows.sort(key=lambda r: r["sent_at_s"])
+    assert len(rows) == trace.num_requests and report["errors"] == 0
+    blocks = TokenBlocks(block_size, vocab)
+    prompts = [blocks.prompt(by_key[(r["session"], r["thread"])][r["index"]]) for r in rows]
+    expected = _expected_reuse(prompts, block_size)
+    got = [r["gpu_tokens"] + r["pool_tokens"] for r in rows]
+    assert got == expected
+    assert sum(expected) > 0.3 * report["prompt_tokens"]  # the trace does share prefixes
+    # No prompt here is wholly a repeat, so the perfect cache's "all but the last token"
+    # and the engine's whole blocks agree: the ceiling is exactly what was reused.
+    assert all(e < len(p) - block_size for e, p in zip(expected, prompts, strict=True))
+    assert report["reuse_tokens"]["gpu"] + report["reuse_tokens"]["pool"] == sum(expected)
+    assert report["ceiling"] * report["prompt_tokens"] == pytest.approx(sum(expected), abs=0.5)

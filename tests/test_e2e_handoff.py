@@ -1,8 +1,10 @@
-"""The P->D handoff through `kvserve up` with the real SmolLM2: long prompts stream through
-decode's bounded landing ring (deploy/examples/local.yaml's instance settings: 256 MiB of
-landing, a 64 MiB region per request, ~46 KB of KV per token), a transfer that fails
-mid-flight fails only its own request, a client that goes away mid-transfer frees KV and
-landing within 1 s, and a slow transport does not slow the decode of other requests."""
+"""The P->D handoff through `kvserve up`: long prompts stream through decode's bounded
+landing ring, a transfer that fails mid-flight recomputes only its own request, a client
+that goes away mid-transfer frees KV and landing within 1 s, and a slow transport does not
+slow the decode of other requests (a tiny Llama with 1 MiB of landing: every prompt turns
+the ring several times). Slow: the real SmolLM2 with deploy/examples/local.yaml's
+instance settings (256 MiB of landing, 64 MiB regions, 46 KB of KV per token), 8,100-token
+prompts, one and four at once."""
 
 from __future__ import annotations
 
@@ -165,6 +167,7 @@ def local(tmp_path_factory, weights_cache_dir: str):
     assert res.returncode == 0, res.stderr
 
 
+@pytest.mark.slow
 def test_8100_token_prompt_streams_through_the_landing_ring(local: Cluster):
     """8,100 prompt tokens need 373 MB of KV at decode: ~6 turns of a 64 MiB region."""
     res = _complete(local, _prompt(8100, 1), 64)
@@ -237,18 +240,20 @@ def test_slow_transport_does_not_slow_other_decodes(slow: Cluster):
     reader.start()
     assert wait_until(lambda: len(stamps) > 40, timeout_s=30)
     t0 = time.monotonic()
-    res = _complete(slow, _prompt(3000, 9), 4, timeout=120)
+    res = _complete(slow, _prompt(4000, 9), 4, timeout=120)
     t1 = time.monotonic()
     stop.set()
     reader.join(30)
     assert res["status"] == 200, res["body"]
-    assert t1 - t0 > 2.0, "the injected delay should make this handoff take seconds"
+    assert t1 - t0 > 3.0, "the injected delay should make this handoff take seconds"
     before = [b - a for a, b in itertools.pairwise(stamps) if b < t0]
     during = [b - a for a, b in itertools.pairwise(stamps) if t0 + 0.5 < a and b < t1]
     assert len(during) > 20, f"only {len(during)} tokens while the other handoff ran"
     before.sort()
     during.sort()
     p50_before, p50_during = before[len(before) // 2], during[len(during) // 2]
-    assert max(during) < 1.0, f"decode stalled {max(during):.2f}s during a slow handoff"
+    # a loop that waited on the transport would stall for the whole handoff (> 3 s), or
+    # 0.2 s per piece (the median); the bounds leave room for a loaded 2-core machine
+    assert max(during) < 2.0, f"decode stalled {max(during):.2f}s during a slow handoff"
     assert p50_during < 3 * p50_before + 0.05, (p50_before, p50_during)
     assert wait_until(lambda: _free(slow), timeout_s=5)

@@ -64,7 +64,8 @@ def _connect(e: LLMEngine, backend, namespace, **kw) -> PoolMetrics:  # type: ig
     counters = StageCounters()
     client = PoolClient(backend, namespace, e.layout, metrics=counters, **kw)
     metrics = PoolMetrics(CollectorRegistry(), "test")
-    e.set_kv_connector(PoolScheduler(client, metrics, 16), PoolWorker(client, counters))
+    worker = PoolWorker(client, counters)
+    e.set_kv_connector(PoolScheduler(client, metrics, 16, wake=worker.wake), worker)
     return metrics
 
 
@@ -299,6 +300,49 @@ def test_saturated_save_queue_drops_and_never_stalls_compute(tiny_llama_dir, wei
         release.set()
         settle(e, 10)
         assert _value(metrics.save_chunks) == 1 and _value(metrics.save_queue_depth) == 0
+    finally:
+        release.set()
+        e.close()
+
+
+def test_pool_lookup_never_blocks_the_engine_thread(tiny_llama_dir, weights_cache_dir):
+    """A pool whose existence checks hang: the request that needs a lookup waits (in the
+    waiting queue, the engine thread free), a short request behind it runs to the end;
+    once the lookup is back the first one runs too."""
+    import threading
+
+    from kvpool.local_backend import LocalBackend
+
+    release = threading.Event()
+
+    class SlowLookups(LocalBackend):
+        def exists(self, keys):  # type: ignore[no-untyped-def]
+            release.wait(10)
+            return super().exists(keys)
+
+    cfg = EngineConfig(cache_dir=weights_cache_dir, num_blocks=256, max_num_batched_tokens=1024)
+    e = LLMEngine.from_spec(str(tiny_llama_dir), cfg)
+    _connect(
+        e,
+        SlowLookups(BackendConfig("127.0.0.1", "local-slow-lookups")),
+        e.namespace,
+        buffer_bytes=None,
+        max_save_chunks=4,
+    )
+    try:
+        long_id = e.add_request(_prompt(8, 600), GREEDY, "long")
+        short_id = e.add_request(_prompt(9, 100), GREEDY, "short")  # < 1 chunk: no lookup
+        done: set[str] = set()
+        t0 = time.monotonic()
+        while short_id not in done:
+            assert time.monotonic() - t0 < 30
+            done |= {o.request_id for o in e.step() if o.finished}
+        assert long_id not in done and e.scheduler.waiting[0].request_id == long_id
+        release.set()
+        while e.has_unfinished():
+            assert time.monotonic() - t0 < 60
+            done |= {o.request_id for o in e.step() if o.finished}
+        assert long_id in done
     finally:
         release.set()
         e.close()

@@ -26,7 +26,8 @@ from transfer.landing import LandingArena, LandingRegion, scatter_segments
 from transfer.local import LocalFabric, LocalTransport
 from transfer.mooncake_te import MooncakeTransport
 from transfer.ring import RingSpace, stage_ring
-from transfer.sender import HandoffSender, SendResult
+from transfer.send_state import SendResult
+from transfer.sender import HandoffSender
 from transfer.transport import (
     MAX_OP_BYTES,
     Transport,

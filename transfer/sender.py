@@ -27,7 +27,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +37,7 @@ from transfer.faults import HandoffFaults
 from transfer.flows import shard_of
 from transfer.kv_pack import cache_geometry, gather_rows, packed_view, slots_for, torch_dtype
 from transfer.ring import RingSpace, stage_ring
+from transfer.send_state import Flow, Piece, SendResult, Write
 from transfer.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -47,60 +47,6 @@ Notify = Callable[[str, HandoffNotice], bool]
 is gone there (stop sending). Raises on a transport-level failure (treated as gone)."""
 
 NUM_STAGING_SLOTS = 4
-
-
-@dataclass(frozen=True)
-class SendResult:
-    """A request's flow from this stage closed (its blocks are no longer read)."""
-
-    request_id: str
-    error: str | None
-    num_bytes: int
-    num_ops: int
-    seconds: float
-
-
-@dataclass
-class _Piece:
-    token_start: int
-    token_end: int
-    segments: list[KVSegment] = field(default_factory=list)
-    writes_left: int = 0
-
-
-@dataclass
-class _Flow:
-    """One request's flow from this stage to every decode rank."""
-
-    request_id: str
-    landing: list[LandingInfo]
-    num_prompt_tokens: int
-    notify_url: str
-    rings: list[RingSpace]
-    ring_start: int
-    pending: deque[tuple[int, int, list[int], object]] = field(default_factory=deque)
-    """Submitted (token_start, token_end, block_table, ready event) not yet packed."""
-    last_submitted: bool = False
-    unacked: int = 0
-    """Pieces written (or being written) whose SegmentsLanded decode has not answered."""
-    writes_in_flight: int = 0
-    packing: bool = False
-    error: str | None = None
-    cancelled: bool = False
-    closed: bool = False
-    num_bytes: int = 0
-    num_ops: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
-class _Write:
-    flow: _Flow
-    piece: _Piece
-    slot: int
-    peer: str
-    remote_addr: int
-    nbytes: int
 
 
 class HandoffSender:
@@ -141,10 +87,10 @@ class HandoffSender:
         transport.register_tensor(self.staging)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._lock = threading.Condition()
-        self._flows: dict[str, _Flow] = {}
+        self._flows: dict[str, Flow] = {}
         self._free_slots: deque[int] = deque(range(num_slots))
-        self._writes: deque[_Write] = deque()
-        self._notices: dict[str, deque[tuple[_Flow, HandoffNotice, _Piece | None]]] = {}
+        self._writes: deque[Write] = deque()
+        self._notices: dict[str, deque[tuple[Flow, HandoffNotice, Piece | None]]] = {}
         self._notifiers: dict[str, threading.Thread] = {}
         self._finished: list[SendResult] = []
         self._stop = False
@@ -177,7 +123,7 @@ class HandoffSender:
                 f"bytes) leaves stage {self.stage} a ring of {size} bytes, less than two "
                 f"tokens of its layers ({per_token} bytes each): raise the decode landing size"
             )
-        flow = _Flow(
+        flow = Flow(
             request_id,
             list(landing),
             num_prompt_tokens,
@@ -267,7 +213,7 @@ class HandoffSender:
                 f"{self.transport.name!r}"
             )
 
-    def _next_piece(self) -> tuple[_Flow, _Piece, list[int], object, list[int]] | None:
+    def _next_piece(self) -> tuple[Flow, Piece, list[int], object, list[int]] | None:
         """Under the lock: the first flow (submission order) whose next piece fits its
         ring on every rank, with the piece reserved there."""
         nl = self.layers[1] - self.layers[0]
@@ -300,7 +246,7 @@ class HandoffSender:
                 flow.pending[0] = (end, b, table, ready)
             flow.packing = True
             flow.unacked += 1
-            return flow, _Piece(a, end), table, ready, offsets
+            return flow, Piece(a, end), table, ready, offsets
         return None
 
     def _pack_loop(self) -> None:
@@ -308,7 +254,7 @@ class HandoffSender:
             with self._lock:
                 while not self._stop and (job := self._next_piece()) is None:
                     self._lock.wait()
-                if self._stop:
+                if self._stop or job is None:
                     return
             flow, piece, table, ready, offsets = job
             try:
@@ -323,7 +269,7 @@ class HandoffSender:
                     self._lock.notify_all()
 
     def _pack(
-        self, flow: _Flow, piece: _Piece, table: list[int], ready: object, offsets: list[int]
+        self, flow: Flow, piece: Piece, table: list[int], ready: object, offsets: list[int]
     ) -> None:
         l0, l1 = self.layers
         nl = l1 - l0
@@ -344,8 +290,8 @@ class HandoffSender:
 
     def _pack_rank(
         self,
-        flow: _Flow,
-        piece: _Piece,
+        flow: Flow,
+        piece: Piece,
         table: list[int],
         ready: object,
         info: LandingInfo,
@@ -376,7 +322,7 @@ class HandoffSender:
         with self._lock:
             flow.writes_in_flight += 1
             self._writes.append(
-                _Write(flow, piece, slot, info.peer, info.buffer_addr + landing_off, nbytes)
+                Write(flow, piece, slot, info.peer, info.buffer_addr + landing_off, nbytes)
             )
             self._lock.notify_all()
 
@@ -451,7 +397,7 @@ class HandoffSender:
                 self._lock.notify_all()
 
     # -- notifiers ----------------------------------------------------------------------------
-    def _post(self, flow: _Flow, notice: HandoffNotice, piece: _Piece | None) -> None:
+    def _post(self, flow: Flow, notice: HandoffNotice, piece: Piece | None) -> None:
         """Under the lock: queue a notice for the flow's decode instance, in order."""
         url = flow.notify_url
         queue = self._notices.get(url)
@@ -492,7 +438,7 @@ class HandoffSender:
                 self._lock.notify_all()
 
     # -- closing ----------------------------------------------------------------------------
-    def _fail(self, flow: _Flow, error: str) -> None:
+    def _fail(self, flow: Flow, error: str) -> None:
         with self._lock:
             flow.error = flow.error or error
             flow.cancelled = True
@@ -500,7 +446,7 @@ class HandoffSender:
             self._maybe_close(flow)
             self._lock.notify_all()
 
-    def _maybe_close(self, flow: _Flow) -> None:
+    def _maybe_close(self, flow: Flow) -> None:
         """Under the lock: close the flow once nothing of it is packing or in flight and
         it is done (everything acknowledged) or cancelled."""
         if flow.closed or flow.packing or flow.writes_in_flight:

@@ -32,6 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output", type=int, default=None, help="cap output lengths")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--duration", type=float, default=None, help="stop sending after S s")
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at most (1: sequential replay; default: no limit)",
+    )
     p.add_argument("--time-scale", type=float, default=1.0, help="multiplies recorded waits")
     p.add_argument("--gpus", type=int, default=1, help="GPUs serving (throughput per GPU)")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
@@ -82,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
         seed=args.seed,
         api_key=args.api_key,
+        max_concurrency=args.max_concurrency,
     )
     print(
         f"[bench agentic] {trace.source or args.trace}: {len(trace.sessions)} sessions, "

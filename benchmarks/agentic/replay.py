@@ -42,6 +42,10 @@ class ReplayOptions:
     """Sessions start at uniform offsets in [0, start_spread_s) (seeded)."""
     seed: int = 0
     api_key: str | None = None
+    max_concurrency: int | None = None
+    """At most this many requests in flight (None: every thread's loop sends freely). 1
+    replays the trace sequentially: each request is sent after the previous one ended, so
+    a server whose caches hold the whole trace must reuse exactly the trace's ceiling."""
 
 
 @dataclass
@@ -103,6 +107,7 @@ class Replayer:
         self._t0 = 0.0
         self._stop_at = float("inf")
         self.model = opts.model or ""
+        self._slots = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
 
     async def run(self) -> list[RequestResult]:
         headers = {"authorization": f"Bearer {self.opts.api_key}"} if self.opts.api_key else {}
@@ -147,7 +152,11 @@ class Replayer:
                 await asyncio.sleep(req.wait_s * self.opts.time_scale)
                 if time.monotonic() >= self._stop_at:
                     return
-                self.results.append(await self._send(client, t, i, req))
+                if self._slots is None:
+                    self.results.append(await self._send(client, t, i, req))
+                else:
+                    async with self._slots:
+                        self.results.append(await self._send(client, t, i, req))
                 self._done[(t.key, i)].set()
         finally:  # nobody may wait forever on a thread that stopped early
             for i in range(len(t.requests)):
