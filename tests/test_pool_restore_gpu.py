@@ -34,6 +34,7 @@ pytestmark = pytest.mark.gpu
 
 CHUNK, BS, L, H, D = 256, 16, 32, 8, 128
 NUM_CHUNKS = 32
+SAVE_CHUNKS = 4
 LAYOUT = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, block_size=BS, dtype="bfloat16")
 NS = KVNamespace(
     weights_fingerprint="w8b", kv_dtype="bfloat16", block_size=BS, layer_split=(L,), rope="r"
@@ -48,7 +49,7 @@ def _connector(kv: list[torch.Tensor]) -> tuple[PoolScheduler, PoolWorker]:
         NS,
         LAYOUT,
         buffer_bytes=640 << 20,
-        max_save_chunks=4,
+        max_save_chunks=SAVE_CHUNKS,
         metrics=counters,
         pin_memory=True,
     )
@@ -88,10 +89,14 @@ def test_worker_restore_on_the_gpu_is_exact_and_near_pinned_h2d():
     try:
         blocks_a = list(range(nblk - 1, -1, -1))[: len(prompt) // BS + 1]
         sched_a, worker_a = a
-        meta = sched_a.build_step_meta([StepKV(req, 0, req.num_prompt_tokens, blocks_a)])  # type: ignore[arg-type]
-        worker_a.start_loads(meta)
-        worker_a.start_saves(meta)
-        assert worker_a.drain_saves(120)
+        step = SAVE_CHUNKS * CHUNK  # as prefill steps save: a bounded queue per step
+        for start in range(0, req.num_prompt_tokens, step):
+            end = min(start + step, req.num_prompt_tokens)
+            meta = sched_a.build_step_meta([StepKV(req, start, end, blocks_a)])  # type: ignore[arg-type]
+            worker_a.start_loads(meta)
+            worker_a.start_saves(meta)
+            assert worker_a.drain_saves(120)
+            sched_a.update_from_workers([worker_a.get_finished()])
 
         sched_b, worker_b = b
         read_s = [0.0]
