@@ -164,3 +164,31 @@ def test_nvidia_smi_output_is_read_per_gpu():
     out = "0, 143771\n1, 143771\nNo devices were found\n"
     assert parse_nvidia_smi(out) == {"cuda:0": 143771 << 20, "cuda:1": 143771 << 20}
     assert parse_nvidia_smi("") == {}
+
+
+def test_kvserve_check_refuses_the_oversubscribed_example(tmp_path: Path):
+    """`kvserve check` reads the model's config.json (nothing loaded) and sums the GPU."""
+    import io
+    import json
+
+    from benchmarks.random_model import LLAMA_3_8B
+    from kvserve.launcher import check
+
+    model = tmp_path / "llama-8b"
+    model.mkdir()
+    config = dict(LLAMA_3_8B, architectures=["LlamaForCausalLM"], model_type="llama")
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "model.safetensors").touch()
+    (model / "tokenizer.json").write_text("{}")
+    data = _example()
+    data["model"] = str(model)
+    path = tmp_path / "single-gpu.yaml"
+    path.write_text(yaml.safe_dump(data))
+    out = io.StringIO()
+    assert check(path, out) == 0
+    assert "gpu      gpu0 cuda:0: prefill[0] prefill-0" in out.getvalue()
+    data["nodes"][0]["gpu_memory"] = "80GiB"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="cuda:0 of node gpu0 holds") as info:
+        check(path, io.StringIO())
+    assert info.value.path == "nodes[0]" and "single-gpu.yaml" in str(info.value)
