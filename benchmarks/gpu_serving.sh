@@ -30,8 +30,10 @@ DEBS=(libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200)
 
 prepare() {
   mkdir -p "$CARRY/wheels" "$CARRY/debs"
-  grep -qx '/.gpu-serving/' "$ROOT/.git/info/exclude" 2>/dev/null ||
-    echo '/.gpu-serving/' >>"$ROOT/.git/info/exclude"
+  local exclude
+  exclude="$(git -C "$ROOT" rev-parse --path-format=absolute --git-path info/exclude)"
+  mkdir -p "$(dirname "$exclude")"
+  grep -qx '/.gpu-serving/' "$exclude" 2>/dev/null || echo '/.gpu-serving/' >>"$exclude"
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
