@@ -396,3 +396,21 @@ def test_tiny_moe_on_cuda(arch: str, tmp_path: Path) -> None:
     grouped = blocks[0](h)
     blocks[0].impl = "loop"
     torch.testing.assert_close(grouped, blocks[0](h), rtol=2e-2, atol=2e-2)
+
+
+def test_lazy_weights_read_what_load_weights_reads(tmp_path: Path) -> None:
+    """Decode TP ranks read the checkpoint tensor by tensor (open_weights); same tensors."""
+    from engine.weights.cache import open_weights
+
+    make_tiny_moe(tmp_path, "glm4_moe")
+    config = _config(tmp_path)
+    eager = load_weights("hf", tmp_path, config)
+    lazy = open_weights("hf", tmp_path, config)
+    assert sorted(lazy) == sorted(eager) and len(lazy) == len(eager)
+    for name, tensor in eager.items():
+        assert torch.equal(lazy[name], tensor), name
+    assert "model.layers.9.mlp.gate.weight" not in lazy
+    with pytest.raises(KeyError):
+        lazy["model.layers.9.mlp.gate.weight"]
+    stage = open_weights("hf", tmp_path, config, want=lambda n: ".layers.1." in n)
+    assert stage and all(".layers.1." in n for n in stage)
