@@ -414,3 +414,15 @@ def test_lazy_weights_read_what_load_weights_reads(tmp_path: Path) -> None:
         lazy["model.layers.9.mlp.gate.weight"]
     stage = open_weights("hf", tmp_path, config, want=lambda n: ".layers.1." in n)
     assert stage and all(".layers.1." in n for n in stage)
+
+
+def test_memory_budgets_count_every_expert() -> None:
+    """GPU budgets (protocol/device_budget.py) count the experts: GLM-4.5-Air's weights
+    come to its published ~106B parameters, Qwen3-30B-A3B's to ~30.5B."""
+    for cfg, low, high in ((GLM_45_AIR, 105e9, 108e9), (QWEN3_30B_A3B, 30e9, 31e9)):
+        m = model_config_from_hf(cfg)
+        attn = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+        total = m.num_layers * (attn + m.mlp_params_per_layer) + 2 * m.vocab_size * m.hidden_size
+        assert low < total < high, total
+    dense = model_config_from_hf({**QWEN3_30B_A3B, "architectures": ["Qwen3ForCausalLM"]})
+    assert dense.mlp_params_per_layer == 3 * 2048 * 6144
