@@ -14,7 +14,7 @@ KV moves in and out only through the KV connector (engine/kv_connector.py), set 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import count
 from typing import Protocol, runtime_checkable
@@ -24,6 +24,7 @@ import torch
 from engine.attention.base import get_backend
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.grammar import GrammarCompiler
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import (
     KVConnectorScheduler,
@@ -34,14 +35,14 @@ from engine.kv_connector import (
 from engine.model_runner import ModelExecutor, ModelRunner
 from engine.models.registry import build_model
 from engine.request import Request, RequestStatus
-from engine.sampler import Sampler, SamplingState
+from engine.sampler import Sampler, SamplingState, TopLogprobs
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerCounters, SchedulerOutput
 from engine.weights.cache import load_weights
 from modelinfo.detokenizer import RequestOutputText
 from modelinfo.info import ModelInfo, load_model_info
 from protocol.errors import InvalidRequestError, PromptTooLongError
 from protocol.hashing import namespace_seed
-from protocol.ids import BlockId, RequestId
+from protocol.ids import RequestId
 from protocol.kv_layout import KVLayout
 from protocol.namespace import KVNamespace
 from protocol.sampling import SamplingParams
@@ -67,6 +68,8 @@ class RequestOutput:
     prefill_done: bool = False
     """A prefill-only request sampled its first token and left the engine (its KV was
     handed on through the KV connector); finish_reason stays None: decode continues it."""
+    new_top_logprobs: list[TopLogprobs | None] | None = None
+    """Per new token, its top_logprobs alternatives when the request asked for them."""
 
     @property
     def finished(self) -> bool:
@@ -173,6 +176,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(info.tokenizer, mc.vocab_size, info.eos_token_ids)
+        """Compiles requests' grammars (structured output) on its own thread, cached."""
         self._texts: dict[RequestId, RequestOutputText] = {}
         self._requests: dict[RequestId, Request] = {}
         self._ids = count()
@@ -250,44 +255,28 @@ class LLMEngine:
             hash_root=self._hash_root,
             eos_token_ids=self.info.eos_token_ids,
         )
+        if params.grammar is not None:
+            req.grammar = self.grammars.new_state(params.grammar)
         self._requests[rid] = req
         self._texts[rid] = RequestOutputText(self.info.tokenizer, params, req.eos_token_ids)
         return req
 
-    def admit_prefilled(
+    def append_remote_token(
         self,
-        prompt_token_ids: list[int],
-        first_token_id: int,
-        first_logprob: float | None,
-        params: SamplingParams,
         request_id: str,
-        fill_kv: Callable[[list[torch.Tensor], list[BlockId]], None],
+        token_id: int,
+        logprob: float | None,
+        top_logprobs: TopLogprobs | None = None,
     ) -> RequestOutput | None:
-        """Start decoding a request whose prompt KV was computed elsewhere (a decode
-        instance). Allocates blocks for the prompt, lets `fill_kv(kv_caches, block_table)`
-        write the prompt's KV into them, and continues after `first_token_id`.
-
-        Returns the first token's output (finished if that token already ends it); None,
-        with nothing changed, when blocks or running slots are short (retry later).
-        Raises InvalidRequestError / PromptTooLongError for requests that can never fit."""
-        sched = self.scheduler
-        if len(sched.running) >= sched.max_num_seqs:
+        """Decode: append the first token, sampled by prefill, to a request whose prompt
+        KV arrives through the KV connector (it waits in WAITING_FOR_KV until the load
+        is reported, then computes this token's KV and samples the next). Returns the
+        token's output (finished if it already ends the request; the caller does not
+        stream it otherwise: prefill did); None if the request is unknown or has output."""
+        req = self._requests.get(RequestId(request_id))
+        if req is None or req.num_output_tokens or req.status.finished:
             return None
-        req = self._new_request(prompt_token_ids, params, request_id)
-        if not self.kv.allocate_slots(req, req.num_prompt_tokens):
-            del self._requests[req.request_id], self._texts[req.request_id]
-            return None
-        try:
-            fill_kv(self.runner.kv_caches, list(self.kv.block_table(req.request_id)))
-        except BaseException:
-            self.kv.free(req)
-            del self._requests[req.request_id], self._texts[req.request_id]
-            raise
-        req.num_computed_tokens = req.num_prompt_tokens
-        req.num_cached_prompt_tokens = 0
-        self.kv.cache_full_blocks(req)
-        sched.add_running(req)
-        return self._append_token(req, first_token_id, first_logprob)
+        return self._append_token(req, token_id, logprob, top_logprobs)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Check a request against this engine's limits without queueing it."""
@@ -348,20 +337,30 @@ class LLMEngine:
         sampling = [s.request for s in plan.scheduled if s.samples]
         tokens: list[int] = []
         logprobs: list[float | None] = []
+        tops: list[TopLogprobs | None] = []
         if logits is not None:
             states = [
-                SamplingState(r.params, r.num_output_tokens, r.generator, r.eos_token_ids)
+                SamplingState(
+                    r.params,
+                    r.num_output_tokens,
+                    r.generator,
+                    r.eos_token_ids,
+                    r.prompt_token_ids,
+                    r.output_token_ids,
+                    r.grammar,
+                )
                 for r in sampling
             ]
             result = self.sampler.sample(logits, states)
             tokens, logprobs = result.token_ids, result.logprobs
+            tops = result.top_logprobs or [None] * len(tokens)
         for s in plan.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(s.request)
         self.apply_reports(reports)
         outputs = []
-        for req, tok, lp in zip(sampling, tokens, logprobs, strict=True):
-            outputs.append(self._append_token(req, tok, lp))
+        for req, tok, lp, top in zip(sampling, tokens, logprobs, tops, strict=True):
+            outputs.append(self._append_token(req, tok, lp, top))
         return outputs
 
     def _execute(self, plan: SchedulerOutput) -> tuple[torch.Tensor | None, list[bytes]]:
@@ -393,7 +392,9 @@ class LLMEngine:
         """The workers' connector reports of a step (one per process) into the scheduler."""
         self.scheduler.update_from_connector(self.connector.update_from_workers(reports))
 
-    def _append_token(self, req: Request, token: int, logprob: float | None) -> RequestOutput:
+    def _append_token(
+        self, req: Request, token: int, logprob: float | None, top: TopLogprobs | None = None
+    ) -> RequestOutput:
         req.append_output(token, logprob)
         delta, reason = self._texts[req.request_id].append(token)
         prefill_done = reason is None and req.prefill_only
@@ -417,6 +418,7 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             num_pool_tokens=req.num_pool_prompt_tokens,
             prefill_done=prefill_done,
+            new_top_logprobs=[top] if top is not None else None,
         )
 
     # -- helpers -----------------------------------------------------------------------
@@ -472,6 +474,7 @@ class LLMEngine:
         self.connector.close()
         self.kv_worker.close()
         self.runner.close()
+        self.grammars.close()
 
     @property
     def counters(self) -> SchedulerCounters:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from protocol.hashing import hash_chain
 from protocol.ids import BlockHash, RequestId
 from protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -74,6 +78,8 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
         self.generator: torch.Generator | None = None
+        self.grammar: GrammarState | None = None
+        """Structured output's matcher (set by the engine when params.grammar is set)."""
         if params.seed is not None:
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(params.seed)

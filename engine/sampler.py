@@ -2,19 +2,21 @@
 
 Per row, in this order (the order vLLM and OpenAI use):
 
-    raw logits ──▶ min_tokens mask ──▶ greedy? ── yes ──▶ argmax (ties: lowest id)
-      │                                  │ no
-      │                                  ▼
-      │                    / temperature ─▶ top-k ─▶ top-p ─▶ softmax ─▶ draw
+    raw logits ─▶ penalties, logit_bias ─▶ grammar mask ─▶ min_tokens mask ─▶ greedy? ─ yes ─▶ argmax
+      │            (engine/logits_process.py)  (engine/grammar.py)                   │ no    (ties: lowest id)
+      │                                                                              ▼
+      │                                       / temperature ─▶ top-k ─▶ top-p ─▶ softmax ─▶ draw
       ▼
-    logprob of the chosen token = log_softmax(raw logits)[token]
+    logprob of the chosen token = log_softmax(raw logits)[token]; top_logprobs: the k
+    largest of that row (ids and values)
 
-Logprobs are taken from the raw logits (before the min_tokens mask, temperature, top-k and
-top-p), as vLLM reports them by default.
+Logprobs are taken from the raw logits (before penalties, masks, temperature, top-k and
+top-p), as vLLM reports them by default: they are the model's own distribution.
 
-Cost: an all-greedy batch without min_tokens or logprobs is one argmax over [N, V]. The
-filters run vectorized over the rows that sample; only the random draw of a seeded row
-and the min_tokens mask are per row.
+Cost: an all-greedy batch without processing or logprobs is one argmax over [N, V]. The
+filters, penalties and masks run vectorized over the rows that use them; only the random
+draw of a seeded row and the min_tokens mask are per row. Everything the host needs
+(tokens, logprobs, top alternatives) comes back in one device-to-host copy per step.
 
 Reproducibility: the random numbers of a seeded request at output position i depend only
 on (seed, i), never on the batch or on earlier draws, because the request's generator is
@@ -31,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.grammar import GrammarState, apply_bitmask, fill_bitmasks
+from engine.logits_process import apply_penalties
 from protocol.sampling import SamplingParams
 
 _MIN_TEMPERATURE = 1e-5
@@ -73,6 +77,13 @@ class SamplingState:
     num_output_tokens: int = 0
     generator: torch.Generator | None = None
     eos_token_ids: Sequence[int] = ()
+    prompt_token_ids: Sequence[int] = ()
+    """Read by repetition_penalty only."""
+    output_token_ids: Sequence[int] = ()
+    """Tokens generated so far (len == num_output_tokens when given): penalties read
+    them, and the grammar state consumes the ones it has not seen."""
+    grammar: GrammarState | None = None
+    """The request's grammar state when params.grammar is set (LLMEngine creates it)."""
     min_tokens_mask_ids: list[int] = field(init=False)
     """Token ids masked to -inf while num_output_tokens < params.min_tokens: the stop token
     ids, plus the EOS ids unless ignore_eos (then EOS does not stop, so it needs no mask)."""
@@ -106,12 +117,18 @@ class SamplingState:
         return self.num_output_tokens < self.params.min_tokens and bool(self.min_tokens_mask_ids)
 
 
+TopLogprobs = list[tuple[int, float]]
+"""(token id, logprob) of a position's most likely tokens, most likely first."""
+
+
 @dataclass(slots=True)
 class SamplerOutput:
-    """One sampled token per row; logprobs[i] is None unless row i asked for logprobs."""
+    """One sampled token per row; logprobs[i] is None unless row i asked for logprobs,
+    top_logprobs[i] None unless it asked for top_logprobs > 0."""
 
     token_ids: list[int]
     logprobs: list[float | None]
+    top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
 
 
 class Sampler:
@@ -137,11 +154,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
         num_rows = len(states)
         raw = logits
-        masked_rows = [i for i, s in enumerate(states) if s.needs_min_tokens_mask()]
-        if masked_rows:
-            logits = logits.clone()
-            for i in masked_rows:
-                logits[i, states[i].min_tokens_mask_ids] = float("-inf")
+        logits = self._process(logits, states)
 
         random_rows = [i for i, s in enumerate(states) if not s.greedy]
         if not random_rows:
@@ -153,15 +166,85 @@ class Sampler:
             idx = torch.tensor(random_rows, device=logits.device)
             token_ids[idx] = self._sample_random(logits[idx], [states[i] for i in random_rows])
 
-        logprobs: list[float | None] = [None] * num_rows
+        # Everything the host reads goes into one float64 tensor (ids < 2^53 are exact):
+        # a single device-to-host copy per step.
+        pieces = [token_ids.double()]
         logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs]
+        top_rows = [i for i in logprob_rows if states[i].params.top_logprobs > 0]
+        max_top = max((states[i].params.top_logprobs for i in top_rows), default=0)
         if logprob_rows:
             idx = torch.tensor(logprob_rows, device=logits.device)
-            log_probs = torch.log_softmax(raw[idx], dim=-1)  # [M, V]
-            values = log_probs.gather(1, token_ids[idx].unsqueeze(1)).squeeze(1).tolist()
-            for i, value in zip(logprob_rows, values, strict=True):
-                logprobs[i] = value
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+            log_probs = torch.log_softmax(raw[idx].float(), dim=-1)  # [M, V]
+            pieces.append(log_probs.gather(1, token_ids[idx].unsqueeze(1)).squeeze(1).double())
+            if top_rows:
+                local = torch.tensor([logprob_rows.index(i) for i in top_rows], device=idx.device)
+                top = log_probs[local].topk(max_top, dim=-1)  # [R, k], descending
+                pieces += [top.indices.double().flatten(), top.values.double().flatten()]
+        host = torch.cat(pieces).tolist()
+
+        tokens = [int(t) for t in host[:num_rows]]
+        pos = num_rows
+        logprobs: list[float | None] = [None] * num_rows
+        for i in logprob_rows:
+            logprobs[i] = host[pos]
+            pos += 1
+        top_logprobs: list[TopLogprobs | None] = [None] * num_rows
+        if top_rows:
+            width = len(top_rows) * max_top
+            ids, values = host[pos : pos + width], host[pos + width : pos + 2 * width]
+            for r, i in enumerate(top_rows):
+                k = states[i].params.top_logprobs
+                row = slice(r * max_top, r * max_top + k)
+                top_logprobs[i] = [(int(t), v) for t, v in zip(ids[row], values[row], strict=True)]
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs, top_logprobs=top_logprobs)
+
+    def _process(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """Penalties, logit_bias, the min_tokens mask and grammar masks: a new tensor when
+        any row uses one, else `logits` itself (never written)."""
+        penalty_rows = [i for i, s in enumerate(states) if s.params.processes_logits]
+        masked_rows = [i for i, s in enumerate(states) if s.needs_min_tokens_mask()]
+        grammar_rows = [i for i, s in enumerate(states) if s.grammar is not None]
+        if not (penalty_rows or masked_rows or grammar_rows):
+            return logits
+        logits = logits.clone()
+        if penalty_rows:
+            chosen = [states[i] for i in penalty_rows]
+            processed = apply_penalties(
+                logits[penalty_rows] if len(penalty_rows) < len(states) else logits,
+                [s.params for s in chosen],
+                [s.prompt_token_ids for s in chosen],
+                [s.output_token_ids for s in chosen],
+            )
+            if len(penalty_rows) < len(states):
+                logits[torch.tensor(penalty_rows, device=logits.device)] = processed
+            else:
+                logits = processed
+        if grammar_rows:
+            rows = []
+            for k, i in enumerate(grammar_rows):
+                state = states[i]
+                grammar = state.grammar
+                assert grammar is not None
+                grammar.sync(state.output_token_ids)
+                rows.append((k, grammar, state.eos_token_ids))
+            bitmask = fill_bitmasks(len(rows), rows, logits.shape[1])
+            if len(grammar_rows) == len(states):
+                apply_bitmask(logits, bitmask)
+            else:  # only the constrained rows pay for the mask
+                idx = torch.tensor(grammar_rows, device=logits.device)
+                sub = logits[idx]
+                apply_bitmask(sub, bitmask)
+                logits[idx] = sub
+        for i in masked_rows:
+            if states[i].grammar is None:
+                logits[i, states[i].min_tokens_mask_ids] = float("-inf")
+                continue
+            # A grammar that allows only EOS (its JSON is complete) wins over min_tokens:
+            # masking EOS too would leave the row nothing to sample. Decided on the device.
+            row = logits[i].clone()
+            row[states[i].min_tokens_mask_ids] = float("-inf")
+            logits[i] = torch.where(torch.isfinite(row).any(), row, logits[i])
+        return logits
 
     def _sample_random(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         """Temperature, top-k, top-p, then one draw per row: [M, V] -> [M] int64."""

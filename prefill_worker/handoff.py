@@ -1,28 +1,24 @@
-"""The P->D handoff as a KV connector (engine/kv_connector.py), prefill side.
+"""Prefill's side of the handoff as a KV connector: every step's new prompt KV leaves for
+decode from every pipeline stage, on the stages' own threads (transfer/sender.py).
 
-The handoff of one request is a set of flows, one per (prefill stage, decode rank): each
-carries the stage's layers of the rank's tokens and KV heads (transfer/flows.py places
-its segments in the rank's landing region). It streams: after every step that computed
-tokens of the request, KV [sent_upto, end) goes out as one segment per flow.
+    scheduler side (stage 0, engine thread)          worker side (every stage process)
+    add(rid, landing, notify_url) before the           HandoffWorker: one HandoffSender
+      request enters the engine                        over its layers of the paged KV
+    build_step_meta: FlowOpen once, then FlowSend  ──▶ start_saves: open / submit / cancel
+      of [sent_upto, end) per step (the first           (queues work; never waits)
+      starts at token 0: prefix-cache hits are     ◀── get_finished: FlowReport (closed
+      sent too), cancels of aborted requests            flows, with bytes, ops, seconds)
+    update_from_workers: a request's blocks are released once EVERY stage closed its flow
+    request_finished: True while any stage may still read the blocks
 
-    scheduler side (HandoffTable, engine thread of stage 0): build_step_meta plans one
-        HandoffCommand per request the step computes, riding the step to every stage
-    worker side (StageSender, every stage's process): start_saves sends the stage's
-        layers after computing the step and reports the segments; the reports come back
-        with the step's result (update_from_workers), so when the first token is out,
-        every flow of every stage has landed.
-
-The sends run inside start_saves, so they are done before a later step can reuse the
-blocks (request_finished never holds them).
-
-Tokens served from the prefix cache were never computed in a step, so the first segment
-starts at token 0, not at the first computed token.
+The first token leaves the engine as soon as it is sampled; the transfers finish on
+their own time (FirstToken is not delayed by them), and each stage tells decode directly.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -35,115 +31,66 @@ from engine.kv_connector import (
     StepKV,
     WorkerPlace,
 )
-from engine.request import Request
-from protocol.ids import BlockId
-from protocol.messages import HandoffDone, KVSegment, LandingInfo
-from protocol.rank_messages import HandoffCommand, HandoffReport
-from transfer import HandoffSender, TransferError, send_flows
+from engine.request import Request, RequestStatus
+from protocol.handoff_messages import (
+    FlowOpen,
+    FlowReport,
+    FlowResult,
+    FlowSend,
+    HandoffMeta,
+)
+from protocol.ids import BlockId, RequestId
+from protocol.messages import LandingInfo
+from transfer import Transport
 from transfer.errors import PackLayoutError
+from transfer.faults import HandoffFaults
+from transfer.sender import HandoffSender, Notify
 
 log = logging.getLogger(__name__)
 
-_commands = msgspec.msgpack.Decoder(list[HandoffCommand])
-_reports = msgspec.msgpack.Decoder(list[HandoffReport])
+_meta = msgspec.msgpack.Decoder(HandoffMeta)
+_report = msgspec.msgpack.Decoder(FlowReport)
 
 
 @dataclass
-class Handoff:
-    """What has been sent of one request (all flows), and whether sending failed."""
+class _Handoff:
+    """What stage 0 knows of one request's handoff."""
 
-    landing: list[LandingInfo]
-    num_prompt_tokens: int
+    open: FlowOpen
     sent_upto: int = 0
-    """Tokens handed to the flows so far (sent, or planned into a step in flight)."""
-    segments: list[KVSegment] = field(default_factory=list)
-    num_bytes: int = 0
-    num_ops: int = 0
-    seconds: float = 0.0
-    """Gather + write time summed over the flows' segments."""
-    error: str | None = None
+    opened: bool = False
+    finished: bool = False
+    """The request left the engine (blocks held while flows are open)."""
+    closed: dict[int, FlowResult] = field(default_factory=dict)
+    """Stage index (report order) -> its closed flow."""
 
-    def done_event(self, request_id: str) -> HandoffDone:
-        return HandoffDone(
-            request_id=request_id,
-            segments=self.segments,
-            num_bytes=self.num_bytes,
-            num_ops=self.num_ops,
-            seconds=self.seconds,
+
+class HandoffScheduler(KVConnectorScheduler):
+    """Owns the live handoffs of one prefill instance (stage 0, engine thread only)."""
+
+    def __init__(self, num_stages: int) -> None:
+        self.num_stages = num_stages
+        self._live: dict[str, _Handoff] = {}
+        self._cancels: list[str] = []
+        self.on_closed: Callable[[str, list[FlowResult]], None] = lambda _r, _s: None
+        """Called when every stage closed a request's flow (results in stage order)."""
+
+    def add(
+        self, request_id: str, landing: list[LandingInfo], num_prompt_tokens: int, notify_url: str
+    ) -> None:
+        """Send this request's prompt KV to `landing` (call before add_request)."""
+        self._live[request_id] = _Handoff(
+            FlowOpen(request_id, num_prompt_tokens, list(landing), notify_url)
         )
 
-    def add_report(self, report: HandoffReport) -> None:
-        if report.error is not None:
-            self.error = self.error or report.error
-            return
-        self.segments.extend(report.segments)
-        self.num_bytes += report.num_bytes
-        self.num_ops += report.num_ops
-        self.seconds += report.seconds
+    def discard(self, request_id: str) -> None:
+        """Forget a request that never entered the engine."""
+        self._live.pop(request_id, None)
 
-
-class StageSender(KVConnectorWorker):
-    """The handoff's worker side on one stage: runs the step's HandoffCommands, sending
-    this stage's layers to every decode rank."""
-
-    def __init__(self, sender: HandoffSender) -> None:
-        self.sender = sender
-        self.layers = (0, 0)
-        self.stage = 0
-        self.kv_caches: list[torch.Tensor] = []
-        self._reports: list[HandoffReport] = []
-
-    def register_kv_caches(self, kv_caches: list[torch.Tensor], place: WorkerPlace) -> None:
-        self.kv_caches = kv_caches
-        self.layers = (place.layer_start, place.layer_end)
-        self.stage = place.stage
-
-    def start_loads(self, meta: bytes) -> None:
-        return None
-
-    def start_saves(self, meta: bytes) -> None:
-        if meta:
-            self._reports.extend(self.send(cmd) for cmd in _commands.decode(meta))
-
-    def get_finished(self) -> bytes:
-        if not self._reports:
-            return b""
-        reports, self._reports = self._reports, []
-        return msgspec.msgpack.encode(reports)
-
-    def send(self, cmd: HandoffCommand) -> HandoffReport:
-        try:
-            segments, stats = send_flows(
-                self.sender,
-                self.kv_caches,
-                self.layers,
-                cmd.block_table,
-                cmd.token_start,
-                cmd.token_end,
-                cmd.landing,
-                cmd.num_prompt_tokens,
-            )
-        except (TransferError, PackLayoutError) as e:
-            log.warning("handoff of %s (stage %d) failed: %s", cmd.request_id, self.stage, e)
-            error = f"KV handoff to decode failed (prefill stage {self.stage}): {e}"
-            return HandoffReport(cmd.request_id, self.stage, [], 0, 0, 0.0, error)
-        return HandoffReport(
-            cmd.request_id, self.stage, segments, stats.num_bytes, stats.num_ops, stats.seconds
-        )
-
-
-class HandoffTable(KVConnectorScheduler):
-    """Owns the live handoffs of one prefill instance: the handoff's scheduler side.
-    Engine thread only."""
-
-    def __init__(self) -> None:
-        self._live: dict[str, Handoff] = {}
-
-    def add(self, request_id: str, landing: list[LandingInfo], num_prompt_tokens: int) -> None:
-        self._live[request_id] = Handoff(list(landing), num_prompt_tokens)
-
-    def pop(self, request_id: str) -> Handoff | None:
-        return self._live.pop(request_id, None)
+    def cancel(self, request_id: str) -> None:
+        """Stop sending (the request ended at its first token, or decode is gone)."""
+        if request_id in self._live:
+            self._cancels.append(request_id)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -156,37 +103,126 @@ class HandoffTable(KVConnectorScheduler):
         return None
 
     def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
-        """Hand KV [sent_upto, end) of each computed prompt to the flows (b"" if none)."""
-        planned = []
+        opens, sends = [], []
         for kv in computed:
-            cmd = self._plan(kv.request, kv.token_end, kv.block_ids)
-            if cmd is not None:
-                planned.append(cmd)
-        return msgspec.msgpack.encode(planned) if planned else b""
-
-    def _plan(self, req: Request, end: int, table: list[BlockId]) -> HandoffCommand | None:
-        h = self._live.get(req.request_id)
-        if h is None or h.error is not None:
-            return None
-        end = min(end, req.num_prompt_tokens)
-        if end <= h.sent_upto:
-            return None
-        cmd = HandoffCommand(
-            req.request_id, h.num_prompt_tokens, h.sent_upto, end, list(table), h.landing
-        )
-        h.sent_upto = end
-        return cmd
+            h = self._live.get(kv.request.request_id)
+            if h is None or h.finished:
+                continue
+            end = min(kv.token_end, h.open.num_prompt_tokens)
+            if end <= h.sent_upto:
+                continue
+            if not h.opened:
+                opens.append(h.open)
+                h.opened = True
+            last = end == h.open.num_prompt_tokens
+            sends.append(
+                FlowSend(kv.request.request_id, h.sent_upto, end, list(kv.block_ids), last)
+            )
+            h.sent_upto = end
+        cancels, self._cancels = self._cancels, []
+        if not (opens or sends or cancels):
+            return b""
+        return msgspec.msgpack.encode(HandoffMeta(opens, sends, cancels))
 
     def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
-        """Every stage's reports of a collected step (stage order)."""
-        for payload in reports:
+        update = ConnectorUpdate()
+        for stage, payload in enumerate(reports):
             if not payload:
                 continue
-            for report in _reports.decode(payload):
-                h = self._live.get(report.request_id)
-                if h is not None:
-                    h.add_report(report)
-        return ConnectorUpdate()
+            for res in _report.decode(payload).closed:
+                h = self._live.get(res.request_id)
+                if h is None:
+                    continue
+                h.closed[stage] = res
+                if len(h.closed) == self.num_stages:
+                    del self._live[res.request_id]
+                    self.on_closed(res.request_id, [h.closed[s] for s in sorted(h.closed)])
+                    # blocks kept at a finish or a preemption are free now (none: no-op)
+                    update.released.add(RequestId(res.request_id))
+        return update
 
     def request_finished(self, request: Request, block_ids: list[BlockId]) -> bool:
-        return False
+        h = self._live.get(request.request_id)
+        if h is None:
+            return False
+        if request.status is RequestStatus.WAITING:
+            return h.opened  # preempted: keep the blocks the stages may be reading
+        h.finished = True
+        if not h.opened:
+            del self._live[request.request_id]  # nothing was ever sent
+            return False
+        if (
+            request.status is RequestStatus.FINISHED_ABORTED
+            or h.sent_upto < h.open.num_prompt_tokens
+        ):
+            self._cancels.append(request.request_id)
+        return True
+
+    def has_pending(self) -> bool:
+        return any(h.opened for h in self._live.values())
+
+
+class HandoffWorker(KVConnectorWorker):
+    """One stage process's sender: its layers of every request to every decode rank."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        staging_bytes: int,
+        notify: Notify,
+        faults: HandoffFaults | None = None,
+    ) -> None:
+        self.transport = transport
+        self.staging_bytes = staging_bytes
+        self.notify = notify
+        self.faults = faults
+        self.sender: HandoffSender | None = None
+        self._closed_now: list[FlowResult] = []
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], place: WorkerPlace) -> None:
+        self.sender = HandoffSender(
+            self.transport,
+            self.staging_bytes,
+            kv_caches,
+            (place.layer_start, place.layer_end),
+            stage=place.stage,
+            num_stages=place.num_stages,
+            notify=self.notify,
+            faults=self.faults,
+        )
+
+    def start_loads(self, meta: bytes) -> None:
+        return None
+
+    def start_saves(self, meta: bytes) -> None:
+        if not meta:
+            return
+        assert self.sender is not None, "register_kv_caches first"
+        m = _meta.decode(meta)
+        for o in m.opens:
+            try:
+                self.sender.open(o.request_id, o.landing, o.num_prompt_tokens, o.notify_url)
+            except PackLayoutError as e:
+                log.warning("handoff of %s cannot start: %s", o.request_id, e)
+                self._closed_now.append(FlowResult(o.request_id, str(e), 0, 0, 0.0))
+        for s in m.sends:
+            self.sender.submit(s.request_id, s.token_start, s.token_end, s.block_table, s.last)
+        for rid in m.cancels:
+            self.sender.cancel(rid)
+
+    def get_finished(self) -> bytes:
+        closed, self._closed_now = self._closed_now, []
+        if self.sender is not None:
+            closed += [
+                FlowResult(r.request_id, r.error, r.num_bytes, r.num_ops, r.seconds)
+                for r in self.sender.finished()
+            ]
+        return msgspec.msgpack.encode(FlowReport(closed)) if closed else b""
+
+    def wait(self, timeout_s: float) -> None:
+        if self.sender is not None:
+            self.sender.wait_finished(timeout_s)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()

@@ -5,8 +5,8 @@ stage 0 (python -m prefill_worker: HTTP, the one scheduler, layers of stage 0)
 stage s: its layers [start_s, end_s) and their paged KV (same block ids everywhere), and
     its own KV connector worker (`stage_worker`): the pool's (PoolWorker: its own pool
     client and slot buffer, saving and restoring its layers' objects) and the handoff's
-    (StageSender: its own Mooncake transport and staging buffer, sending its layers' part
-    of every handoff flow). So pool and handoff bytes leave every stage's device in
+    (HandoffWorker: its own Mooncake transport, staging slots and sender threads, sending
+    its layers' part of every handoff flow and telling decode directly). So pool and handoff bytes leave every stage's device in
     parallel, as DESIGN §4-5 ask. The parts are in CONNECTOR_PARTS order on every stage.
 """
 
@@ -32,18 +32,19 @@ from enginehost.kv_events import KVReporter
 from enginehost.startup import cpu_threads_per_engine, engine_config, set_cpu_threads
 from kvpool.stats import StageCounters
 from modelinfo.info import ModelInfo
-from prefill_worker.handoff import HandoffTable, StageSender
+from prefill_worker.handoff import HandoffScheduler, HandoffWorker
+from prefill_worker.notify import HttpNotifier
 from prefill_worker.pool_connector import build_pool_client, build_pool_connector
 from prefill_worker.pool_worker import PoolWorker
 from protocol.cluster import ClusterConfig, PrefillConfig
 from protocol.kv_layout import KVLayout
 from protocol.parallel import even_layer_split
-from transfer import HandoffSender, Transport
+from transfer import HandoffFaults, Transport
 
 log = logging.getLogger(__name__)
 
 STAGING_BYTES = 64 * 1024**2
-"""Registered staging buffer of each stage (gathers of one flow segment at a time)."""
+"""Registered staging buffer of each stage, cut into slots (transfer/sender.py)."""
 
 CONNECTOR_PARTS = ("pool", "handoff")
 """The KV connector's parts, in the order of the MultiConnector on every stage."""
@@ -59,8 +60,8 @@ class PrefillStages:
     0's handoff worker, and the processes of stages 1.."""
 
     engine: LLMEngine
-    handoffs: HandoffTable
-    sender: StageSender
+    handoffs: HandoffScheduler
+    sender: HandoffWorker
     children: ChildProcesses | None
 
     def connect(
@@ -103,7 +104,7 @@ def stage_worker(
     info: ModelInfo,
     config: EngineConfig,
     stage: int,
-    sender: HandoffSender,
+    sender: HandoffWorker,
 ) -> KVConnectorWorker:
     """The KV connector worker of stage `stage` >= 1 (CONNECTOR_PARTS order): its pool
     worker on its own pool client, and its handoff sender."""
@@ -118,7 +119,14 @@ def stage_worker(
         stage,
         torch.device(config.device),
     )
-    return MultiConnectorWorker([PoolWorker(client, counters), StageSender(sender)])
+    return MultiConnectorWorker([PoolWorker(client, counters), sender])
+
+
+def handoff_worker(inst: PrefillConfig, transport: Transport) -> HandoffWorker:
+    """A stage's handoff worker: staging slots on its transport, notices over HTTP."""
+    f = inst.handoff_faults
+    faults = HandoffFaults(f.fail_prompt_tokens, f.write_delay_s) if f is not None else None
+    return HandoffWorker(transport, STAGING_BYTES, HttpNotifier(), faults)
 
 
 def start_stages(
@@ -137,10 +145,10 @@ def start_stages(
         max_num_seqs=inst.max_num_seqs,
         max_batched_tokens=inst.max_batched_tokens,
     )
-    sender = StageSender(HandoffSender(transport, STAGING_BYTES, device=config.device))
+    sender = handoff_worker(inst, transport)
     pp = inst.pipeline_parallel
     if pp == 1:
-        return PrefillStages(LLMEngine(info, config), HandoffTable(), sender, None)
+        return PrefillStages(LLMEngine(info, config), HandoffScheduler(1), sender, None)
     split = layer_split(inst, info.config.num_layers)
     init_method = rendezvous(os.environ.get("MASTER_ADDR"), inst.dist_port)
     children = ChildProcesses(
@@ -151,7 +159,7 @@ def start_stages(
     ctx = init_parallel(0, pp, config.device, init_method)
     engine = build_pp_engine(info, config, ctx, split, depth=pp)
     log.info("PP %d: layer split %s, every stage is up", pp, list(split))
-    return PrefillStages(engine, HandoffTable(), sender, children)
+    return PrefillStages(engine, HandoffScheduler(pp), sender, children)
 
 
 def stage_argv(config: str, name: str, stage: int, init_method: str) -> list[str]:
@@ -215,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         transport = create_transport(
             TransportConfig(name="mooncake", host=node.host, protocol=protocol)
         )
-        sender = HandoffSender(transport, STAGING_BYTES, device=config.device)
+        sender = handoff_worker(inst, transport)
         worker = stage_worker(cluster, inst, info, config, args.stage, sender)
         log.info("stage %d ready: layers %s", args.stage, stage.layers)
         serve_stage(stage, ctx, worker, pp)

@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token a request may ask for (OpenAI's limit)."""
+
+
+class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A constraint on the generated text, compiled by the engine's grammar engine.
+
+    kind "json_object": any JSON object (`text` unused); "json_schema": `text` is a JSON
+    schema (strict: no keys outside it); "lark": `text` is a Lark grammar in llguidance's
+    dialect (it may embed schemas with `%json {...}`; tool calls use it).
+    """
+
+    kind: Literal["json_object", "json_schema", "lark"]
+    text: str = ""
+
+    @property
+    def cache_key(self) -> tuple[str, str]:
+        return (self.kind, self.text)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -12,6 +33,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     `stop` strings end generation and are not part of the returned text.
     `max_tokens` counts generated tokens; `min_tokens` suppresses EOS and stop strings and
     stop token ids until that many tokens exist.
+
+    Logit processing, in order, before temperature: `repetition_penalty` (transformers'
+    rule over prompt + output tokens: a positive logit is divided by it, a negative one
+    multiplied), `frequency_penalty` x count and `presence_penalty` x (count > 0) over
+    output tokens (OpenAI's rule, subtracted), `logit_bias` (token id, bias) added, then
+    the `grammar`'s mask. `top_logprobs` alternatives per token come with `logprobs`.
     """
 
     max_tokens: int = 16
@@ -24,6 +51,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: GrammarSpec | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field; the boundary turns it into a 400."""
@@ -45,7 +78,34 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("at most 4 stop sequences are allowed")
         if any(s == "" for s in self.stop):
             raise ValueError("stop sequences must be non-empty")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if len(self.logit_bias) > 300:
+            raise ValueError("logit_bias may hold at most 300 tokens")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0:
+                raise ValueError(f"logit_bias token id {token_id} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any penalty or bias changes this request's logits before sampling."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+        )

@@ -1,8 +1,10 @@
 """OpenAI request bodies as msgspec structs (decoded on the hot path, no pydantic).
 
-Unknown fields are ignored, as OpenAI does; every known field accepts JSON null as "not
-given". Semantic checks (ranges, unsupported values) live in router/preprocess.py, so
-decoding only rejects malformed JSON and wrong types.
+A top-level field kvserve does not serve is a 400 naming it (nothing is silently
+ignored); inside messages, fields clients echo back from responses (refusal, annotations)
+are ignored. Every known field accepts JSON null as "not given". Semantic checks (ranges,
+unsupported values) live in router/preprocess.py, so decoding only rejects malformed
+JSON, unknown fields and wrong types.
 """
 
 from __future__ import annotations
@@ -36,7 +38,21 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     reasoning_content: str | None = None
 
 
-class GenerationFields(msgspec.Struct, kw_only=True):
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class GenerationFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI + vLLM extras)."""
 
     model: str | None = None
@@ -52,21 +68,26 @@ class GenerationFields(msgspec.Struct, kw_only=True):
     min_tokens: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
     skip_special_tokens: bool | None = None
 
 
-class ChatCompletionRequest(GenerationFields, kw_only=True):
+class ChatCompletionRequest(GenerationFields, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
-class CompletionRequest(GenerationFields, kw_only=True):
+class CompletionRequest(GenerationFields, kw_only=True, forbid_unknown_fields=True):
     prompt: str | list[Any]
     """A string, a list of token ids, or a one-element list of either."""
     logprobs: int | None = None
@@ -102,6 +123,15 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
 def _type_error(text: str) -> InvalidRequest:
     """msgspec says "Expected `int`, got `str` - at `$.max_tokens`"; name the field."""
     message, sep, where = text.rpartition(" - at `")
+    unknown = _unknown_field(message if sep else text)
+    if unknown is not None:
+        path = where.rstrip("`").removeprefix("$").removeprefix(".") if sep else ""
+        field = f"{path}.{unknown}" if path else unknown
+        return InvalidRequest(
+            f"unsupported field `{field}`: kvserve does not serve it (docs/router.md lists "
+            "the fields it does); remove it",
+            param=field,
+        )
     if not sep:
         if text.startswith("Expected `object`"):
             return InvalidRequest(f"the request body must be a JSON object ({text})")
@@ -115,6 +145,13 @@ def _type_error(text: str) -> InvalidRequest:
         field = f"{path}.{missing}" if path else missing
         return InvalidRequest(f"missing required field `{field}`", param=field)
     return InvalidRequest(f"invalid value for `{path}`: {message}", param=path or None)
+
+
+def _unknown_field(text: str) -> str | None:
+    """ "Object contains unknown field `foo`" -> "foo"."""
+    if text.startswith("Object contains unknown field `"):
+        return text.split("`")[1]
+    return None
 
 
 def _missing_field(text: str) -> str | None:

@@ -75,7 +75,11 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
     ctx = ServingContext(
         model=model,
         preprocessor=Preprocessor(
-            model, served_name, settings.max_input_tokens, settings.max_output_tokens
+            model,
+            served_name,
+            settings.max_input_tokens,
+            settings.max_output_tokens,
+            tool_parser=settings.tool_parser,
         ),
         services=RelayServices(
             registry=registry,

@@ -26,6 +26,8 @@ class OutputDelta:
     token_ids: list[int]
     logprobs: list[float | None]
     finish_reason: str | None
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    """Per token, (token id, logprob) alternatives when the request asked for them."""
 
 
 @dataclass
@@ -78,12 +80,15 @@ class OutputStream:
         parts: list[str] = []
         ids: list[int] = []
         logprobs: list[float | None] = []
+        tops: list[list[tuple[int, float]] | None] = []
         finish: str | None = None
         for i, token_id in enumerate(batch.token_ids):
             delta = self.text.append(token_id)
             parts.append(delta.text)
             ids.append(token_id)
             logprobs.append(batch.logprobs[i] if i < len(batch.logprobs) else None)
+            top = batch.top_logprobs
+            tops.append(top[i] if top is not None and i < len(top) else None)
             if delta.finish_reason is not None:
                 finish = delta.finish_reason
                 break
@@ -95,4 +100,4 @@ class OutputStream:
             finish = rest.finish_reason if worker in ("stop", "length") else worker
         elif finish is not None and batch.finish_reason is None:
             self.run.finish_early()
-        return OutputDelta("".join(parts), ids, logprobs, finish)
+        return OutputDelta("".join(parts), ids, logprobs, finish, tops)

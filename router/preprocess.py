@@ -8,6 +8,7 @@ nowhere else (workers get token ids). Every rejection is a 400 naming the field,
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -15,14 +16,19 @@ from typing import Any, Literal
 
 from modelinfo.info import ModelInfo
 from protocol.errors import InvalidRequestError
-from protocol.sampling import SamplingParams
+from protocol.grammar import check_grammar
+from protocol.sampling import MAX_TOP_LOGPROBS, GrammarSpec, SamplingParams
 from router.api_types import ChatCompletionRequest, CompletionRequest, GenerationFields
 from router.errors import InvalidRequest, NotFound
+from router.tool_parsers import ToolParser, pick_parser
+from router.tools import ToolRequest, tool_request
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _THREAD_TOKENIZE_CHARS = 16_384
 """Longer prompts are templated and tokenized off the event loop."""
 _SEED_RANGE = (-(2**63), 2**64 - 1)
+MAX_N = 16
+"""Most choices per request (each one is a sequence on the workers)."""
 
 
 @dataclass
@@ -40,9 +46,13 @@ class PreparedRequest:
     include_usage: bool
     logprobs: bool
     top_logprobs: int
-    """Alternatives per token asked for (completions' logprobs=1 -> 1; else 0)."""
+    """Alternatives per token asked for (chat: top_logprobs; completions: logprobs)."""
     user: str | None
     skip_special_tokens: bool
+    n: int = 1
+    tool_parser: ToolParser | None = None
+    """Set when the output is parsed for tool calls (tools given, tool_choice not none)."""
+    parallel_tool_calls: bool = True
 
 
 class Preprocessor:
@@ -54,6 +64,8 @@ class Preprocessor:
         served_name: str,
         max_input_tokens: int | None,
         max_output_tokens: int | None = None,
+        *,
+        tool_parser: str | None = None,
     ) -> None:
         self.model = model
         self.served_name = served_name
@@ -62,6 +74,11 @@ class Preprocessor:
         self.max_output_tokens = max_output_tokens
         """Longest completion (cluster.yaml router.admission.max_output_tokens); None: none."""
         self._accepted_names = {served_name, model.source.spec, model.served_name}
+        template = model.chat_template
+        self.template_source = template.source() if template is not None else ""
+        self.tool_parser = pick_parser(self.template_source, tool_parser)
+        """The format tool calls are parsed in (cluster.yaml router.tool_parser, else the
+        chat template's)."""
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self._accepted_names:
@@ -74,12 +91,14 @@ class Preprocessor:
     async def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         self.check_model(req.model)
         _check_common(req)
-        if req.top_logprobs:
+        top = req.top_logprobs or 0
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(
-                "top_logprobs > 0 is not supported yet; use logprobs=true for the sampled "
-                "token's logprob",
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
                 param="top_logprobs",
             )
+        if top and not req.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
         if not req.messages:
             raise InvalidRequest("messages must hold at least one message", param="messages")
         messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
@@ -89,9 +108,23 @@ class Preprocessor:
                 f"model `{self.served_name}` has no chat template; use /v1/completions",
                 param="messages",
             )
+        tools = tool_request(
+            req.tools,
+            req.tool_choice,
+            self.tool_parser,
+            self.template_source,
+            self.model.tokenizer.token_to_id("[TOOL_CALLS]"),
+        )
+        fmt = req.response_format
+        if tools.grammar is not None and fmt is not None and fmt.type != "text":
+            raise InvalidRequest(
+                "response_format cannot be combined with a forced tool_choice",
+                param="response_format",
+            )
+        rendered = tools.messages(messages)
 
         def render_and_encode() -> list[int]:
-            text = template.render(messages, add_generation_prompt=True, tools=req.tools)
+            text = template.render(rendered, add_generation_prompt=True, tools=tools.template_tools)
             return self.model.tokenizer.encode(text, add_special_tokens=False)
 
         size = sum(len(str(m.get("content") or "")) for m in messages)
@@ -100,15 +133,18 @@ class Preprocessor:
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        return self._prepare(req, "chat", ids, max_tokens, param, bool(req.logprobs), "messages")
+        prepared = self._prepare(
+            req, "chat", ids, max_tokens, param, bool(req.logprobs), "messages", top, tools
+        )
+        prepared.parallel_tool_calls = req.parallel_tool_calls is not False
+        return prepared
 
     async def completion(self, req: CompletionRequest) -> PreparedRequest:
         self.check_model(req.model)
         _check_common(req)
-        if req.logprobs is not None and not 0 <= req.logprobs <= 1:
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(
-                "logprobs must be 0 or 1 (the sampled token's logprob); more alternatives "
-                "are not supported yet",
+                f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (alternatives per token)",
                 param="logprobs",
             )
         if req.echo:
@@ -132,7 +168,14 @@ class Preprocessor:
             ids = prompt
         logprobs = req.logprobs is not None
         return self._prepare(
-            req, "completion", ids, req.max_tokens, "max_tokens", logprobs, "prompt"
+            req,
+            "completion",
+            ids,
+            req.max_tokens,
+            "max_tokens",
+            logprobs,
+            "prompt",
+            req.logprobs or 0,
         )
 
     def _prepare(
@@ -144,6 +187,8 @@ class Preprocessor:
         max_tokens_param: str,
         logprobs: bool,
         prompt_param: str,
+        top_logprobs: int = 0,
+        tools: ToolRequest | None = None,
     ) -> PreparedRequest:
         num_prompt = len(ids)
         if num_prompt == 0:
@@ -180,7 +225,23 @@ class Preprocessor:
                 param=max_tokens_param,
                 code="context_length_exceeded",
             )
-        params = _sampling_params(req, max_tokens, logprobs, self.model.config.vocab_size)
+        grammar = tools.grammar if tools is not None else None
+        if grammar is None:
+            grammar = _response_format(req)
+        if grammar is not None:
+            problem = check_grammar(grammar)
+            if problem is not None:
+                param = "tools" if tools is not None and tools.grammar else "response_format"
+                raise InvalidRequest(
+                    f"{param} does not compile to a grammar: {problem}", param=param
+                )
+        params = _sampling_params(
+            req, max_tokens, logprobs, self.model.config.vocab_size, top_logprobs, grammar
+        )
+        parser = tools.parser if tools is not None else None
+        skip_special = req.skip_special_tokens is not False
+        if parser is not None and parser.needs_special_tokens:
+            skip_special = False  # the call marker is a special token
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         options = req.stream_options
         return PreparedRequest(
@@ -193,26 +254,65 @@ class Preprocessor:
             stream=bool(req.stream),
             include_usage=bool(req.stream and options is not None and options.include_usage),
             logprobs=logprobs,
-            top_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.logprobs else 0,
+            top_logprobs=top_logprobs,
             user=req.user,
-            skip_special_tokens=req.skip_special_tokens is not False,
+            skip_special_tokens=skip_special,
+            n=req.n or 1,
+            tool_parser=parser,
         )
 
 
 def _check_common(req: GenerationFields) -> None:
-    if req.n is not None and req.n != 1:
-        if req.n > 1:
-            raise InvalidRequest("n > 1 is not supported yet", param="n")
-        raise InvalidRequest(f"n must be at least 1, got {req.n}", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise InvalidRequest(f"{name} is not supported yet; send 0 or omit it", param=name)
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise InvalidRequest(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     if req.seed is not None and not _SEED_RANGE[0] <= req.seed <= _SEED_RANGE[1]:
         raise InvalidRequest("seed must fit in 64 bits", param="seed")
 
 
+def _response_format(req: GenerationFields) -> GrammarSpec | None:
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return GrammarSpec(kind="json_object")
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema is None:
+            raise InvalidRequest(
+                "response_format json_schema needs json_schema.schema",
+                param="response_format.json_schema",
+            )
+        return GrammarSpec(kind="json_schema", text=json.dumps(fmt.json_schema.schema))
+    raise InvalidRequest(
+        f"response_format.type {fmt.type!r} is not one of text, json_object, json_schema",
+        param="response_format.type",
+    )
+
+
+def _logit_bias(req: GenerationFields, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, bias in (req.logit_bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidRequest(
+                f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(
+                f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                param="logit_bias",
+            )
+        out.append((token_id, float(bias)))
+    return tuple(out)
+
+
 def _sampling_params(
-    req: GenerationFields, max_tokens: int, logprobs: bool, vocab_size: int
+    req: GenerationFields,
+    max_tokens: int,
+    logprobs: bool,
+    vocab_size: int,
+    top_logprobs: int = 0,
+    grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
     stop = req.stop
     stop_ids = tuple(req.stop_token_ids or ())
@@ -231,6 +331,12 @@ def _sampling_params(
         stop_token_ids=stop_ids,
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=_logit_bias(req, vocab_size),
+        grammar=grammar,
     )
     try:
         params.validate()
@@ -240,6 +346,8 @@ def _sampling_params(
         param = field if field in SamplingParams.__struct_fields__ else None
         if "stop sequence" in message:
             param = "stop"
+        if message.startswith("logit_bias"):
+            param = "logit_bias"
         raise InvalidRequest(message, param=param) from None
     return params
 

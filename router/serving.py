@@ -5,6 +5,7 @@
     OutputStream: tokens -> text with stop rules (output)
     first delta awaited before answering, so a failure before any token is a real HTTP
     status; then SSE chunks as deltas arrive, or one JSON body at the end.
+    n > 1: one run per choice, started after choice 0's first token (router/choices.py).
 
 A client that disconnects at any point cancels what is awaited; the run aborts its workers.
 """
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from starlette.requests import Request
@@ -23,11 +25,22 @@ from modelinfo.detokenizer import RequestOutputText
 from modelinfo.info import ModelInfo
 from protocol.messages import PromptUsage
 from router.api_types import decode_chat, decode_completion
+from router.choices import (
+    Choice,
+    choice_request,
+    error_event,
+    first_delta,
+    full_body,
+    num_output_tokens,
+    open_rest,
+    stream_body,
+    usage_of,
+)
 from router.client_conn import ClientDisconnected, SSEResponse, race_disconnect
-from router.errors import APIError, Unauthorized, WorkerFailed
+from router.errors import APIError, Unauthorized
 from router.metrics import CLIENT_CLOSED_STATUS, RequestRecord, RouterMetrics
-from router.openai_format import DONE, ResponseFormatter, formatter_for, sse
-from router.output import OutputDelta, OutputStream
+from router.openai_format import ResponseFormatter, formatter_for
+from router.output import OutputStream, RequestTiming
 from router.policies import RouteContext
 from router.preprocess import PreparedRequest, Preprocessor
 from router.relay import RelayServices, RequestRun
@@ -82,7 +95,7 @@ def error_response(error: APIError) -> Response:
 async def serve_generation(ctx: ServingContext, request: Request, endpoint: str) -> Response:
     """The whole life of one generation request; never raises for client or worker faults."""
     record = RequestRecord(ctx.metrics, endpoint)
-    stream: OutputStream | None = None
+    choices: list[Choice] = []
     try:
         ctx.check_auth(request)
         body = await read_json_body(request)
@@ -90,35 +103,50 @@ async def serve_generation(ctx: ServingContext, request: Request, endpoint: str)
             prepared = await ctx.preprocessor.chat(decode_json(decode_chat, body))
         else:
             prepared = await ctx.preprocessor.completion(decode_json(decode_completion, body))
-        stream = _open_stream(ctx, prepared, record, ctx.session_of(request, prepared.user))
-        fmt = formatter_for(prepared, ctx.model.tokenizer)
+        session = ctx.session_of(request, prepared.user)
+
+        def open_choice(index: int) -> tuple[OutputStream, ResponseFormatter]:
+            req = choice_request(prepared, index)
+            timing = record.timing if index == 0 else RequestTiming(arrival=time.monotonic())
+            stream = _open_stream(ctx, req, timing, session)
+            return stream, formatter_for(prepared, ctx.model.tokenizer, index)
+
+        stream, fmt = open_choice(0)
         deltas = stream.deltas()
         try:
-            first = await race_disconnect(request.receive, _first(deltas))
-            if prepared.stream:
-                return _streaming_reply(prepared, stream, deltas, first, fmt, record)
-            return await race_disconnect(
-                request.receive, _full_reply(stream, deltas, first, fmt, record)
-            )
+            first = await race_disconnect(request.receive, first_delta(deltas))
         except BaseException:
             await deltas.aclose()
+            raise
+        choices.append(Choice(stream, deltas, first, fmt))
+        try:
+            if prepared.n > 1:  # after choice 0's first token: its prompt KV is cached
+                await race_disconnect(request.receive, open_rest(prepared, open_choice, choices))
+            if prepared.stream:
+                return _streaming_reply(prepared, choices, record)
+            reply = await race_disconnect(request.receive, full_body(choices))
+            record.finish(200, *_counts(choices))
+            return Response(reply, media_type="application/json")
+        except BaseException:
+            for c in choices:
+                await c.deltas.aclose()
             raise
     except APIError as e:
         if e.code == "context_length_exceeded":
             ctx.metrics.on_rejected("input_too_long")
-        record.finish(e.status, *_counts(stream))
+        record.finish(e.status, *_counts(choices))
         return error_response(e)
     except ClientDisconnected:
-        record.finish(CLIENT_CLOSED_STATUS, *_counts(stream))
+        record.finish(CLIENT_CLOSED_STATUS, *_counts(choices))
         return Response(status_code=CLIENT_CLOSED_STATUS)
     except Exception as e:  # a router bug must still answer in OpenAI's shape
         log.exception("request failed")
-        record.finish(500, *_counts(stream))
+        record.finish(500, *_counts(choices))
         return error_response(APIError(f"internal router error: {type(e).__name__}: {e}"))
 
 
 def _open_stream(
-    ctx: ServingContext, req: PreparedRequest, record: RequestRecord, session_id: str | None
+    ctx: ServingContext, req: PreparedRequest, timing: RequestTiming, session_id: str | None
 ) -> OutputStream:
     route = RouteContext(req.request_id, req.prompt_token_ids, req.user, session_id)
     run = RequestRun(ctx.services, route, req.params, ctx.request_timeout_s)
@@ -129,75 +157,32 @@ def _open_stream(
         prompt_token_ids=req.prompt_token_ids,
         skip_special_tokens=req.skip_special_tokens,
     )
-    return OutputStream(run, text, record.timing)
-
-
-async def _first(deltas: AsyncGenerator[OutputDelta, None]) -> OutputDelta:
-    try:
-        return await anext(deltas)
-    except StopAsyncIteration:
-        raise WorkerFailed("the workers ended the request without any token") from None
-
-
-async def _full_reply(
-    stream: OutputStream,
-    deltas: AsyncGenerator[OutputDelta, None],
-    first: OutputDelta,
-    fmt: ResponseFormatter,
-    record: RequestRecord,
-) -> Response:
-    parts = [first.text]
-    fmt.add_logprobs(first)
-    finish = first.finish_reason
-    async for delta in deltas:
-        parts.append(delta.text)
-        fmt.add_logprobs(delta)
-        finish = delta.finish_reason
-    usage = stream.run.usage
-    body = fmt.response("".join(parts), finish, stream.num_output_tokens, usage)
-    record.finish(200, *_counts(stream))
-    return Response(body, media_type="application/json")
+    return OutputStream(run, text, timing)
 
 
 def _streaming_reply(
-    req: PreparedRequest,
-    stream: OutputStream,
-    deltas: AsyncGenerator[OutputDelta, None],
-    first: OutputDelta,
-    fmt: ResponseFormatter,
-    record: RequestRecord,
+    req: PreparedRequest, choices: list[Choice], record: RequestRecord
 ) -> Response:
     status = [200]
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            delta: OutputDelta | None = first
-            head = fmt.stream_start()
-            while delta is not None:
-                chunk = head + fmt.stream_delta(delta)
-                head = b""
-                if delta.finish_reason is not None:
-                    if req.include_usage:
-                        chunk += fmt.stream_usage(stream.num_output_tokens, stream.run.usage)
-                    yield chunk + DONE
-                    return
-                if chunk:
-                    yield chunk
-                delta = await anext(deltas, None)
-            raise WorkerFailed("the workers ended the stream without a finish reason")
+            async for chunk in stream_body(req, choices):
+                yield chunk
         except APIError as e:
             status[0] = e.status
-            yield sse(e.body()) + DONE
+            yield error_event(e)
         finally:
-            await deltas.aclose()
+            for c in choices:
+                await c.deltas.aclose()
 
     def on_end(disconnected: bool) -> None:
-        record.finish(CLIENT_CLOSED_STATUS if disconnected else status[0], *_counts(stream))
+        record.finish(CLIENT_CLOSED_STATUS if disconnected else status[0], *_counts(choices))
 
     return SSEResponse(body(), on_end)
 
 
-def _counts(stream: OutputStream | None) -> tuple[PromptUsage | None, int]:
-    if stream is None:
+def _counts(choices: list[Choice]) -> tuple[PromptUsage | None, int]:
+    if not choices:
         return None, 0
-    return stream.run.usage, stream.num_output_tokens
+    return usage_of(choices), num_output_tokens(choices)

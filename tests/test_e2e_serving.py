@@ -174,7 +174,7 @@ def test_client_disconnect_frees_kv_and_landing(cluster):
         ("/chat/completions", {"model": "e2e-model", "messages": []}, 400),
         ("/completions", {"model": "e2e-model", "prompt": "x", "max_tokens": 0}, 400),
         ("/completions", {"model": "e2e-model", "prompt": "x " * 5000, "max_tokens": 4}, 400),
-        ("/completions", {"model": "e2e-model", "prompt": "x", "n": 2}, 400),
+        ("/completions", {"model": "e2e-model", "prompt": "x", "n": 17}, 400),
         ("/completions", {"model": "e2e-model", "prompt": "x", "temperature": "hot"}, 400),
     ],
 )

@@ -72,8 +72,8 @@ CASES: list[tuple[str, Any, int, str | None, str | None, str]] = [
     (CHAT, _chat(max_tokens=-5), 400, "max_tokens", None, "at least 1"),
     (CHAT, _chat(max_completion_tokens=0), 400, "max_completion_tokens", None, "at least 1"),
     (CHAT, _chat(max_tokens=10**6), 400, "max_tokens", "context_length_exceeded", "context length"),
-    (CHAT, _chat(n=2), 400, "n", None, "n > 1 is not supported yet"),
-    (CHAT, _chat(n=0), 400, "n", None, "at least 1"),
+    (CHAT, _chat(n=17), 400, "n", None, "n must be in [1, 16]"),
+    (CHAT, _chat(n=0), 400, "n", None, "n must be in"),
     (CHAT, _chat(temperature=5), 400, "temperature", None, "temperature"),
     (CHAT, _chat(top_p=0), 400, "top_p", None, "top_p"),
     (CHAT, _chat(top_k=-3), 400, "top_k", None, "top_k"),
@@ -81,8 +81,52 @@ CASES: list[tuple[str, Any, int, str | None, str | None, str]] = [
     (CHAT, _chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", None, "stop"),
     (CHAT, _chat(stop=[""]), 400, "stop", None, "stop"),
     (CHAT, _chat(stop=5), 400, "stop", None, ""),
-    (CHAT, _chat(top_logprobs=3, logprobs=True), 400, "top_logprobs", None, "top_logprobs"),
-    (CHAT, _chat(frequency_penalty=0.5), 400, "frequency_penalty", None, "not supported"),
+    (CHAT, _chat(top_logprobs=21, logprobs=True), 400, "top_logprobs", None, "[0, 20]"),
+    (CHAT, _chat(top_logprobs=3), 400, "top_logprobs", None, "logprobs=true"),
+    (CHAT, _chat(frequency_penalty=2.5), 400, "frequency_penalty", None, "[-2, 2]"),
+    (CHAT, _chat(presence_penalty=-3), 400, "presence_penalty", None, "[-2, 2]"),
+    (CHAT, _chat(repetition_penalty=0), 400, "repetition_penalty", None, "(0, 2]"),
+    (CHAT, _chat(logit_bias={"x": 1}), 400, "logit_bias", None, "token ids"),
+    (CHAT, _chat(logit_bias={"5": 101}), 400, "logit_bias", None, "[-100, 100]"),
+    (CHAT, _chat(logit_bias={"999999": 1}), 400, "logit_bias", None, "vocabulary"),
+    (CHAT, _chat(best_of=2), 400, "best_of", None, "unsupported field `best_of`"),
+    (CHAT, _chat(functions=[]), 400, "functions", None, "unsupported field"),
+    (CHAT, _chat(response_format={"type": "yaml"}), 400, "response_format.type", None, "yaml"),
+    (
+        CHAT,
+        _chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        400,
+        "response_format.json_schema",
+        None,
+        "schema",
+    ),
+    (
+        CHAT,
+        _chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": "a"}},
+            }
+        ),
+        400,
+        "response_format",
+        None,
+        "grammar",
+    ),
+    (CHAT, _chat(tool_choice="required"), 400, "tool_choice", None, "needs tools"),
+    (CHAT, _chat(tools=[{"type": "web"}]), 400, "tools[0]", None, "function"),
+    (
+        CHAT,
+        _chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        400,
+        "tool_choice",
+        None,
+        "not in tools",
+    ),
+    (CHAT, _chat(tool_choice="sometimes"), 400, "tool_choice", None, "sometimes"),
     (CHAT, _chat(seed=2**70), 400, "seed", None, "64 bits"),
     (
         CHAT,
@@ -108,7 +152,8 @@ CASES: list[tuple[str, Any, int, str | None, str | None, str]] = [
     (COMPLETION, _completion(prompt=[10**9]), 400, "prompt", None, "vocabulary"),
     (COMPLETION, _completion(prompt=5), 400, "prompt", None, ""),
     (COMPLETION, {"model": "smollm2-135m-instruct"}, 400, "prompt", None, "missing"),
-    (COMPLETION, _completion(logprobs=5), 400, "logprobs", None, "logprobs"),
+    (COMPLETION, _completion(logprobs=21), 400, "logprobs", None, "[0, 20]"),
+    (COMPLETION, _completion(tools=[]), 400, "tools", None, "unsupported field `tools`"),
     (COMPLETION, _completion(echo=True), 400, "echo", None, "echo"),
     (COMPLETION, _completion(stop_token_ids=[-1]), 400, "stop_token_ids", None, "vocabulary"),
     (COMPLETION, _completion(max_tokens=1.5), 400, "max_tokens", None, "int"),
@@ -145,9 +190,9 @@ def test_wrong_method_is_405_in_openai_shape(h: RouterHarness) -> None:
 
 
 def test_openai_client_sees_bad_request(h: RouterHarness) -> None:
-    with pytest.raises(openai.BadRequestError, match="n > 1 is not supported yet"):
+    with pytest.raises(openai.BadRequestError, match=r"n must be in \[1, 16\]"):
         h.openai().chat.completions.create(
-            model=h.served_name, messages=[{"role": "user", "content": "hi"}], n=3
+            model=h.served_name, messages=[{"role": "user", "content": "hi"}], n=30
         )
     with pytest.raises(openai.NotFoundError):
         h.openai().completions.create(model="nope", prompt="x")

@@ -33,7 +33,9 @@ from engine.parallel.pp_runner import PipelineExecutor, build_stage
 from engine.parallel.step_inputs import build_batch
 from engine.request import Request
 from modelinfo.info import ModelInfo
+from protocol.errors import InvalidRequestError
 from protocol.rank_messages import SampleRow, StepBatch
+from protocol.sampling import SamplingParams
 
 
 @dataclass
@@ -61,8 +63,18 @@ class PipelinedEngine(LLMEngine):
         self.kv_worker = worker
         self.pipeline.set_kv_worker(worker)
 
-    def has_unfinished(self) -> bool:
-        return super().has_unfinished() or bool(self._in_flight)
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The last stage samples from SampleRow alone: no prompt tokens, grammar state or
+        top alternatives travel around the ring yet, so requests needing them are refused
+        rather than sampled without them."""
+        super().validate(prompt_token_ids, params)
+        for name, used in (
+            ("response_format / tool_choice (a grammar)", params.grammar is not None),
+            ("repetition_penalty", params.repetition_penalty != 1.0),
+            ("top_logprobs", params.top_logprobs > 0),
+        ):
+            if used:
+                raise InvalidRequestError(f"{name} is not supported on a pipelined prefill yet")
 
     def step(self) -> list[RequestOutput]:
         issued = len(self._in_flight) < self.depth and self._issue()
