@@ -7,6 +7,8 @@ counters land in the instance's series with its stage label."""
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
@@ -129,3 +131,21 @@ def test_stage_counters_land_in_the_instance_series(sched):
     for st in ("0", "1"):
         assert _count(m.stage_objects_total, instance="t", stage=st, op="save") == 3
         assert m.restore_seconds.labels(instance="t", stage=st)._sum.get() == pytest.approx(0.01)
+
+
+def test_lookup_answer_reused_while_fresh_and_prefix_grows(sched):
+    s, _ = sched
+    r = _req("r")
+    assert s.get_num_new_matched_tokens(r, 0) == (None, True)  # asked on the lookup thread
+    deadline = time.monotonic() + 5
+    while s.has_pending():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    asked = _count(s.metrics.lookups_i) + s.client.metrics.drain().lookups
+    assert s.get_num_new_matched_tokens(r, 0) == (0, True)  # the pool is empty
+    # Waiting for blocks: asked again next step (its GPU prefix grew by one chunk): the
+    # fresh answer serves, no new lookup.
+    assert s.get_num_new_matched_tokens(r, CHUNK) == (0, True)
+    assert s.client.metrics.drain().lookups == 0 and asked == 1
+    s.update_state_after_alloc(r, [], 0)  # admitted: the answer is dropped
+    assert s.get_num_new_matched_tokens(r, 0) == (None, True)
