@@ -50,8 +50,15 @@ the connector's thread: get_num_new_matched_tokens answers None until it is back
 start_loads and start_saves only queue work or copy in stream order (never wait on a
 network); wait() is the one call that sleeps (the engine's idle poll).
 
-Load results: a load writes only the slots of its tokens, and nothing after it reported.
-Tokens valid = a whole-chunk prefix of the load (0 when it failed); the engine runs the
+Ordering: every worker sees the steps in the order they were scheduled (a PP ring and a
+TP broadcast keep it), and the reports of a step reach update_from_workers in step order
+(with PP, several steps may be in flight: the report of step k arrives after step k+1 was
+scheduled). meta b"" means nothing for this step; the worker is called all the same.
+
+Load results: every worker reports each load exactly once, even a failed or cancelled
+one. A load writes only the slots of its tokens, and nothing after it reported. Tokens
+valid = a prefix of the load the connector can vouch for on every worker (the pool: the
+leading run of whole chunks every stage verified; 0 when it failed); the engine runs the
 request again from g + valid and recomputes the rest: never partial data.
 
 Metadata and reports are opaque bytes to the engine (each connector encodes its own

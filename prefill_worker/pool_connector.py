@@ -61,6 +61,10 @@ __all__ = [
 
 _report_decoder = msgspec.msgpack.Decoder(PoolWorkerReport)
 
+LOOKUP_FRESH_S = 1.0
+"""How long a lookup's answer is reused for a request still waiting (for blocks or a
+running slot), well inside the read lease the lookup took (lease_ttl_s, 10 s)."""
+
 
 @dataclass
 class _LoadState:
@@ -79,6 +83,7 @@ class _Lookup:
     keys: list[ChunkKey]
     hit: int | None = None
     """Leading chunks every stage holds; None while the lookup is in flight."""
+    done_at: float = 0.0
 
 
 @dataclass
@@ -154,16 +159,19 @@ class PoolScheduler(KVConnectorScheduler):
             with self._lock:
                 self._lookups.pop(rid, None)
             return 0, True
+        now = time.monotonic()
         with self._lock:
             look = self._lookups.get(rid)
-            if look is not None and (look.first, look.last) == (first, last):
+            # An answer covering these chunks is reused while fresh (a request that waits
+            # for blocks asks every step; its GPU prefix may grow meanwhile).
+            if look is not None and look.first <= first and look.last == last:
                 if look.hit is None:
                     return None, True  # still in flight
-                del self._lookups[rid]
-                n = look.hit
-                return ((first + n) * cs - num_computed_tokens if n else 0), True
-            # A new question (or the GPU prefix moved since the last one): ask the pool
-            # on the lookup thread; the request stays waiting until it is back.
+                if now - look.done_at < LOOKUP_FRESH_S:
+                    end = look.first + look.hit  # chunks [look.first, end) on every stage
+                    return (max(0, end * cs - num_computed_tokens) if end > first else 0), True
+            # A new question (or a stale answer): ask the pool on the lookup thread; the
+            # request stays waiting until it is back.
             look = _Lookup(first, last, self._keys(request, first, last))
             self._lookups[rid] = look
         self._lookup_queue.put((rid, look))
@@ -181,12 +189,15 @@ class PoolScheduler(KVConnectorScheduler):
             hit = self.client.lookup(look.keys)  # never raises: 0 when the pool is away
             with self._lock:
                 look.hit = hit
+                look.done_at = time.monotonic()
             if self._wake is not None:
                 self._wake()
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[BlockId], num_external_tokens: int
     ) -> None:
+        with self._lock:
+            self._lookups.pop(request.request_id, None)  # admitted: its answer is used
         if num_external_tokens == 0:
             return
         cs = self.chunk_size
@@ -303,7 +314,7 @@ class PoolScheduler(KVConnectorScheduler):
 
     def has_pending(self) -> bool:
         with self._lock:
-            looking = bool(self._lookups)
+            looking = any(look.hit is None for look in self._lookups.values())
         return bool(looking or self._loads or self._saving or self._cancels)
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import msgspec
@@ -46,6 +47,10 @@ log = logging.getLogger(__name__)
 MAX_SAVE_BATCH = 32
 """Chunks written by one batch_put_from per stage."""
 
+MAX_DEVICE_COPIES = 8
+"""CUDA: packed chunks whose device copy may still be on its way to the save slots; the
+step thread waits for the oldest beyond this (bounds the device memory they hold)."""
+
 VERIFY_GROUP = 8
 """Objects copied to the device and checksummed together (one host sync per group); the
 device staging buffer holds this many payloads."""
@@ -62,13 +67,25 @@ class _Load:
 
 
 @dataclass
+class _DeviceCopy:
+    """A chunk's device copy on its way into the save slots (CUDA): the D2H copies and
+    the payload sums run on the save stream; `done` follows them."""
+
+    done: torch.cuda.Event
+    sums: torch.Tensor
+    """[local stages, 2] payload sums (payload_sums_t), on the device."""
+
+
+@dataclass
 class _Save:
     key: ChunkKey
     slots: list[int]
     """One save slot per local stage, in PoolClient.local_stages order."""
     checksums: list[int | None]
-    """Payload checksum of each slot computed on the device that packed it (None: on the
-    host, when the header is written)."""
+    """Payload checksum of each slot computed where it was packed (None: on the host,
+    when the header is written)."""
+    copy: _DeviceCopy | None = None
+    """CUDA: the slots are filled (and `checksums` known) once this copy is done."""
 
 
 class PoolWorker(KVConnectorWorker):
@@ -98,6 +115,9 @@ class PoolWorker(KVConnectorWorker):
         self._stream: torch.cuda.Stream | None = None
         self._staging: torch.Tensor | None = None
         """Device copies of up to VERIFY_GROUP payloads (load thread; CUDA only)."""
+        self._save_stream: torch.cuda.Stream | None = None
+        self._copies: deque[tuple[torch.cuda.Event, list[torch.Tensor]]] = deque()
+        """CUDA: device copies of packed chunks, kept alive until their D2H is done."""
         self._last: tuple[bytes, PoolStepMeta | None] = (b"", None)
         self._threads: list[threading.Thread] = []
 
@@ -117,6 +137,7 @@ class PoolWorker(KVConnectorWorker):
         # Unpacks run on their own CUDA stream (compute goes on) and are synchronized
         # before a slot is reused and before a load is reported.
         self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self._save_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._threads = [
             threading.Thread(target=self._load_loop, name="pool-load", daemon=True),
             threading.Thread(target=self._save_loop, name="pool-save", daemon=True),
@@ -158,11 +179,47 @@ class PoolWorker(KVConnectorWorker):
                     with self._lock:
                         self._unsaved.append(key)
                     continue
+                if self._save_stream is not None:
+                    self._saves.put(self._pack_on_device(ChunkKey(key), slots, _ids(blocks)))
+                    continue
                 checksums: list[int | None] = []
                 for stage, slot in zip(self.stages, slots, strict=True):
                     out = buf.payload(slot, self.client.specs[stage.index])
                     checksums.append(pack_blocks(self._layers(stage), _ids(blocks), out))
                 self._saves.put(_Save(ChunkKey(key), slots, checksums))
+
+    def _pack_on_device(self, key: ChunkKey, slots: list[int], blocks: list[BlockId]) -> _Save:
+        """CUDA: gather the chunk's blocks into device payloads in the forward's stream
+        order (a later step may reuse the blocks right after), then, on the save stream,
+        their payload sums and the D2H copies into the pinned save slots: the step thread
+        does not wait for either (the save thread does, before the write)."""
+        assert self._save_stream is not None
+        while self._copies and self._copies[0][0].query():
+            self._copies.popleft()  # copied: their device payloads can go
+        while len(self._copies) >= MAX_DEVICE_COPIES:
+            self._copies.popleft()[0].synchronize()
+        dev = self.kv_caches[0].device
+        idx = torch.tensor(blocks, dtype=torch.long, device=dev)
+        temps = []
+        for stage in self.stages:
+            spec = self.client.specs[stage.index]
+            dst = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=dev)
+            _, _, bs, h, d = self.kv_caches[0].shape
+            for layer, kv in enumerate(self._layers(stage)):
+                torch.index_select(kv, 1, idx, out=dst[layer].view(2, len(blocks), bs, h, d))
+            temps.append(dst)
+        ready = torch.cuda.Event()
+        ready.record()
+        with torch.cuda.stream(self._save_stream):
+            self._save_stream.wait_event(ready)
+            sums = torch.stack([payload_sums_t(t.view(-1).view(torch.uint8)) for t in temps])
+            for t, stage, slot in zip(temps, self.stages, slots, strict=True):
+                out = self.client.buffer.payload(slot, self.client.specs[stage.index])
+                out.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        self._copies.append((done, temps))
+        return _Save(key, slots, [None] * len(slots), _DeviceCopy(done, sums))
 
     def get_finished(self) -> bytes:
         with self._lock:
@@ -238,6 +295,11 @@ class PoolWorker(KVConnectorWorker):
                 batch.append(nxt)
             stored: set[bytes] = set()
             try:
+                for b in batch:
+                    if b.copy is not None:  # wait for its D2H copy; sums -> checksums
+                        b.copy.done.synchronize()
+                        b.checksums = list(checksums_of_sums(b.copy.sums))
+                        b.copy = None
                 stored = set(
                     self.client.save_chunks(
                         [b.key for b in batch],

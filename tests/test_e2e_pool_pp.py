@@ -8,8 +8,11 @@ only its own request, from its first missing chunk."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import random
 import re
+import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -31,6 +34,8 @@ VOCAB = ["agent", "tool", "cache", "token", "block", "router", "decode", "pool",
 class PPPoolCluster(Cluster):
     prefill_metrics_url: str = ""
     fault_dir: Path = Path()
+    master_metrics_port: int = 0
+    store_metrics_ports: tuple[int, ...] = ()
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the prefill's samples of a series whose labels include `labels`."""
@@ -60,7 +65,7 @@ def cluster(tmp_path_factory, tiny_parallel_dir: Path, weights_cache_dir: str):
         "cache": {"block_size": 16, "chunk_size": CHUNK, "weights_cache_dir": weights_cache_dir},
         "nodes": [{"name": "local", "host": "127.0.0.1"}],
         "pool": {
-            "master": {"node": "local", "port": p[1], "metrics_port": p[2]},
+            "master": {"node": "local", "port": p[1], "metrics_port": p[2], "client_ttl_s": 3},
             "stores": [
                 {"node": "local", "numa_node": i, "size": "16MiB", "metrics_port": p[3 + i]}
                 for i in range(2)
@@ -109,6 +114,8 @@ def cluster(tmp_path_factory, tiny_parallel_dir: Path, weights_cache_dir: str):
     c = PPPoolCluster(config, state, f"http://127.0.0.1:{p[0]}", "", "", "pp-pool-model", "pp-pool")
     c.prefill_metrics_url = f"http://127.0.0.1:{p[5]}"
     c.fault_dir = faults
+    c.master_metrics_port = p[2]
+    c.store_metrics_ports = (p[3], p[4])
     yield c
     res = c.down()
     assert res.returncode == 0, res.stderr
@@ -228,3 +235,57 @@ def test_load_failed_on_one_stage_recomputes_only_that_request(cluster: PPPoolCl
     assert len(short) == 1 and short[0][0] == CHUNK, got
     assert all(pool == full for pool, full in got if (pool, full) != short[0]), got
     assert cluster.metric("kvserve_pool_failures_total", op="load", reason="injected") > before
+
+
+def _kill_and_wait(c: PPPoolCluster, name: str, health: str) -> None:
+    old = c.pids()[name]
+    os.kill(old, signal.SIGKILL)
+
+    def back() -> bool:
+        try:
+            return c.pids()[name] != old and httpx.get(health, timeout=1).status_code == 200
+        except (httpx.HTTPError, KeyError, OSError):
+            return False
+
+    assert wait_until(back, timeout_s=40, interval_s=0.2), f"{name} did not come back"
+
+
+@pytest.mark.slow
+def test_store_and_master_killed_every_stage_recomputes_then_pools_again(
+    cluster: PPPoolCluster, reference
+):
+    """SIGKILL a store, then the master, under a PP 2 prefill: every turn succeeds with the
+    cold run's output; once they are back both stages save and restore again (each stage
+    process's breaker closed on its own)."""
+    sessions = [Session(40 + i, reference, 200) for i in range(3)]
+    for s in sessions:
+        s.turn(cluster, 0)
+    cluster.reset()
+    store0 = f"http://127.0.0.1:{cluster.store_metrics_ports[0]}/health"
+    master = f"http://127.0.0.1:{cluster.master_metrics_port}/health"
+    os.kill(cluster.pids()["pool-store-0"], signal.SIGKILL)
+    for s in sessions:  # objects on the dead store fail to load: recomputed, same output
+        s.turn(cluster, 1)
+    assert wait_until(
+        lambda: httpx.get(store0, timeout=1).status_code == 200, timeout_s=40, interval_s=0.2
+    )
+    _kill_and_wait(cluster, "pool-master", master)
+    cluster.reset()
+    for s in sessions:
+        s.turn(cluster, 2)  # lookups may fail: computed, same output
+    before = {
+        st: cluster.metric("kvserve_pool_stage_objects_total", stage=st, op="load")
+        for st in ("0", "1")
+    }
+    deadline = time.monotonic() + 60
+    while True:  # pooling resumes once the stores remounted and the breakers closed
+        s = Session(int(time.monotonic() * 1000) % 10_000 + 100, reference, 200)
+        s.turn(cluster, 0)
+        cluster.reset()
+        details, _ = s.turn(cluster, 1)
+        if details["pool_tokens"] > 0:
+            break
+        assert time.monotonic() < deadline, "pooling did not resume"
+        time.sleep(1)
+    for st in ("0", "1"):
+        assert cluster.metric("kvserve_pool_stage_objects_total", stage=st, op="load") > before[st]

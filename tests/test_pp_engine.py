@@ -143,3 +143,14 @@ def test_abort_in_flight_and_meta_in_order(tiny_parallel_dir, weights_cache_dir,
     assert reports[0][0].startswith(b"keep:0-") and reports[0][0] == reports[0][1]
     assert all(len(r) == 2 for r in reports)
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_steps_on_the_ring_keep_the_engine_busy(tiny_parallel_dir, weights_cache_dir, prompts):
+    engine, pipe, _ = _engines(tiny_parallel_dir, weights_cache_dir, 2)
+    rid = engine.add_request(prompts[1], PARAMS, "gone")
+    engine.step()  # its first chunk is on the ring
+    assert engine.abort(rid) and not engine.scheduler.has_work()
+    assert engine.has_unfinished()  # the step in flight must still be collected
+    while engine.has_unfinished():
+        assert engine.step() == []  # the aborted request's token is dropped
+    assert not pipe._results  # every step collected, in order

@@ -63,6 +63,10 @@ class PipelinedEngine(LLMEngine):
         self.kv_worker = worker
         self.pipeline.set_kv_worker(worker)
 
+    def has_unfinished(self) -> bool:
+        """Steps still on the ring count: their results must be collected, in order."""
+        return super().has_unfinished() or bool(self._in_flight)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The last stage samples from SampleRow alone: no prompt tokens, grammar state or
         top alternatives travel around the ring yet, so requests needing them are refused
