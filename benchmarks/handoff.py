@@ -6,9 +6,10 @@ landing buffer in another process, over Mooncake tcp on 127.0.0.1.
 Workload (seeded): SmolLM2-135M-shaped KV, 30 layers x 3 KV heads x head_dim 64, float32,
 block size 16 (46,080 bytes per token: 8K tokens = 377 MB), blocks in a random order.
 Cases, each checked byte for byte in the receiver (sha256) before it is timed:
-  gathered, one send     HandoffSender.send of all tokens, staging >= the segment:
-                         gather + ceil(bytes / 8 MiB) writes
-  gathered, streamed     one send per 512-token prefill chunk (the worker's pattern)
+  gathered, one send     gather of all tokens into a registered staging buffer (kv_pack),
+                         then one Transport.write: ceil(bytes / 8 MiB) ops
+  gathered, streamed     the same per 512-token prefill chunk (the worker's pattern;
+                         benchmarks/handoff_async.py runs the real sender threads)
   gather only / write only   the two halves of the one-send case
   per-token batched      one op per (token, layer, K|V) straight from the paged cache,
                          in batches of 1024; timed on a token prefix, extrapolated
@@ -33,7 +34,6 @@ import torch
 from protocol.kv_layout import KVLayout
 from protocol.messages import LandingInfo
 from transfer import (
-    HandoffSender,
     LocalTransport,
     Transport,
     TransportConfig,
@@ -145,8 +145,19 @@ def main() -> None:
                 raise SystemExit(f"{what}: landed bytes differ from the reference")
 
         # (a) gathered writes, staging big enough for the whole segment.
-        sender = HandoffSender(te, total)
-        one_send = lambda: sender.send(caches, table, 0, n, landing, 0)[1]  # noqa: E731
+        staging_buf = torch.empty(total, dtype=torch.uint8)
+        te.register_buffer(staging_buf.data_ptr(), total)
+
+        def send(a: int, b: int, offset: int) -> WriteStats:
+            out = staging_buf[: (b - a) * LAYOUT.bytes_per_token].view(torch.float32)
+            out = out.view(LAYOUT.num_layers, 2, b - a, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+            gather(caches, table, a, b, out)
+            nbytes = (b - a) * LAYOUT.bytes_per_token
+            return te.write(
+                landing.peer, staging_buf.data_ptr(), landing.buffer_addr + offset, nbytes
+            )
+
+        one_send = lambda: send(0, n, 0)  # noqa: E731
         probe.fill(0)
         stats = one_send()
         check("one send", 0, expect)
@@ -162,10 +173,7 @@ def main() -> None:
         def streamed() -> WriteStats:
             acc = WriteStats()
             for a in range(0, n, args.chunk_tokens):
-                _, s = sender.send(
-                    caches, table, a, min(a + args.chunk_tokens, n), landing, acc.num_bytes
-                )
-                acc += s
+                acc += send(a, min(a + args.chunk_tokens, n), acc.num_bytes)
             return acc
 
         probe.fill(0)
@@ -183,7 +191,7 @@ def main() -> None:
             )
         )
 
-        staging = sender.staging[:total].view(torch.float32).view(expect.shape)
+        staging = staging_buf.view(torch.float32).view(expect.shape)
         rows.append(
             row(
                 "gather only (pack into staging)",
@@ -192,7 +200,7 @@ def main() -> None:
                 timed(lambda: gather(caches, table, 0, n, staging), args.reps),
             )
         )
-        write = lambda: te.write(probe.peer, sender.staging.data_ptr(), probe.buffer_addr, total)  # noqa: E731
+        write = lambda: te.write(probe.peer, staging_buf.data_ptr(), probe.buffer_addr, total)  # noqa: E731
         rows.append(
             row("write only (staging -> landing)", total, stats.num_ops, timed(write, args.reps))
         )

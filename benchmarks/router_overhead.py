@@ -4,9 +4,10 @@ A pair of instant stand-in workers (raw ASGI, canned answers, one process) speak
 protocol/messages.py. Two paths are timed in the same run, with the same client (the
 router's own keep-alive HTTP/1.1 pool, router/http1.py: httpx would be the bottleneck):
 
-  direct   the client itself does admit -> prefill stream -> decode stream (3 HTTP calls)
+  direct   the client itself opens decode's stream (DecodeReady, then tokens: the
+           stand-in answers at once) and prefill's (2 HTTP calls)
   router   the client sends one OpenAI /v1/completions; the router validates, tokenizes,
-           routes, makes the same 3 calls, detokenizes and answers in OpenAI's shape
+           routes, makes the same 2 calls, detokenizes and answers in OpenAI's shape
 
 so router minus direct is what the router adds. Latency: sequential requests, p50/p99.
 Throughput: `--concurrency` clients for `--seconds`. Correctness first: the router's
@@ -36,12 +37,9 @@ import msgspec
 from protocol.kv_layout import KVLayout
 from protocol.messages import (
     PROTOCOL_VERSION,
-    AdmitRequest,
-    AdmitResponse,
+    DecodeReady,
     DecodeRequest,
     FirstToken,
-    HandoffDone,
-    KVSegment,
     LandingInfo,
     PrefillRequest,
     PromptUsage,
@@ -76,22 +74,17 @@ def worker_app(tokens: list[int]) -> Callable[..., Awaitable[None]]:
             if not msg.get("more_body"):
                 break
         path = scope["path"]
-        if path == "/admit":
-            rid = msgspec.json.decode(body, type=AdmitRequest).request_id
-            out = msgspec.json.encode(AdmitResponse(rid, [landing]))
-        elif path == "/prefill":
+        if path == "/prefill":
             req = msgspec.json.decode(body, type=PrefillRequest)
             n = len(req.prompt_token_ids)
             usage = PromptUsage(n, 0, 0, n)
             finish = "length" if req.params.max_tokens == 1 else None
             out = encode_line(FirstToken(req.request_id, tokens[0], None, usage, finish))
-            if req.landing:
-                seg = KVSegment(0, n, 0, n * _LAYOUT.bytes_per_token)
-                out += encode_line(HandoffDone(req.request_id, [seg], seg.num_bytes, 1, 0.0))
         elif path == "/decode":
             req_d = msgspec.json.decode(body, type=DecodeRequest)
             limit = min(n_out, req_d.params.max_tokens)
-            out = b"".join(
+            ready = DecodeReady(req_d.request_id, [landing], "http://127.0.0.1:0/kv_notify")
+            out = encode_line(ready) + b"".join(
                 encode_line(
                     TokenBatch(
                         req_d.request_id,
@@ -195,24 +188,15 @@ class Paths:
         self.count += 1
         rid = f"bench-{self.count}"
         enc = msgspec.json.encode
-        admit = AdmitRequest(PROTOCOL_VERSION, rid, len(self.prompt_ids), NUM_OUTPUT_TOKENS)
-        r = await self._post(self.decode + "/admit", enc(admit))
-        landing = msgspec.json.decode(r, type=AdmitResponse).landing
-        prefill = PrefillRequest(PROTOCOL_VERSION, rid, self.prompt_ids, self.params, landing)
+        decode = DecodeRequest(PROTOCOL_VERSION, rid, self.prompt_ids, self.params)
+        d_lines = (await self._post(self.decode + "/decode", enc(decode))).splitlines()
+        ready = msgspec.json.decode(d_lines[0], type=DecodeReady)
+        prefill = PrefillRequest(
+            PROTOCOL_VERSION, rid, self.prompt_ids, self.params, ready.landing, ready.notify_url
+        )
         lines = (await self._post(self.prefill + "/prefill", enc(prefill))).splitlines()
         first = msgspec.json.decode(lines[0], type=FirstToken)
-        handoff = msgspec.json.decode(lines[1], type=HandoffDone)
-        decode = DecodeRequest(
-            PROTOCOL_VERSION,
-            rid,
-            self.prompt_ids,
-            first.token_id,
-            None,
-            self.params,
-            handoff.segments,
-        )
-        r = await self._post(self.decode + "/decode", enc(decode))
-        batches = [msgspec.json.decode(line, type=TokenBatch) for line in r.splitlines()]
+        batches = [msgspec.json.decode(line, type=TokenBatch) for line in d_lines[1:]]
         return [first.token_id] + [t for b in batches for t in b.token_ids]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
+from decode_worker.ranks import landing_bytes
 from decode_worker.service import DecodeService
 from decode_worker.startup import start_ranks
 from enginehost.host import EngineHost
@@ -12,16 +13,18 @@ from enginehost.metrics import serve_metrics_port
 from enginehost.startup import load_instance, serve
 from transfer import LandingArena, TransportConfig, create_transport
 
+QUARANTINE_MARGIN_S = 5.0
+"""Beyond the transport's write timeout: a write still in flight has failed by then."""
+
 
 def main(argv: list[str] | None = None) -> int:
     ctx = load_instance("decode", argv)
     cluster, node, info = ctx.cluster, ctx.node, ctx.info
     inst = cluster.decode_instance(ctx.instance.name)
-    transport = create_transport(
-        TransportConfig(name="mooncake", host=node.host, protocol=inst.transfer.protocol)
+    transport_config = TransportConfig(
+        name="mooncake", host=node.host, protocol=inst.transfer.protocol
     )
-    landing_bytes = int(inst.landing_memory) // 4096 * 4096
-    arena = LandingArena(landing_bytes, transport)
+    arena = LandingArena(landing_bytes(inst), create_transport(transport_config))
     ranks = start_ranks(ctx.config_path, cluster, inst, info, arena)
     engine = ranks.engine
     host = EngineHost(engine)
@@ -30,10 +33,13 @@ def main(argv: list[str] | None = None) -> int:
         host,
         arena,
         ranks=ranks.landings,
+        receiver=ranks.receiver,
+        notify_url=f"http://{node.host}:{inst.port}/kv_notify",
         admit_timeout_s=cluster.router.admission.wait_timeout_s,
-        landing_ttl_s=cluster.router.request_timeout_s,
+        quarantine_s=transport_config.write_timeout_s + QUARANTINE_MARGIN_S,
         num_devices=len(inst.devices),
     )
+    ranks.worker.on_scatter = service.metrics.scatter_seconds.observe
     serve_metrics_port(service.registry, node.host, inst.metrics_port)
     app = service.app()
     tasks: list[asyncio.Task[None]] = []
@@ -48,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in tasks:
             t.cancel()
         host.stop()
+        ranks.receiver.close()
         ranks.stop()
 
     serve(app, node.host, inst.port, cluster.log_level)

@@ -3,8 +3,10 @@
     kvserve_generated_tokens_total{instance, role}       tokens decode sampled and streamed
     kvserve_decode_requests_total{instance, outcome}     finished | aborted | rejected |
                                                          no_landing | no_kv | failed
-    kvserve_landing_wait_seconds{instance}               /admit waiting for landing space
-    kvserve_decode_scatter_seconds{instance, rank}       landing -> paged KV, one request
+    kvserve_landing_wait_seconds{instance}               /decode waiting for landing space
+    kvserve_decode_scatter_seconds{instance, rank}       landing ring -> paged KV, one piece
+    kvserve_handoff_flows_total{instance, result}        prefill stage flows closed: ok |
+                                                         failed | aborted
     kvserve_landing_used_bytes{instance, rank}           landing bytes held by requests
     kvserve_landing_capacity_bytes{instance, rank}       the landing arena's size
 
@@ -22,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from enginehost.host import EngineHost
 from enginehost.metrics import engine_registry
+from protocol.messages import FlowClosed
 from transfer import LandingArena
 
 OUTCOMES = ("finished", "aborted", "rejected", "no_landing", "no_kv", "failed")
@@ -81,18 +84,36 @@ class DecodeMetrics:
             self.requests.labels(instance, outcome)
         self.landing_wait = Histogram(
             "kvserve_landing_wait_seconds",
-            "Time /admit waited for landing space (back-pressure from decode)",
+            "Time /decode waited for landing space (back-pressure from decode)",
             ["instance"],
             buckets=LANDING_WAIT_BUCKETS_S,
             registry=r,
         ).labels(instance)
+        self.flows = Counter(
+            "kvserve_handoff_flows",
+            "Prefill stage flows of the handoff closed at this decode instance, by result",
+            ["instance", "result"],
+            registry=r,
+        )
+        for result in ("ok", "failed", "aborted"):
+            self.flows.labels(instance, result)
         self.scatter_seconds = Histogram(
             "kvserve_decode_scatter_seconds",
-            "Scatter of one request's landed KV into paged KV",
+            "Scatter of one landed piece of KV into paged KV",
             ["instance", "rank"],
             buckets=SCATTER_BUCKETS_S,
             registry=r,
         ).labels(instance, str(rank))
+
+    def flow_closed(self, notice: FlowClosed) -> None:
+        """A prefill stage closed its flow of a request (event loop)."""
+        if notice.error is None:
+            result = "ok"
+        elif notice.error == "aborted":
+            result = "aborted"
+        else:
+            result = "failed"
+        self.flows.labels(self.instance, result).inc()
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(self.instance, outcome).inc()

@@ -4,13 +4,14 @@ buffers.
     rank 0 (python -m decode_worker: HTTP, scheduler, rank 0's shard)
         spawns ranks 1.. (python -m decode_worker.ranks), joins their process group,
         receives each rank's RankLanding (transfer peer, landing buffer address)
-    every rank: its own Mooncake transport and landing buffer of landing_memory bytes
+    every rank: its own Mooncake transport, landing buffer of landing_memory bytes, and
+        KV connector worker (decode_worker/receiver.py LandingWorker) that scatters its
+        segments of every landed piece into its pages, before the step's forward
 
 One landing region per request, at the SAME offset in every rank's buffer (rank 0's
-arena allocates it, sized for the rank with the most tokens), so one LandingInfo per
-rank is just base_r + offset. /decode scatters with a RankCommand: every rank unpacks
-its segments into its own pages before the request's first step, and rank 0 frees the
-region only after every rank acknowledged.
+arena allocates it, sized for the rank with the most tokens, at most a share of the
+arena: longer prompts stream through it as a ring), so one LandingInfo per rank is just
+base_r + offset.
 """
 
 from __future__ import annotations
@@ -20,40 +21,19 @@ import logging
 import os
 import sys
 
-import msgspec
-import torch
-
-from engine.parallel.tp_runner import TPExecutor
+from protocol.cluster import DecodeConfig
 from protocol.kv_layout import KVLayout
-from protocol.messages import KVSegment, LandingInfo
+from protocol.messages import LandingInfo
 from protocol.parallel import DecodeRankShard
-from protocol.rank_messages import LandingScatter, RankLanding, encode
-from transfer import KVShard, LandingArena, LandingRegion, rank_landing_bytes, scatter_segments
+from protocol.rank_messages import RankLanding, encode
+from transfer import LandingArena, LandingRegion, rank_landing_bytes
 
 log = logging.getLogger(__name__)
-
-_scatter = msgspec.msgpack.Decoder(LandingScatter)
-
-
-class ScatterHook:
-    """Runs on every rank: unpacks its segments of a landed request into its pages."""
-
-    def __init__(self, arena: LandingArena, layout: KVLayout, shard: DecodeRankShard) -> None:
-        self.arena, self.layout, self.shard = arena, layout, shard
-        self.stripe = KVShard(dcp_size=shard.dcp_size, dcp_rank=shard.dcp_rank)
-
-    def __call__(self, payload: bytes, kv_caches: list[torch.Tensor]) -> str | None:
-        cmd = _scatter.decode(payload)
-        region = self.arena.mirror(cmd.request_id, cmd.offset_bytes, cmd.nbytes)
-        mine = [s for s in cmd.segments if s.rank == self.shard.rank]
-        scatter_segments(region, mine, self.layout, kv_caches, cmd.block_table, self.stripe)
-        return None
 
 
 class RankLandings:
     """Rank 0's view of the instance: every rank's shard, cache layout and landing buffer;
-    sizes regions, describes them to prefill, and scatters landed requests on all ranks.
-    Engine thread for `scatter`; the rest is pure."""
+    sizes regions and describes them to prefill. Pure."""
 
     def __init__(
         self,
@@ -61,11 +41,9 @@ class RankLandings:
         layout: KVLayout,
         shards: list[DecodeRankShard],
         landings: list[RankLanding],
-        executor: TPExecutor | None,
-        local_hook: ScatterHook,
     ) -> None:
         self.arena, self.layout, self.shards = arena, layout, shards
-        self.landings, self.executor, self.local_hook = landings, executor, local_hook
+        self.landings = landings
 
     @property
     def num_ranks(self) -> int:
@@ -94,23 +72,10 @@ class RankLandings:
             for s, lr in zip(self.shards, self.landings, strict=True)
         ]
 
-    def scatter(
-        self,
-        region: LandingRegion,
-        segments: list[KVSegment],
-        kv_caches: list[torch.Tensor],
-        block_table: list[int],
-    ) -> None:
-        """Every rank unpacks its segments (engine thread, inside admit_prefilled)."""
-        cmd = LandingScatter(
-            region.request_id, region.offset_bytes, region.nbytes, block_table, segments
-        )
-        if self.executor is None:
-            error = self.local_hook(encode(cmd), kv_caches)
-            if error is not None:
-                raise RuntimeError(error)
-        else:
-            self.executor.run_command(encode(cmd))
+
+def landing_bytes(inst: DecodeConfig) -> int:
+    """Every rank's landing buffer: landing_memory, in whole 4 KiB pages."""
+    return int(inst.landing_memory) // 4096 * 4096
 
 
 def rank_landing(rank: int, arena: LandingArena) -> RankLanding:
@@ -149,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parent-pid", type=int, required=True)
     args = ap.parse_args(argv)
 
+    from decode_worker.receiver import LandingWorker
     from engine.parallel.comm import init_parallel, send_bytes, shutdown_parallel
     from engine.parallel.procs import die_with_parent
     from engine.parallel.tp_runner import build_tp_rank, serve_rank
@@ -190,10 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         transport = create_transport(
             TransportConfig(name="mooncake", host=node.host, protocol=inst.transfer.protocol)
         )
-        arena = LandingArena(int(inst.landing_memory) // 4096 * 4096, transport)
+        arena = LandingArena(landing_bytes(inst), transport)
         send_bytes(encode(rank_landing(args.rank, arena)), 0, ctx.cpu_group)
         log.info("rank %d ready: %s", args.rank, rank.shard)
-        serve_rank(rank, ctx, ScatterHook(arena, rank.layout, rank.shard))
+        worker = LandingWorker(arena, rank.layout, args.rank)
+        serve_rank(rank, ctx, None, worker)
     finally:
         shutdown_parallel()
     return 0

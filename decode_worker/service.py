@@ -1,14 +1,16 @@
 """The decode instance's HTTP service.
 
-    POST /admit   AdmitRequest  -> AdmitResponse  (a landing region, one LandingInfo per
-                  rank; waits while full)
-    POST /decode  DecodeRequest -> NDJSON TokenBatch stream
-                  checks every flow (prefill stage x rank) landed in full, then every
-                  rank scatters its landing -> pages (engine.admit_prefilled), region
-                  freed, then one TokenBatch per step (coalesced when the reader lags)
+    POST /decode     DecodeRequest -> NDJSON stream, opened BEFORE prefill runs:
+                     landing region allocated (waits while the arena is full), request
+                     added to the engine, which reserves its pages and keeps it in
+                     WAITING_FOR_KV (decode_worker/receiver.py) -> DecodeReady (landing,
+                     notify URL) -> TokenBatch ... once prefill's KV and first token are in
+    POST /kv_notify  HandoffNotice from prefill's stages (SegmentsLanded answered after the
+                     scatter: 200, or 410 when the request is gone), PrefillFirstToken,
+                     FlowClosed
 
-A landing region lives from /admit until its KV is scattered, an abort, or the landing
-TTL (a router that died between /admit and /decode must not leak it).
+A landing region lives until no write into it can be in flight (receiver.py); one given
+up whose prefill never closed its flows is freed after the landing quarantine.
 """
 
 from __future__ import annotations
@@ -18,32 +20,36 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-import torch
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from decode_worker.metrics import DecodeMetrics
 from decode_worker.ranks import RankLandings
+from decode_worker.receiver import HandoffReceiver
 from engine.llm_engine import LLMEngine, RequestOutput
-from enginehost.app import base_app, error_response, json_response, read_message
+from enginehost.app import base_app, error_response, read_message
 from enginehost.host import EngineHost
 from enginehost.kv_events import KVReporter
 from protocol.errors import InvalidRequestError, PromptTooLongError
-from protocol.ids import BlockId
 from protocol.messages import (
-    AdmitRequest,
-    AdmitResponse,
+    AbortRequest,
+    DecodeReady,
     DecodeRequest,
     ErrorEvent,
+    FlowClosed,
+    HandoffNotice,
     InstanceStatus,
+    PrefillFirstToken,
+    SegmentsLanded,
     TokenBatch,
     encode_line,
 )
-from transfer import LandingArena, LandingTooLargeError, check_flows
-from transfer.errors import LandingError
+from transfer import LandingArena
 
 log = logging.getLogger(__name__)
-ADMIT_RETRY_S = 0.005
+
+_notice = msgspec.json.Decoder(HandoffNotice)  # type: ignore[var-annotated]
 
 
 class DecodeService:
@@ -56,8 +62,10 @@ class DecodeService:
         arena: LandingArena,
         *,
         ranks: RankLandings,
+        receiver: HandoffReceiver,
+        notify_url: str,
         admit_timeout_s: float,
-        landing_ttl_s: float,
+        quarantine_s: float,
         num_devices: int = 1,
     ) -> None:
         self.name = name
@@ -65,13 +73,15 @@ class DecodeService:
         self.arena = arena
         """Rank 0's landing arena: it allocates one offset for every rank's buffer."""
         self.ranks = ranks
+        self.receiver = receiver
+        self.notify_url = notify_url
         self.admit_timeout_s = admit_timeout_s
-        self.landing_ttl_s = landing_ttl_s
-        self._admitted_at: dict[str, float] = {}
+        self.quarantine_s = quarantine_s
         self.kv_reporter = KVReporter(name, "decode", host, record_block_events=False)
         """GET /info and /kv_events (load only) for decode choice and the admission gate."""
         self.metrics = DecodeMetrics(name, host, arena, num_devices)
         self.registry = self.metrics.registry
+        receiver.on_flow_closed = self.metrics.flow_closed
 
     def status(self) -> InstanceStatus:
         """Engine thread."""
@@ -81,7 +91,7 @@ class DecodeService:
             role="decode",
             healthy=True,
             num_running=len(e.scheduler.running),
-            num_waiting=len(e.scheduler.waiting),
+            num_waiting=len(e.scheduler.waiting) + len(e.scheduler.loading),
             kv_blocks_total=e.pool.num_blocks,
             kv_blocks_free=e.pool.num_free_blocks,
             landing_bytes_total=self.arena.total_bytes,
@@ -89,44 +99,41 @@ class DecodeService:
         )
 
     def app(self) -> FastAPI:
-        app = base_app(self.host, self.status, self.registry, on_abort=self.free_landing)
+        app = base_app(self.host, self.status, self.registry, on_abort=self.on_abort)
         self.kv_reporter.install(app)
-        app.post("/admit")(self.admit)
         app.post("/decode")(self.decode)
+        app.post("/kv_notify")(self.kv_notify)
         return app
 
-    def free_landing(self, request_id: str) -> None:
-        self._admitted_at.pop(request_id, None)
-        self.arena.free(request_id)
+    def on_abort(self, msg: AbortRequest) -> None:
+        self.receiver.abort(msg.request_id, msg.prefill_contacted)
 
     async def reap_landing(self) -> None:
-        """Free regions whose /decode never came (runs forever on the event loop)."""
+        """Free regions whose prefill never closed its flows (runs on the event loop)."""
         while True:
-            await asyncio.sleep(min(5.0, self.landing_ttl_s))
-            now = time.monotonic()
-            for rid, t in list(self._admitted_at.items()):
-                if now - t > self.landing_ttl_s:
-                    log.warning("landing region of %s expired unused; freeing it", rid)
-                    self.free_landing(rid)
+            await asyncio.sleep(min(1.0, self.quarantine_s))
+            for rid in self.receiver.reap(self.quarantine_s):
+                log.warning("landing region of %s freed after the quarantine", rid)
 
-    async def admit(self, request: Request) -> Response:
-        msg = await read_message(request, AdmitRequest)
+    # -- the request ------------------------------------------------------------------------
+    async def decode(self, request: Request) -> Response:
+        msg = await read_message(request, DecodeRequest)
         if isinstance(msg, Response):
             return msg
-        assert isinstance(msg, AdmitRequest)
+        assert isinstance(msg, DecodeRequest)
         rid = msg.request_id
         try:
-            await self.host.call(lambda e: e.check_fits(msg.num_prompt_tokens, msg.max_tokens))
-            nbytes = self.ranks.region_bytes(msg.num_prompt_tokens)
-            waited_from = time.monotonic()
-            region = await asyncio.to_thread(self.arena.allocate, rid, nbytes, self.admit_timeout_s)
-            self.metrics.landing_wait.observe(time.monotonic() - waited_from)
-        except (PromptTooLongError, LandingTooLargeError) as e:
+            await self.host.call(lambda e: e.validate(msg.prompt_token_ids, msg.params))
+        except (InvalidRequestError, PromptTooLongError) as e:
             self.metrics.outcome("rejected")
             return error_response(400, str(e), rid)
-        except LandingError as e:
+        if self.receiver.holds(rid):
             self.metrics.outcome("rejected")
-            return error_response(409, str(e), rid)
+            return error_response(409, f"request id {rid!r} is already in use", rid)
+        nbytes = self.ranks.region_bytes(len(msg.prompt_token_ids))
+        waited_from = time.monotonic()
+        region = await asyncio.to_thread(self.arena.allocate, rid, nbytes, self.admit_timeout_s)
+        self.metrics.landing_wait.observe(time.monotonic() - waited_from)
         if region is None:
             self.metrics.outcome("no_landing")
             return error_response(
@@ -135,81 +142,52 @@ class DecodeService:
                 f"{self.admit_timeout_s:.0f}s; retry later",
                 rid,
             )
-        self._admitted_at[rid] = time.monotonic()
-        infos = self.ranks.landing_infos(region)
-        return json_response(AdmitResponse(request_id=rid, landing=infos))
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
 
-    async def decode(self, request: Request) -> Response:
-        msg = await read_message(request, DecodeRequest)
-        if isinstance(msg, Response):
-            return msg
-        assert isinstance(msg, DecodeRequest)
-        rid = msg.request_id
-        region = self.arena.region(rid)
-        if region is None:
-            self.metrics.outcome("rejected")
-            return error_response(409, f"request {rid} holds no landing region: /admit first", rid)
-        problem = check_flows(
-            msg.segments,
-            len(msg.prompt_token_ids),
-            self.ranks.num_ranks,
-            self.ranks.layout.num_layers,
-        )
-        if problem is not None:
-            self.metrics.outcome("rejected")
-            self.free_landing(rid)
-            return error_response(400, f"bad KV segments for {rid}: {problem}", rid)
+        def resolve() -> None:
+            if not ready.done():
+                ready.set_result(None)
 
-        def fill(kv_caches: list[torch.Tensor], table: list[BlockId]) -> None:
-            started = time.perf_counter()
-            self.ranks.scatter(region, msg.segments, kv_caches, list(table))
-            self.metrics.scatter_seconds.observe(time.perf_counter() - started)
+        def on_ready() -> None:  # engine thread: the pages are reserved
+            loop.call_soon_threadsafe(resolve)
 
-        def admit(e: LLMEngine) -> RequestOutput | None:
-            return e.admit_prefilled(
-                msg.prompt_token_ids,
-                msg.first_token_id,
-                msg.first_logprob,
-                msg.params,
-                rid,
-                fill,
-                msg.first_top_logprobs,
-            )
-
+        self.receiver.expect(rid, region, len(msg.prompt_token_ids), on_ready)
         queue = self.host.open_stream(rid)
-        deadline = time.monotonic() + self.admit_timeout_s
         try:
-            while (first := await self.host.call(admit)) is None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                await asyncio.sleep(ADMIT_RETRY_S)
+            await self.host.call(lambda e: e.add_request(msg.prompt_token_ids, msg.params, rid))
+            await asyncio.wait_for(asyncio.shield(ready), self.admit_timeout_s)
         except (InvalidRequestError, PromptTooLongError) as e:
-            self.host.close_stream(rid)
-            self.free_landing(rid)
+            await self._give_up(rid)
             self.metrics.outcome("rejected")
             return error_response(400, str(e), rid)
         except TimeoutError:
-            self.host.close_stream(rid)
-            self.free_landing(rid)
+            await self._give_up(rid)
             self.metrics.outcome("no_kv")
             return error_response(
                 503,
-                f"decode instance {self.name} had no KV space for "
-                f"{rid} within {self.admit_timeout_s:.0f}s",
+                f"decode instance {self.name} had no KV space for {rid} within "
+                f"{self.admit_timeout_s:.0f}s; retry later",
                 rid,
             )
-        self.free_landing(rid)  # scattered into pages: the landing bytes are free again
-        return StreamingResponse(self._events(rid, queue, first), media_type="application/x-ndjson")
+        except BaseException:
+            await self._give_up(rid)
+            raise
+        ready_line = DecodeReady(rid, self.ranks.landing_infos(region), self.notify_url)
+        return StreamingResponse(
+            self._events(rid, queue, encode_line(ready_line)), media_type="application/x-ndjson"
+        )
 
-    async def _events(self, rid: str, queue, first: RequestOutput) -> AsyncIterator[bytes]:  # type: ignore[no-untyped-def]
-        finished = first.finished
+    async def _give_up(self, rid: str) -> None:
+        """Nothing was sent to prefill yet: free the engine request and the region now."""
+        self.host.close_stream(rid)
+        await asyncio.shield(self.host.call(lambda e: e.abort(rid)))
+        self.receiver.abort(rid, prefill_contacted=False)
+
+    async def _events(self, rid: str, queue, ready_line: bytes) -> AsyncIterator[bytes]:  # type: ignore[no-untyped-def]
+        finished = False
         try:
-            if finished:
-                self.metrics.outcome("finished")
-                yield encode_line(
-                    TokenBatch(rid, [], [], first.finish_reason, first.num_output_tokens)
-                )
-                return
+            yield ready_line
             while not finished:
                 items = [await queue.get()]
                 while not queue.empty():
@@ -246,6 +224,38 @@ class DecodeService:
                 )
         finally:
             self.host.close_stream(rid)
-            if not finished:  # the router went away mid-stream: free the KV now
+            if not finished:  # the router went away: free the KV now (landing: fenced)
                 self.metrics.outcome("aborted")
                 await self.host.call(lambda e: e.abort(rid))
+
+    # -- prefill's notices ----------------------------------------------------------------------
+    async def kv_notify(self, request: Request) -> Response:
+        try:
+            notice = _notice.decode(await request.body())
+        except msgspec.DecodeError as e:
+            return error_response(400, f"invalid HandoffNotice: {e}")
+        rid = notice.request_id
+        if isinstance(notice, SegmentsLanded):
+            ok = await asyncio.wrap_future(self.receiver.landed(notice))
+        elif isinstance(notice, FlowClosed):
+            self.receiver.closed(notice)
+            ok = True
+        else:
+            ok = await self.host.call(lambda e: self._first_token(e, notice))
+        if not ok:
+            return error_response(410, f"decode no longer holds request {rid}", rid)
+        return Response(b"{}", media_type="application/json")
+
+    def _first_token(self, e: LLMEngine, notice: PrefillFirstToken) -> bool:
+        """Engine thread: continue the waiting request after prefill's first token."""
+        if not self.receiver.holds(notice.request_id):
+            return False
+        out = e.append_remote_token(
+            notice.request_id, notice.token_id, notice.logprob, notice.top_logprobs
+        )
+        if out is None:
+            return False
+        self.receiver.first_token(notice.request_id)
+        if out.finished:  # the token ended it here (it did not at prefill): report it
+            self.host.deliver(out)
+        return True

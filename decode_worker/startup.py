@@ -1,5 +1,6 @@
 """Rank 0 of a decode instance brings up its engine: in this process alone (TP 1), or
-over TP ranks it spawns (decode_worker/ranks.py) and joins in one process group."""
+over TP ranks it spawns (decode_worker/ranks.py) and joins in one process group; then
+plugs in the handoff receiver (decode_worker/receiver.py) as the engine's KV connector."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from decode_worker.ranks import RankLandings, ScatterHook, rank_argv, rank_landing
+from decode_worker.ranks import RankLandings, rank_argv, rank_landing
+from decode_worker.receiver import HandoffReceiver, LandingWorker
 from engine.llm_engine import LLMEngine
 from engine.parallel.comm import init_parallel, recv_bytes
 from engine.parallel.procs import ChildProcesses, rendezvous
@@ -26,10 +28,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DecodeRanks:
-    """What rank 0 runs: the engine, the ranks' landings, and the processes of ranks 1.."""
+    """What rank 0 runs: the engine, the ranks' landings, the handoff receiver (the
+    engine's KV connector) with rank 0's worker, and the processes of ranks 1.."""
 
     engine: LLMEngine
     landings: RankLandings
+    receiver: HandoffReceiver
+    worker: LandingWorker
     children: ChildProcesses | None
 
     def stop(self) -> None:
@@ -55,27 +60,28 @@ def start_ranks(
         kv_cache_bytes=int(inst.kv_cache_memory),
         max_num_seqs=inst.max_num_seqs,
     )
+    children = None
     if tp == 1:
         engine = LLMEngine(info, config)
-        hook = ScatterHook(arena, engine.layout, shards[0])
-        landings = RankLandings(arena, engine.layout, shards, [rank_landing(0, arena)], None, hook)
-        return DecodeRanks(engine, landings, None)
-    init_method = rendezvous(os.environ.get("MASTER_ADDR"), inst.dist_port)
-    children = ChildProcesses(
-        [rank_argv(config_path, inst.name, r, init_method) for r in range(1, tp)],
-        "decode rank",
-        init_method,
-    )
-    ctx = init_parallel(0, tp, config.device, init_method, dcp_size=dcp)
-    engine, executor = build_tp_engine(info, config, ctx, tp, dcp)
-    layout = executor.rank.layout
-    hook = ScatterHook(arena, layout, shards[0])
-    executor.command_hook = hook
-    remote = [
-        msgspec.msgpack.decode(recv_bytes(r, ctx.cpu_group), type=RankLanding) for r in range(1, tp)
-    ]
-    log.info("TP %d x DCP %d: every rank is up (%s)", tp, dcp, [s.rank for s in shards])
-    landings = RankLandings(
-        arena, layout, shards, [rank_landing(0, arena), *remote], executor, hook
-    )
-    return DecodeRanks(engine, landings, children)
+        layout = engine.layout
+        remote: list[RankLanding] = []
+    else:
+        init_method = rendezvous(os.environ.get("MASTER_ADDR"), inst.dist_port)
+        children = ChildProcesses(
+            [rank_argv(config_path, inst.name, r, init_method) for r in range(1, tp)],
+            "decode rank",
+            init_method,
+        )
+        ctx = init_parallel(0, tp, config.device, init_method, dcp_size=dcp)
+        engine, executor = build_tp_engine(info, config, ctx, tp, dcp)
+        layout = executor.rank.layout
+        remote = [
+            msgspec.msgpack.decode(recv_bytes(r, ctx.cpu_group), type=RankLanding)
+            for r in range(1, tp)
+        ]
+        log.info("TP %d x DCP %d: every rank is up (%s)", tp, dcp, [s.rank for s in shards])
+    landings = RankLandings(arena, layout, shards, [rank_landing(0, arena), *remote])
+    receiver = HandoffReceiver(arena, len(shards), layout)
+    worker = LandingWorker(arena, layout, 0, receiver)
+    engine.set_kv_connector(receiver, worker)
+    return DecodeRanks(engine, landings, receiver, worker, children)

@@ -97,5 +97,16 @@ class KVCacheManager:
         if table:
             self.pool.free(table[::-1])
 
+    def detach(self, request: Request) -> list[BlockId]:
+        """Take the request's table out of the manager without freeing its blocks (a KV
+        connector still uses them; `free_table` frees them later)."""
+        self._num_cached.pop(request.request_id, None)
+        return self._tables.pop(request.request_id, [])
+
+    def free_table(self, table: list[BlockId]) -> None:
+        """Free blocks of a detached table, tail first."""
+        if table:
+            self.pool.free(table[::-1])
+
     def num_requests(self) -> int:
         return len(self._tables)

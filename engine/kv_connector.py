@@ -1,110 +1,228 @@
-"""KVConnector: the engine's seam to an external KV store (the prefill worker's pool).
+"""The KV connector contract: how KV enters and leaves an engine outside its forward.
 
-The engine never imports the pool. A worker hands the engine a KVConnector; "off" is
-`NoKVConnector`, which does nothing. Every method runs in the engine thread; a connector
-does its I/O on its own threads and reports back through `finished_loads`.
+A connector has two sides. The engine never imports an implementation (the pool, the P->D
+handoff); a worker hands the engine both sides with `LLMEngine.set_kv_connector`. "Off" is
+`NoConnectorScheduler` / `NoConnectorWorker`, which do nothing. `MultiConnector*`
+(engine/kv_connector_multi.py) composes several (a prefill saves to the pool and sends
+to decode).
 
-Life of a request with an external hit (all token counts are prompt positions):
+    scheduler side (KVConnectorScheduler)          worker side (KVConnectorWorker)
+    ONE per instance, in the process owning        ONE per process holding KV: every PP
+    the scheduler (prefill PP stage 0, decode      stage, every TP x DCP rank (the driver's
+    TP rank 0), engine thread only.                own too). Engine/stage thread for the
+    Never blocks on I/O.                           calls below; transfers run on its threads.
 
-    admission   GPU prefix hit = g tokens (whole blocks)
-                n = num_matched_tokens(req, g)        tokens [g, g+n) the store can give,
-                                                      ending on a chunk boundary; 0 = none
-                n > 0: blocks for [0, g+n) allocated, start_load(req, table, g, g+n),
-                       request WAITING_FOR_KV (skipped by the scheduler, others run)
-    later       finished_loads() -> LoadResult(req, k): tokens [g, g+k) are valid KV,
-                k <= n, a whole-chunk prefix of the load (0 when it failed); the request
-                runs again from g+k and computes the rest. Bytes beyond g+k that the load
-                may have written are never read before compute overwrites them.
-    each step   on_computed(req, start, end, table): KV of [start, end) was just written;
-                the connector may copy out new full chunks (saves); it must not block on
-                I/O and must finish reading the blocks before it returns (they may be
-                freed right after).
-    finish      request_finished(req): forget the request; if its load is in flight, the
-                engine keeps its blocks until that load is reported in finished_loads.
+The engine step reads schedule -> execute -> update:
 
-Contract of a load: the connector writes only the slots of tokens [token_start,
-token_end) in the blocks it was given, and nothing after it has reported the result.
+    schedule   admission of a waiting request with a GPU prefix of g tokens (whole blocks):
+                 n, is_async = get_num_new_matched_tokens(req, g)   tokens [g, g+n)
+                 n None: not known yet (a lookup in flight): the request stays waiting,
+                 the next waiting one is considered, and it is asked again next step
+                 n > 0: blocks for [0, g+n) allocated; update_state_after_alloc(req,
+                 block_ids, n); is_async -> the request waits in WAITING_FOR_KV (no budget,
+                 counts against max_num_seqs, others run); not is_async -> the tokens count
+                 as computed at once (the workers fill them in start_loads, before the forward)
+               meta = build_step_meta(StepKV of every scheduled request: the tokens
+                 [start, end) this step computes into block_ids)
+    execute    meta rides the step to every worker (protocol/rank_messages.py: StageStep,
+               RankStep); on each worker, in this order:
+                 start_loads(meta)    before the step's forward
+                 forward              (this process's layers / heads / token stripe)
+                 start_saves(meta)    after it; ordered after the step's KV writes
+                 get_finished()       -> report bytes, shipped back with the step's result
+               (a step with nothing to compute still carries meta and reports: the engine
+               polls the workers while has_pending() is true)
+    update     update_from_workers(one report per worker process, stage / rank order)
+                 -> ConnectorUpdate: finished_loads (request -> tokens valid from the
+                    load's first token; complete only when EVERY worker reported it),
+                    released (requests whose kept blocks are now free to reuse)
+
+Block lifetime: the engine is about to free a request's blocks when it finishes, is
+aborted, or is preempted (status WAITING); it calls request_finished(req, block_ids)
+first. True = a transfer still reads or writes them: the engine keeps the blocks (out of
+the request) until the request id appears in `released`. A load's blocks are never
+handed to compute before its finished_loads entry; a save must have read the step's
+KV before a later step can overwrite it (a save that copies in start_saves, in the
+stream order of the forward, needs no hold; one that reads later must hold).
+
+What may block: nothing on the scheduler side (a lookup that needs the network runs on
+the connector's thread: get_num_new_matched_tokens answers None until it is back);
+start_loads and start_saves only queue work or copy in stream order (never wait on a
+network); wait() is the one call that sleeps (the engine's idle poll).
+
+Load results: a load writes only the slots of its tokens, and nothing after it reported.
+Tokens valid = a whole-chunk prefix of the load (0 when it failed); the engine runs the
+request again from g + valid and recomputes the rest: never partial data.
+
+Metadata and reports are opaque bytes to the engine (each connector encodes its own
+msgspec messages; never pickle): they cross process boundaries inside the step messages.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
 
 from engine.request import Request
 from protocol.ids import BlockId, RequestId
+from protocol.parallel import DecodeRankShard
 
 
 @dataclass(frozen=True)
-class LoadResult:
-    """Outcome of one load: `num_tokens` valid tokens from the load's first token."""
+class WorkerPlace:
+    """Where a worker side runs: its process's pipeline stage and layers, and its decode
+    rank shard (heads, token stripe) when it is a TP x DCP rank."""
 
-    request_id: RequestId
-    num_tokens: int
+    layer_start: int
+    layer_end: int
+    stage: int = 0
+    num_stages: int = 1
+    shard: DecodeRankShard | None = None
 
 
-class KVConnector(ABC):
-    """External KV for the engine: lookups and async loads on admission, saves after
-    compute. Engine thread only (see the module docstring for the contract)."""
+@dataclass(frozen=True)
+class StepKV:
+    """KV a step computes for one request: tokens [token_start, token_end) into the
+    request's block table `block_ids` (its whole table at this step)."""
+
+    request: Request
+    token_start: int
+    token_end: int
+    block_ids: list[BlockId]
+
+
+@dataclass
+class ConnectorUpdate:
+    """What the workers' reports changed, as the engine needs it."""
+
+    finished_loads: dict[RequestId, int] = field(default_factory=dict)
+    """Request -> tokens valid from its load's first token (0: the load failed). Only
+    loads every worker finished."""
+    released: set[RequestId] = field(default_factory=set)
+    """Requests whose blocks, kept after request_finished returned True, are free now."""
+
+    def merge(self, other: ConnectorUpdate) -> None:
+        self.finished_loads.update(other.finished_loads)
+        self.released |= other.released
+
+
+class KVConnectorScheduler(ABC):
+    """The scheduler side: decides what is loaded, saved and sent; aggregates the workers'
+    reports. Engine thread of the scheduler's process only; never blocks on I/O."""
 
     @abstractmethod
-    def num_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """Tokens after `num_computed_tokens` (the GPU prefix, whole blocks) that the
-        external store holds, ending on a chunk boundary and before the request's last
-        token (its logits are needed): 0 when none. Never raises; bounded time."""
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """(n, is_async): the connector can provide tokens [num_computed_tokens,
+        num_computed_tokens + n) (num_computed_tokens: the GPU prefix, whole blocks),
+        ending before the request's last token (its logits are needed); n = 0: none;
+        n = None: not known yet (ask again next step; has_pending() is True meanwhile).
+        is_async: the tokens arrive later (finished_loads); else the workers write them
+        in start_loads of this very step, before its forward. Never raises, never
+        blocks."""
 
     @abstractmethod
-    def start_load(
-        self, request: Request, block_ids: list[BlockId], token_start: int, token_end: int
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[BlockId], num_external_tokens: int
     ) -> None:
-        """Begin filling tokens [token_start, token_end) into the request's blocks
-        (`block_ids` is its whole table) asynchronously; the result comes through
-        `finished_loads`, exactly once per call, even when it fails."""
+        """Blocks for the request's first request.num_computed_tokens (its GPU prefix) +
+        num_external_tokens tokens are allocated (`block_ids`: its whole table): plan the
+        load of [num_computed_tokens, + num_external_tokens) into them; it goes out in
+        this step's build_step_meta. Called for every admission (0: nothing to load)."""
 
     @abstractmethod
-    def finished_loads(self) -> list[LoadResult]:
-        """Loads completed since the last call (success, partial or failed)."""
+    def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
+        """What every worker does this step: loads to start, saves / sends of the KV
+        `computed` writes, cancellations. b"" when nothing."""
 
     @abstractmethod
-    def wait(self, timeout_s: float) -> None:
-        """Block until a load may have finished or `timeout_s` passed (the engine calls
-        it when nothing else can run, instead of spinning)."""
+    def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
+        """One report per worker process (stage / rank order; b"" = nothing new)."""
 
     @abstractmethod
-    def on_computed(
-        self, request: Request, token_start: int, token_end: int, block_ids: list[BlockId]
-    ) -> None:
-        """KV of tokens [token_start, token_end) was just computed into `block_ids`."""
+    def request_finished(self, request: Request, block_ids: list[BlockId]) -> bool:
+        """The request finished or was aborted (every request, once; `block_ids` may be
+        empty), or was preempted (status WAITING): the engine is about to free its blocks.
+        True = keep them until `released` names the request."""
 
-    @abstractmethod
-    def request_finished(self, request: Request) -> None:
-        """The request left the engine (finished or aborted)."""
+    def has_pending(self) -> bool:
+        """Transfers whose reports are still due: the engine keeps polling its workers
+        (empty steps) while True, even with no request to run."""
+        return False
 
     def close(self) -> None:  # noqa: B027 (optional hook: most connectors hold nothing)
-        """Stop the connector's threads and release what it holds."""
+        """Release what the scheduler side holds."""
 
 
-class NoKVConnector(KVConnector):
-    """The "off" connector: no external KV, nothing saved."""
+class KVConnectorWorker(ABC):
+    """The worker side in one process: owns that process's transfer threads and streams.
+    Calls come from the thread that runs the process's forward, in step order."""
 
-    def num_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        return 0
+    @abstractmethod
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], place: WorkerPlace) -> None:
+        """This process's paged KV (one tensor per local layer) and where it sits."""
 
-    def start_load(
-        self, request: Request, block_ids: list[BlockId], token_start: int, token_end: int
-    ) -> None:
-        raise AssertionError("NoKVConnector never matches, so nothing is ever loaded")
+    @abstractmethod
+    def start_loads(self, meta: bytes) -> None:
+        """Begin the step's loads (before its forward); never waits on I/O."""
 
-    def finished_loads(self) -> list[LoadResult]:
-        return []
+    @abstractmethod
+    def start_saves(self, meta: bytes) -> None:
+        """Begin the step's saves / sends (after its forward); never waits on I/O."""
+
+    @abstractmethod
+    def get_finished(self) -> bytes:
+        """Report of what finished (or failed) since the last call; b"" for nothing."""
 
     def wait(self, timeout_s: float) -> None:
-        return None
+        """Sleep until a transfer of this worker (or a lookup of its scheduler side in
+        this process) may have finished, or timeout_s: the engine's idle poll. A worker
+        that cannot be woken keeps this default, a plain sleep."""
+        time.sleep(timeout_s)
 
-    def on_computed(
-        self, request: Request, token_start: int, token_end: int, block_ids: list[BlockId]
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Stop the worker's threads and release its buffers."""
+
+
+class NoConnectorScheduler(KVConnectorScheduler):
+    """The "off" connector's scheduler side: nothing external, nothing saved."""
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[BlockId], num_external_tokens: int
     ) -> None:
+        assert num_external_tokens == 0, "the off connector never matches"
+
+    def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
+        return b""
+
+    def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
+        return ConnectorUpdate()
+
+    def request_finished(self, request: Request, block_ids: list[BlockId]) -> bool:
+        return False
+
+
+class NoConnectorWorker(KVConnectorWorker):
+    """The "off" connector's worker side."""
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], place: WorkerPlace) -> None:
         return None
 
-    def request_finished(self, request: Request) -> None:
+    def start_loads(self, meta: bytes) -> None:
         return None
+
+    def start_saves(self, meta: bytes) -> None:
+        return None
+
+    def get_finished(self) -> bytes:
+        return b""

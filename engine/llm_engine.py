@@ -1,17 +1,23 @@
 """LLMEngine: the small API both workers drive (add_request / step / abort).
 
-step():  scheduler.schedule() -> model_runner.execute() -> sampler.sample()
-         -> append tokens, check stops, free finished -> RequestOutput per request
+step():  schedule   scheduler.schedule(): the batch and the KV connector's step metadata
+         execute    the connector's workers start loads, the model runs (here, or on the
+                    ranks / stages of a parallel instance), the workers start saves and
+                    report what finished
+         update     progress advances, full blocks are cached, the workers' reports go to
+                    the connector (loads done, blocks released), sampled tokens are
+                    appended, finished requests leave -> RequestOutput per request
 
-An external KV store plugs in with `set_kv_connector` (engine/kv_connector.py): the
-scheduler asks it on admission, and every step reports computed KV to it (saves).
+KV moves in and out only through the KV connector (engine/kv_connector.py), set with
+`set_kv_connector`; with none the engine runs the "off" connector.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import count
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -20,18 +26,23 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.grammar import GrammarCompiler
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_connector import KVConnector, NoKVConnector
+from engine.kv_connector import (
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    NoConnectorWorker,
+    WorkerPlace,
+)
 from engine.model_runner import ModelExecutor, ModelRunner
 from engine.models.registry import build_model
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, SamplingState, TopLogprobs
-from engine.scheduler import Scheduler, SchedulerCounters
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerCounters, SchedulerOutput
 from engine.weights.cache import load_weights
 from modelinfo.detokenizer import RequestOutputText
 from modelinfo.info import ModelInfo, load_model_info
 from protocol.errors import InvalidRequestError, PromptTooLongError
 from protocol.hashing import namespace_seed
-from protocol.ids import BlockId, RequestId
+from protocol.ids import RequestId
 from protocol.kv_layout import KVLayout
 from protocol.namespace import KVNamespace
 from protocol.sampling import SamplingParams
@@ -56,7 +67,7 @@ class RequestOutput:
     prompt, so computed = num_prompt_tokens - num_cached_tokens - num_pool_tokens."""
     prefill_done: bool = False
     """A prefill-only request sampled its first token and left the engine (its KV was
-    handed on through the KV observer); finish_reason stays None: decode continues it."""
+    handed on through the KV connector); finish_reason stays None: decode continues it."""
     new_top_logprobs: list[TopLogprobs | None] | None = None
     """Per new token, its top_logprobs alternatives when the request asked for them."""
 
@@ -79,13 +90,31 @@ class Completion:
     num_pool_tokens: int = 0
 
 
-KVObserver = Callable[["Request", int, int, list[BlockId]], None]
-"""(request, token_start, token_end, block_table) for KV just computed in a step."""
-
-
-_LOAD_POLL_S = 0.02
-"""Longest the engine thread waits for a load when nothing else can run (it then goes
+LOAD_POLL_S = 0.02
+"""Longest the engine thread waits for a transfer when nothing else can run (it then goes
 back to its inbox: new requests and aborts are not held up longer than this)."""
+
+
+@runtime_checkable
+class ConnectorExecutor(Protocol):
+    """A runner whose KV connector workers live in several processes (the ranks of a
+    TP x DCP instance): it carries the step's connector metadata to every one of them and
+    brings their reports back. Engine thread only."""
+
+    def set_kv_worker(self, worker: KVConnectorWorker) -> None:
+        """The driver process's own worker side (the other processes build theirs)."""
+        ...
+
+    def execute_step(
+        self, scheduled: list[ScheduledRequest], kv: KVCacheManager, kv_meta: bytes
+    ) -> tuple[torch.Tensor | None, list[bytes]]:
+        """Run one step everywhere: (logits as ModelExecutor.execute, one connector
+        report per process in rank order)."""
+        ...
+
+    def poll_kv(self, kv_meta: bytes) -> list[bytes]:
+        """A step with nothing to compute: every worker gets `kv_meta` and reports."""
+        ...
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -98,6 +127,21 @@ def rope_key(info: ModelInfo) -> str:
     return (
         f"theta={c.rope_theta},kind={s.kind},f={s.factor},lo={s.low_freq_factor},"
         f"hi={s.high_freq_factor},orig={s.original_max_position_embeddings}"
+    )
+
+
+def kv_namespace(
+    info: ModelInfo, config: EngineConfig, layer_split: tuple[int, ...]
+) -> KVNamespace:
+    """The namespace of an engine's KV (what may share cached KV with it): every process
+    of an instance computes the same one."""
+    return KVNamespace(
+        weights_fingerprint=info.fingerprint,
+        kv_dtype=config.dtype,
+        block_size=config.block_size,
+        chunk_size=config.chunk_size,
+        layer_split=layer_split,
+        rope=rope_key(info),
     )
 
 
@@ -125,14 +169,7 @@ class LLMEngine:
             dtype=config.dtype,
         )
         self.runner: ModelExecutor = runner if runner is not None else self._local_runner()
-        self.namespace = KVNamespace(
-            weights_fingerprint=info.fingerprint,
-            kv_dtype=config.dtype,
-            block_size=config.block_size,
-            chunk_size=config.chunk_size,
-            layer_split=self.runner.layer_split,
-            rope=rope_key(info),
-        )
+        self.namespace = kv_namespace(info, config, self.runner.layer_split)
         self._hash_root = namespace_seed(self.namespace.key())
         num_blocks = self.runner.num_blocks
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
@@ -144,10 +181,10 @@ class LLMEngine:
         self._texts: dict[RequestId, RequestOutputText] = {}
         self._requests: dict[RequestId, Request] = {}
         self._ids = count()
-        self.kv_observer: KVObserver | None = None
-        """Called in step() after the model wrote KV for tokens [start, end) of a request,
-        before its blocks can be freed: the prefill worker streams the handoff from it."""
-        self.kv_connector: KVConnector = NoKVConnector()
+        self.connector: KVConnectorScheduler = self.scheduler.connector
+        """The KV connector's scheduler side (engine/kv_connector.py)."""
+        self.kv_worker: KVConnectorWorker = NoConnectorWorker()
+        """This process's worker side of the KV connector."""
 
     def _local_runner(self) -> ModelRunner:
         """The whole model and its cache in this process."""
@@ -169,11 +206,21 @@ class LLMEngine:
         """Load a model by path or `builtin:` name and build an engine for it."""
         return cls(load_model_info(model), config or EngineConfig())
 
-    def set_kv_connector(self, connector: KVConnector) -> None:
-        """Plug in an external KV store (before the first request)."""
+    def set_kv_connector(self, scheduler: KVConnectorScheduler, worker: KVConnectorWorker) -> None:
+        """Plug in a KV connector (before the first request): its scheduler side, and the
+        worker side of THIS process (the other ranks / stages build their own)."""
         assert not self.scheduler.has_work(), "set the connector before adding requests"
-        self.kv_connector = connector
-        self.scheduler.connector = connector
+        self.connector = scheduler
+        self.scheduler.connector = scheduler
+        self.kv_worker = worker
+        if isinstance(self.runner, ConnectorExecutor):
+            self.runner.set_kv_worker(worker)
+        else:
+            worker.register_kv_caches(self.runner.kv_caches, self.worker_place())
+
+    def worker_place(self) -> WorkerPlace:
+        """Where this process's worker side sits: every layer (one process)."""
+        return WorkerPlace(0, self.info.config.num_layers)
 
     # -- the API -----------------------------------------------------------------------
     def add_request(
@@ -214,41 +261,22 @@ class LLMEngine:
         self._texts[rid] = RequestOutputText(self.info.tokenizer, params, req.eos_token_ids)
         return req
 
-    def admit_prefilled(
+    def append_remote_token(
         self,
-        prompt_token_ids: list[int],
-        first_token_id: int,
-        first_logprob: float | None,
-        params: SamplingParams,
         request_id: str,
-        fill_kv: Callable[[list[torch.Tensor], list[BlockId]], None],
-        first_top_logprobs: TopLogprobs | None = None,
+        token_id: int,
+        logprob: float | None,
+        top_logprobs: TopLogprobs | None = None,
     ) -> RequestOutput | None:
-        """Start decoding a request whose prompt KV was computed elsewhere (a decode
-        instance). Allocates blocks for the prompt, lets `fill_kv(kv_caches, block_table)`
-        write the prompt's KV into them, and continues after `first_token_id`.
-
-        Returns the first token's output (finished if that token already ends it); None,
-        with nothing changed, when blocks or running slots are short (retry later).
-        Raises InvalidRequestError / PromptTooLongError for requests that can never fit."""
-        sched = self.scheduler
-        if len(sched.running) >= sched.max_num_seqs:
+        """Decode: append the first token, sampled by prefill, to a request whose prompt
+        KV arrives through the KV connector (it waits in WAITING_FOR_KV until the load
+        is reported, then computes this token's KV and samples the next). Returns the
+        token's output (finished if it already ends the request; the caller does not
+        stream it otherwise: prefill did); None if the request is unknown or has output."""
+        req = self._requests.get(RequestId(request_id))
+        if req is None or req.num_output_tokens or req.status.finished:
             return None
-        req = self._new_request(prompt_token_ids, params, request_id)
-        if not self.kv.allocate_slots(req, req.num_prompt_tokens):
-            del self._requests[req.request_id], self._texts[req.request_id]
-            return None
-        try:
-            fill_kv(self.runner.kv_caches, list(self.kv.block_table(req.request_id)))
-        except BaseException:
-            self.kv.free(req)
-            del self._requests[req.request_id], self._texts[req.request_id]
-            raise
-        req.num_computed_tokens = req.num_prompt_tokens
-        req.num_cached_prompt_tokens = 0
-        self.kv.cache_full_blocks(req)
-        sched.add_running(req)
-        return self._append_token(req, first_token_id, first_logprob, first_top_logprobs)
+        return self._append_token(req, token_id, logprob, top_logprobs)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Check a request against this engine's limits without queueing it."""
@@ -297,16 +325,15 @@ class LLMEngine:
         return len(ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.connector.has_pending()
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return outputs of requests that produced tokens."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
-            if self.scheduler.loading or self.scheduler.abandoned:
-                self.kv_connector.wait(_LOAD_POLL_S)  # nothing runnable until a load ends
+            self._poll_connector(plan)
             return []
-        logits = self.runner.execute(plan.scheduled, self.kv)
+        logits, reports = self._execute(plan)
         sampling = [s.request for s in plan.scheduled if s.samples]
         tokens: list[int] = []
         logprobs: list[float | None] = []
@@ -328,18 +355,42 @@ class LLMEngine:
             tokens, logprobs = result.token_ids, result.logprobs
             tops = result.top_logprobs or [None] * len(tokens)
         for s in plan.scheduled:
-            r = s.request
-            start = r.num_computed_tokens
-            r.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(r)
-            table = self.kv.block_table(r.request_id)
-            if self.kv_observer is not None:
-                self.kv_observer(r, start, r.num_computed_tokens, table)
-            self.kv_connector.on_computed(r, start, r.num_computed_tokens, table)
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(s.request)
+        self.apply_reports(reports)
         outputs = []
         for req, tok, lp, top in zip(sampling, tokens, logprobs, tops, strict=True):
             outputs.append(self._append_token(req, tok, lp, top))
         return outputs
+
+    def _execute(self, plan: SchedulerOutput) -> tuple[torch.Tensor | None, list[bytes]]:
+        """The execute part of a step: the model and the connector's workers."""
+        if isinstance(self.runner, ConnectorExecutor):
+            return self.runner.execute_step(plan.scheduled, self.kv, plan.kv_meta)
+        worker = self.kv_worker
+        worker.start_loads(plan.kv_meta)
+        logits = self.runner.execute(plan.scheduled, self.kv)
+        worker.start_saves(plan.kv_meta)
+        return logits, [worker.get_finished()]
+
+    def _poll_connector(self, plan: SchedulerOutput) -> None:
+        """Nothing to compute: deliver the step's connector metadata (a load to start) or,
+        while transfers are outstanding, wait a little and collect the workers' reports."""
+        if not plan.kv_meta:
+            if not self.connector.has_pending():
+                return
+            self.kv_worker.wait(LOAD_POLL_S)
+        if isinstance(self.runner, ConnectorExecutor):
+            reports = self.runner.poll_kv(plan.kv_meta)
+        else:
+            self.kv_worker.start_loads(plan.kv_meta)
+            self.kv_worker.start_saves(plan.kv_meta)
+            reports = [self.kv_worker.get_finished()]
+        self.apply_reports(reports)
+
+    def apply_reports(self, reports: list[bytes]) -> None:
+        """The workers' connector reports of a step (one per process) into the scheduler."""
+        self.scheduler.update_from_connector(self.connector.update_from_workers(reports))
 
     def _append_token(
         self, req: Request, token: int, logprob: float | None, top: TopLogprobs | None = None
@@ -420,7 +471,8 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the KV connector's threads and the runner's processes (the engine itself
         holds no threads)."""
-        self.kv_connector.close()
+        self.connector.close()
+        self.kv_worker.close()
         self.runner.close()
         self.grammars.close()
 

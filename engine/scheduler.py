@@ -9,13 +9,15 @@ the most recently admitted running request is preempted: its blocks are freed, i
 progress reset to 0 (recompute; its output tokens are kept), and it goes back to the front
 of the waiting queue. Nothing else is mutated; `update` applies a step's results.
 
-With a KVConnector (engine/kv_connector.py), admission also asks how many tokens after the
-GPU prefix the external store holds; when it holds some, the request gets its blocks, its
-load starts and it waits in `loading` (status WAITING_FOR_KV) without taking token budget;
-it counts against max_num_seqs. Each schedule() first collects finished loads: the request
-joins `running` at the end, from its GPU prefix plus the tokens actually loaded. A loading
-request that is finished (aborted) keeps its blocks in `abandoned` until its load reports:
-the connector may still be writing into them.
+With a KV connector (engine/kv_connector.py, the scheduler side), admission also asks
+how many tokens after the GPU prefix the connector provides; for an asynchronous load the
+request gets its blocks, the connector plans the load, and the request waits in `loading`
+(status WAITING_FOR_KV) without taking token budget; it counts against max_num_seqs.
+Every schedule() ends with the connector's metadata of the step (`kv_meta`); the engine
+hands the workers' reports back through `update_from_connector`: a loaded request joins
+`running` at the end, from its GPU prefix plus the tokens actually loaded. Whenever blocks
+are about to be freed (finish, abort, preemption) the connector may keep them (`held`)
+until it reports them released: a transfer may still read or write them.
 """
 
 from __future__ import annotations
@@ -24,9 +26,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_connector import KVConnector, NoKVConnector
+from engine.kv_connector import (
+    ConnectorUpdate,
+    KVConnectorScheduler,
+    NoConnectorScheduler,
+    StepKV,
+)
 from engine.request import Request, RequestStatus
-from protocol.ids import RequestId
+from protocol.ids import BlockId, RequestId
 
 
 @dataclass
@@ -46,6 +53,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    kv_meta: bytes = b""
+    """The KV connector's metadata of this step, for every worker (b"" for none)."""
 
     @property
     def num_tokens(self) -> int:
@@ -76,18 +85,19 @@ class Scheduler:
         kv: KVCacheManager,
         max_num_batched_tokens: int,
         max_num_seqs: int,
-        connector: KVConnector | None = None,
+        connector: KVConnectorScheduler | None = None,
     ):
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.connector: KVConnector = connector or NoKVConnector()
+        self.connector: KVConnectorScheduler = connector or NoConnectorScheduler()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[RequestId, Request] = {}
         """WAITING_FOR_KV requests, by id; _load_span has each one's [start, end)."""
-        self.abandoned: dict[RequestId, Request] = {}
-        """Finished while loading: blocks held until the connector reports the load."""
+        self.held: dict[RequestId, list[list[BlockId]]] = {}
+        """Block tables of finished or preempted requests that the connector still uses,
+        freed when it reports the request released."""
         self._load_span: dict[RequestId, tuple[int, int]] = {}
         self.paused: set[RequestId] = set()
         """Running requests not to schedule now: a pipelined engine's requests whose
@@ -103,11 +113,25 @@ class Scheduler:
         self.running.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading or self.abandoned)
+        return bool(self.waiting or self.running or self.loading or self.held)
 
     def schedule(self) -> SchedulerOutput:
+        out = self._schedule()
+        out.kv_meta = self.connector.build_step_meta(
+            [
+                StepKV(
+                    s.request,
+                    s.request.num_computed_tokens,
+                    s.request.num_computed_tokens + s.num_new_tokens,
+                    list(self.kv.block_table(s.request.request_id)),
+                )
+                for s in out.scheduled
+            ]
+        )
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._collect_loads()
         budget = self.max_num_batched_tokens
         for req in list(self.running):
             if budget == 0:
@@ -125,24 +149,38 @@ class Scheduler:
                 budget -= n
         if out.preempted:
             return out  # memory is tight: admit nothing new this step
+        undecided: list[Request] = []
         while self.waiting and budget > 0 and self._num_seqs() < self.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.popleft()
             prefix = self.kv.find_prefix(req)
-            num_external = self.connector.num_matched_tokens(req, prefix.num_tokens)
-            if num_external > 0:
+            num_external, is_async = self.connector.get_num_new_matched_tokens(
+                req, prefix.num_tokens
+            )
+            if num_external is None:  # the connector is still looking: the next one
+                undecided.append(req)
+                continue
+            if num_external > 0 and is_async:
                 if not self.kv.allocate_slots(req, num_external, prefix):
+                    self.waiting.appendleft(req)
                     break
-                self.waiting.popleft()
                 self._start_load(req, prefix.num_tokens, num_external)
                 continue
-            n = min(req.num_tokens - prefix.num_tokens, budget)
-            if not self.kv.allocate_slots(req, n, prefix):
+            start = prefix.num_tokens + num_external
+            n = min(req.num_tokens - start, budget)
+            if not self.kv.allocate_slots(req, num_external + n, prefix):
+                self.waiting.appendleft(req)
                 break
-            self.waiting.popleft()
             req.num_computed_tokens = prefix.num_tokens
-            self._run(req, prefix.num_tokens, 0)
+            self.connector.update_state_after_alloc(
+                req, list(self.kv.block_table(req.request_id)), num_external
+            )
+            req.num_computed_tokens = start  # external tokens land before this forward
+            self._run(req, prefix.num_tokens, num_external)
+            if num_external:
+                self.counters.loads_started += 1
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+        self.waiting.extendleft(reversed(undecided))  # back in front, in their order
         return out
 
     def _num_seqs(self) -> int:
@@ -171,52 +209,59 @@ class Scheduler:
         self._load_span[req.request_id] = (num_prefix_tokens, end)
         self.counters.loads_started += 1
         table = list(self.kv.block_table(req.request_id))
-        self.connector.start_load(req, table, num_prefix_tokens, end)
+        self.connector.update_state_after_alloc(req, table, num_external)
 
-    def _collect_loads(self) -> None:
-        """Loaded requests join `running` (from prefix + loaded tokens); abandoned ones
-        free their blocks now that nothing writes into them."""
-        for res in self.connector.finished_loads():
-            gone = self.abandoned.pop(res.request_id, None)
-            if gone is not None:
-                self.kv.free(gone)
-                continue
-            req = self.loading.pop(res.request_id)
-            prefix, end = self._load_span.pop(res.request_id)
+    def update_from_connector(self, update: ConnectorUpdate) -> None:
+        """Apply the workers' reports: loaded requests join `running` (from prefix +
+        loaded tokens); released blocks are freed now that nothing reads or writes them."""
+        for rid, num_tokens in update.finished_loads.items():
+            req = self.loading.pop(rid, None)
+            if req is None:
+                continue  # finished meanwhile: its blocks are held until released
+            prefix, end = self._load_span.pop(rid)
             wanted = end - prefix
-            loaded = max(0, min(res.num_tokens, wanted))
+            loaded = max(0, min(num_tokens, wanted))
             if loaded < wanted:
                 self.counters.loads_short += 1
             req.num_computed_tokens = prefix + loaded
             self.kv.cache_full_blocks(req)
             self._run(req, prefix, loaded)
+        for rid in update.released:
+            for table in self.held.pop(rid, []):
+                self.kv.free_table(table)
+
+    def _release(self, req: Request) -> None:
+        """Tell the connector, then free the request's blocks, or keep them while the
+        connector uses them."""
+        table = list(self.kv.block_table(req.request_id))
+        if self.connector.request_finished(req, table) and table:
+            self.held.setdefault(req.request_id, []).append(self.kv.detach(req))
+        else:
+            self.kv.free(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.kv.free(req)
-        req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
+        self._release(req)
+        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.counters.preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """Retire a request (stopped, length or aborted) and free its blocks."""
+        """Retire a request (stopped, length or aborted) and free its blocks (or hand them
+        to `held` while the connector still uses them)."""
         assert status.finished
-        self.connector.request_finished(req)
         if req.request_id in self.loading:
             del self.loading[req.request_id]
             del self._load_span[req.request_id]
-            req.status = status
-            self.abandoned[req.request_id] = req  # blocks freed when its load reports
-            return
-        if req in self.running:
+        elif req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        self.kv.free(req)
+        self._release(req)
 
     def find(self, request_id: RequestId) -> Request | None:
         for r in self.running:

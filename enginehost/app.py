@@ -53,10 +53,11 @@ def base_app(
     host: EngineHost,
     status: Callable[[], InstanceStatus],
     registry: CollectorRegistry,
-    on_abort: Callable[[str], object] | None = None,
+    on_abort: Callable[[AbortRequest], object] | None = None,
 ) -> FastAPI:
     """FastAPI app with the shared endpoints. `status` runs in the engine thread.
-    `on_abort(request_id)` frees what the worker holds besides the engine's KV."""
+    `on_abort(msg)` frees what the worker holds besides the engine's KV (after the
+    engine aborted the request)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
     @app.get("/health")
@@ -78,7 +79,7 @@ def base_app(
         assert isinstance(msg, AbortRequest)
         live = await host.abort(msg.request_id)
         if on_abort is not None:
-            on_abort(msg.request_id)
+            on_abort(msg)
         log.info("aborted %s (%s, was live: %s)", msg.request_id, msg.reason, live)
         return Response(b"{}", media_type="application/json")
 

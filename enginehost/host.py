@@ -54,6 +54,11 @@ class EngineHost:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def deliver(self, out: RequestOutput) -> None:
+        """Put an output produced outside a step (by a function run through `call`) into
+        its request's stream. Engine thread."""
+        self._deliver(out)
+
     async def abort(self, request_id: str) -> bool:
         """Free the request in the engine and end its stream. True if it was live."""
         self.close_stream(request_id)

@@ -3,13 +3,17 @@
     engine thread: BlockPool events (stored / removed / cleared) ─┐ drained on each poll
     pool threads:  pool_saved(chunk keys), restore(bytes, s) ─────┤ and every DRAIN_S
                                                                   ▼
-    ring of KVEvent (seq numbered, bounded) ── GET /kv_events?since=N&epoch=E ──▶ router
+    ring of KVEvent (seq numbered, bounded)
+        ── GET /kv_events/stream?since=N&epoch=E&interval_s=T ──▶ router (pushed: one
+           NDJSON KVEventBatch as soon as there are events, at most every T seconds, and
+           a heartbeat with the load every HEARTBEAT_S; the connection stays open)
+        ── GET /kv_events?since=N&epoch=E ──▶ one batch (tests, tools)
     GET /info ─▶ WorkerInfo (namespace key, block/chunk size, bytes per token, capacity)
 
-The router pulls; nothing is pushed. Recording starts with the first poll (a worker
-nobody routes by never pays for it), and a background task drains the block pool every
-DRAIN_S so that a consumer that stops polling cannot make it grow without bound. A
-consumer that fell behind the ring gets a snapshot instead (`reset`).
+Recording starts with the first subscriber or read (a worker nobody routes by never pays
+for it), and a background task drains the block pool every DRAIN_S so that a consumer
+that went away cannot make it grow without bound. A consumer that fell behind the ring
+gets a snapshot instead (`reset`).
 
 Measured rates (what kv_aware routing prices with):
 - compute: prompt tokens computed per second of engine busy time, over the last
@@ -22,15 +26,16 @@ Measured rates (what kv_aware routing prices with):
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from engine.block_pool import BlockPoolEvent
 from engine.llm_engine import LLMEngine
@@ -39,6 +44,9 @@ from protocol.ids import ChunkKey
 from protocol.kv_events import KVEvent, KVEventBatch, KVEventKind, WorkerInfo, WorkerLoad
 
 DRAIN_S = 1.0
+HEARTBEAT_S = 1.0
+"""A stream with no events still sends the load this often (the gate reads it)."""
+MIN_PUSH_S = 0.01
 RING_EVENTS = 65536
 RATE_WINDOW_S = 30.0
 MIN_BUSY_S = 0.2
@@ -188,8 +196,38 @@ class KVReporter:
                 since = -1
             epoch = q.get("epoch", "")
             self._start_drainer()
-            batch = await self.host.call(lambda e: self._batch(e, since, epoch))
+            batch = await self.host.call(functools.partial(self._batch, since=since, epoch=epoch))
             return Response(msgspec.json.encode(batch), media_type="application/json")
+
+        @app.get("/kv_events/stream")
+        async def kv_events_stream(request: Request) -> Response:
+            q = request.query_params
+            try:
+                since = int(q.get("since", "0"))
+                interval_s = max(MIN_PUSH_S, float(q.get("interval_s", "0.05")))
+            except ValueError:
+                since, interval_s = -1, 0.05
+            self._start_drainer()
+            return StreamingResponse(
+                self._push(since, q.get("epoch", ""), interval_s),
+                media_type="application/x-ndjson",
+            )
+
+    async def _push(self, since: int, epoch: str, interval_s: float) -> AsyncIterator[bytes]:
+        """One subscriber's stream: a batch whenever there is news (events, a reset, or a
+        changed load), a heartbeat otherwise, checked every interval_s."""
+        last_sent = -HEARTBEAT_S
+        last_load = None
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self.host.call(functools.partial(self._batch, since=since, epoch=epoch))
+            now = loop.time()
+            news = batch.events or batch.reset or batch.load != last_load
+            if news or now - last_sent >= HEARTBEAT_S:
+                yield msgspec.json.encode(batch) + b"\n"
+                last_sent, last_load = now, batch.load
+            since, epoch = batch.next_seq, batch.epoch
+            await asyncio.sleep(interval_s)
 
     def _start_drainer(self) -> None:
         if self._drainer is None:

@@ -60,6 +60,8 @@ def setup_logging(level: str, name: str) -> None:
         level=level.upper(),
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
     )
+    # httpx logs every request at INFO: health checks and notices would flood the log
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def torch_device(device: object) -> str:

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from kvpool import faults
 from kvpool.backend import PoolBackend
 from kvpool.breaker import Breaker
 from kvpool.buffer import SLOT_ALIGN, SlotBuffer
@@ -35,6 +36,7 @@ from kvpool.object_format import (
     stored_payload_checksum,
     write_header,
 )
+from kvpool.stats import StageCounters
 from protocol.ids import ChunkKey
 from protocol.kv_layout import KVLayout
 from protocol.namespace import KVNamespace
@@ -80,7 +82,7 @@ class PoolClient:
         *,
         buffer_bytes: int | None,
         max_save_chunks: int,
-        metrics: PoolMetrics,
+        metrics: PoolMetrics | StageCounters,
         local_stages: Sequence[int] | None = None,
         pin_memory: bool = False,
     ) -> None:
@@ -170,7 +172,14 @@ class PoolClient:
             return 0
         valid: list[bool] = []
         damaged: list[str] = []
-        for key, chunk, slot, res in zip(keys, chunk_keys, slots, results, strict=True):
+        injected = faults.take("load", stage)
+        for i, (key, chunk, slot, res) in enumerate(
+            zip(keys, chunk_keys, slots, results, strict=True)
+        ):
+            if injected and i > 0:
+                self.metrics.failure("load", "injected")
+                valid.append(False)
+                continue
             if isinstance(res, KeyStatus):
                 self.metrics.failure("load", res.value)
                 valid.append(False)
@@ -261,6 +270,7 @@ class PoolClient:
             todo = retry
             time.sleep(NO_SPACE_RETRY_S)
         self.metrics.save_bytes.inc(sum(stored) * spec.object_bytes)
+        self.metrics.stage_objects("save", stage, sum(stored))
         return stored
 
     def save_chunks(

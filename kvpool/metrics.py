@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from protocol.pool_messages import PoolCounts
+
 FAILURE_OPS = ("lookup", "load", "save", "remove")
 """Operations of kvserve_pool_failures_total{op}; reasons vary (Mooncake status codes)."""
 RESTORE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5, 10)
@@ -75,6 +77,13 @@ class PoolMetrics:
         )
         for op in FAILURE_OPS:  # at 0 from start: a failures panel shows 0, not "no data"
             self.failures.labels(instance=instance, op=op, reason="unreachable")
+        self.stage_objects_total = Counter(
+            "kvserve_pool_stage_objects",
+            "Objects one pipeline stage stored (op=save) or read, verified and unpacked "
+            "(op=load) from its own process",
+            ["instance", "stage", "op"],
+            registry=registry,
+        )
         self.checksum_failures = counter(
             "kvserve_pool_checksum_failures",
             "Objects read that did not match (header, size or payload checksum): removed",
@@ -87,3 +96,28 @@ class PoolMetrics:
         self.lookups_i.inc()
         self.hit_chunks.inc(num_hit)
         self.miss_chunks.inc(num_miss)
+
+    def stage_objects(self, op: str, stage: int, n: int) -> None:
+        self.stage_objects_total.labels(instance=self.instance, stage=str(stage), op=op).inc(n)
+
+    def restore(self, stage: int, seconds: float) -> None:
+        self.restore_seconds.labels(instance=self.instance, stage=str(stage)).observe(seconds)
+
+    def apply(self, c: PoolCounts) -> None:
+        """Add a worker's counts (kvpool/stats.py) to these series."""
+        if c.lookups:
+            self.lookups_i.inc(c.lookups)
+        self.hit_chunks.inc(c.hit_chunks)
+        self.miss_chunks.inc(c.miss_chunks)
+        self.load_bytes.inc(c.load_bytes)
+        self.save_bytes.inc(c.save_bytes)
+        self.checksum_failures.inc(c.checksum_failures)
+        self.save_dropped.inc(c.save_dropped)
+        for f in c.failures:
+            self.failure(f.op, f.reason, f.count)
+        for stage, seconds in c.restore_seconds:
+            self.restore(stage, seconds)
+        for stage, n in c.saved_objects:
+            self.stage_objects("save", stage, n)
+        for stage, n in c.loaded_objects:
+            self.stage_objects("load", stage, n)

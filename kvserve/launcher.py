@@ -34,9 +34,11 @@ from kvserve.run_state import ComponentState, RunDir, RunState
 from kvserve.supervisor import LaunchError, Supervisor
 from modelinfo.info import load_model_config
 from protocol.cluster import ClusterConfig, load_cluster, local_nodes
-from protocol.cluster_checks import check_model_layouts, cluster_ports
+from protocol.cluster_checks import check_model_layouts, cluster_ports, rank_kv_bytes_per_token
+from protocol.cluster_types import format_bytes
 from protocol.config_errors import ConfigError
 from protocol.errors import ModelLoadError
+from protocol.parallel import landing_region_max
 
 __all__ = ["LaunchError", "LaunchOptions", "check", "down", "status", "up"]
 
@@ -296,7 +298,22 @@ def check_model(cluster: ClusterConfig, source: str) -> str:
         check_model_layouts(cluster, model)
     except ConfigError as e:
         raise ConfigError(e.path, e.message, source) from None
-    return (
+    lines = [
         f"  layouts  fit the model: {model.num_layers} layers, {model.num_heads} query / "
         f"{model.num_kv_heads} KV heads"
-    )
+    ]
+    context = model.max_position_embeddings
+    for d in cluster.decode:
+        per_token = rank_kv_bytes_per_token(
+            cluster, model, model.head_dim, d.tensor_parallel, d.decode_context_parallel
+        )
+        need = -(-context // d.decode_context_parallel) * per_token
+        region = landing_region_max(int(d.landing_memory))
+        how = (
+            "lands whole" if need <= region else f"streams through it ({-(-need // region)} passes)"
+        )
+        lines.append(
+            f"  landing  {d.name}: a {context}-token context is {format_bytes(need)} per rank; "
+            f"region {format_bytes(region)}: {how}"
+        )
+    return "\n".join(lines)

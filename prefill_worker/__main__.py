@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 
 from enginehost.host import EngineHost
 from enginehost.metrics import serve_metrics_port
 from enginehost.startup import load_instance, serve
-from prefill_worker.pool_connector import build_pool_connector
 from prefill_worker.service import PrefillService
 from prefill_worker.stages import start_stages
 from transfer import TransportConfig, create_transport
@@ -32,16 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         stages.handoffs,
         num_devices=len(inst.devices),
     )
-    if inst.pipeline_parallel == 1:
-        engine.set_kv_connector(
-            build_pool_connector(cluster, inst, engine, service.registry, service.kv_reporter)
-        )
-    elif cluster.pool_enabled:
-        logging.getLogger(__name__).warning(
-            "%s: the KV pool is not used with pipeline_parallel > 1 yet (per-stage "
-            "save/restore from the stage processes is not built); prompts are recomputed",
-            inst.name,
-        )
+    stages.connect(cluster, inst, service.registry, service.kv_reporter)
     serve_metrics_port(service.registry, node.host, inst.metrics_port)
     app = service.app()
 
@@ -52,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     @app.on_event("shutdown")
     async def _stop() -> None:
         host.stop()
-        engine.kv_connector.close()
+        engine.connector.close()
+        engine.kv_worker.close()
         stages.stop()
         await asyncio.sleep(0)
 

@@ -1,166 +1,228 @@
-"""Per-request handoff state on the prefill side, driven from the engine thread.
+"""Prefill's side of the handoff as a KV connector: every step's new prompt KV leaves for
+decode from every pipeline stage, on the stages' own threads (transfer/sender.py).
 
-The handoff of one request is a set of flows, one per (prefill stage, decode rank): each
-carries the stage's layers of the rank's tokens and KV heads (transfer/flows.py places
-its segments in the rank's landing region). It streams: after every step that computed
-tokens of the request, KV [sent_upto, end) goes out as one segment per flow.
+    scheduler side (stage 0, engine thread)          worker side (every stage process)
+    add(rid, landing, notify_url) before the           HandoffWorker: one HandoffSender
+      request enters the engine                        over its layers of the paged KV
+    build_step_meta: FlowOpen once, then FlowSend  ──▶ start_saves: open / submit / cancel
+      of [sent_upto, end) per step (the first           (queues work; never waits)
+      starts at token 0: prefix-cache hits are     ◀── get_finished: FlowReport (closed
+      sent too), cancels of aborted requests            flows, with bytes, ops, seconds)
+    update_from_workers: a request's blocks are released once EVERY stage closed its flow
+    request_finished: True while any stage may still read the blocks
 
-    PP = 1     the engine's KV observer sends at once, from this process's cache
-    PP >= 2    the KV observer plans a HandoffCommand that rides the step through the
-               pipeline; every stage (StageSender) sends its layers after computing the
-               step and reports the segments; the reports come back with the step's
-               sampled tokens (apply_reports), so when the first token is out, every
-               flow of every stage has landed.
-
-Tokens served from the prefix cache were never computed in a step, so the first segment
-starts at token 0, not at the first computed token.
+The first token leaves the engine as soon as it is sampled; the transfers finish on
+their own time (FirstToken is not delayed by them), and each stage tells decode directly.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 import torch
 
-from engine.request import Request
-from protocol.ids import BlockId
-from protocol.messages import HandoffDone, KVSegment, LandingInfo
-from protocol.rank_messages import HandoffCommand, HandoffReport
-from transfer import HandoffSender, TransferError, send_flows
+from engine.kv_connector import (
+    ConnectorUpdate,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    StepKV,
+    WorkerPlace,
+)
+from engine.request import Request, RequestStatus
+from protocol.handoff_messages import (
+    FlowOpen,
+    FlowReport,
+    FlowResult,
+    FlowSend,
+    HandoffMeta,
+)
+from protocol.ids import BlockId, RequestId
+from protocol.messages import LandingInfo
+from transfer import Transport
 from transfer.errors import PackLayoutError
+from transfer.faults import HandoffFaults
+from transfer.sender import HandoffSender, Notify
 
 log = logging.getLogger(__name__)
 
-_commands = msgspec.msgpack.Decoder(list[HandoffCommand])
-_reports = msgspec.msgpack.Decoder(list[HandoffReport])
+_meta = msgspec.msgpack.Decoder(HandoffMeta)
+_report = msgspec.msgpack.Decoder(FlowReport)
 
 
 @dataclass
-class Handoff:
-    """What has been sent of one request (all flows), and whether sending failed."""
+class _Handoff:
+    """What stage 0 knows of one request's handoff."""
 
-    landing: list[LandingInfo]
-    num_prompt_tokens: int
+    open: FlowOpen
     sent_upto: int = 0
-    """Tokens handed to the flows so far (sent, or planned into a step in flight)."""
-    segments: list[KVSegment] = field(default_factory=list)
-    num_bytes: int = 0
-    num_ops: int = 0
-    seconds: float = 0.0
-    """Gather + write time summed over the flows' segments."""
-    error: str | None = None
+    opened: bool = False
+    finished: bool = False
+    """The request left the engine (blocks held while flows are open)."""
+    closed: dict[int, FlowResult] = field(default_factory=dict)
+    """Stage index (report order) -> its closed flow."""
 
-    def done_event(self, request_id: str) -> HandoffDone:
-        return HandoffDone(
-            request_id=request_id,
-            segments=self.segments,
-            num_bytes=self.num_bytes,
-            num_ops=self.num_ops,
-            seconds=self.seconds,
+
+class HandoffScheduler(KVConnectorScheduler):
+    """Owns the live handoffs of one prefill instance (stage 0, engine thread only)."""
+
+    def __init__(self, num_stages: int) -> None:
+        self.num_stages = num_stages
+        self._live: dict[str, _Handoff] = {}
+        self._cancels: list[str] = []
+        self.on_closed: Callable[[str, list[FlowResult]], None] = lambda _r, _s: None
+        """Called when every stage closed a request's flow (results in stage order)."""
+
+    def add(
+        self, request_id: str, landing: list[LandingInfo], num_prompt_tokens: int, notify_url: str
+    ) -> None:
+        """Send this request's prompt KV to `landing` (call before add_request)."""
+        self._live[request_id] = _Handoff(
+            FlowOpen(request_id, num_prompt_tokens, list(landing), notify_url)
         )
 
-    def add_report(self, report: HandoffReport) -> None:
-        if report.error is not None:
-            self.error = self.error or report.error
-            return
-        self.segments.extend(report.segments)
-        self.num_bytes += report.num_bytes
-        self.num_ops += report.num_ops
-        self.seconds += report.seconds
+    def discard(self, request_id: str) -> None:
+        """Forget a request that never entered the engine."""
+        self._live.pop(request_id, None)
 
+    def cancel(self, request_id: str) -> None:
+        """Stop sending (the request ended at its first token, or decode is gone)."""
+        if request_id in self._live:
+            self._cancels.append(request_id)
 
-class StageSender:
-    """Runs the handoff commands of a step on one stage: its layers to every decode rank.
-    The stage hook of engine/parallel/pp_runner.py (stage 0 runs it in the driver)."""
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        return 0, False
 
-    def __init__(self, sender: HandoffSender, layers: tuple[int, int], stage: int) -> None:
-        self.sender, self.layers, self.stage = sender, layers, stage
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[BlockId], num_external_tokens: int
+    ) -> None:
+        return None
 
-    def send(self, cmd: HandoffCommand, kv_caches: list[torch.Tensor]) -> HandoffReport:
-        try:
-            segments, stats = send_flows(
-                self.sender,
-                kv_caches,
-                self.layers,
-                cmd.block_table,
-                cmd.token_start,
-                cmd.token_end,
-                cmd.landing,
-                cmd.num_prompt_tokens,
+    def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
+        opens, sends = [], []
+        for kv in computed:
+            h = self._live.get(kv.request.request_id)
+            if h is None or h.finished:
+                continue
+            end = min(kv.token_end, h.open.num_prompt_tokens)
+            if end <= h.sent_upto:
+                continue
+            if not h.opened:
+                opens.append(h.open)
+                h.opened = True
+            last = end == h.open.num_prompt_tokens
+            sends.append(
+                FlowSend(kv.request.request_id, h.sent_upto, end, list(kv.block_ids), last)
             )
-        except (TransferError, PackLayoutError) as e:
-            log.warning("handoff of %s (stage %d) failed: %s", cmd.request_id, self.stage, e)
-            error = f"KV handoff to decode failed (prefill stage {self.stage}): {e}"
-            return HandoffReport(cmd.request_id, self.stage, [], 0, 0, 0.0, error)
-        return HandoffReport(
-            cmd.request_id, self.stage, segments, stats.num_bytes, stats.num_ops, stats.seconds
-        )
-
-    def __call__(self, commands: bytes, kv_caches: list[torch.Tensor]) -> bytes:
-        reports = [self.send(cmd, kv_caches) for cmd in _commands.decode(commands)]
-        return msgspec.msgpack.encode(reports)
-
-
-class HandoffTable:
-    """Owns the live handoffs of one prefill instance. Engine thread only.
-
-    With `local` (PP = 1) the observer sends through it at once; without (PP >= 2) it
-    plans commands for the pipeline (take_commands / apply_reports)."""
-
-    def __init__(self, local: StageSender | None, kv_caches: list[torch.Tensor] | None) -> None:
-        self.local = local
-        self.kv_caches = kv_caches
-        self._live: dict[str, Handoff] = {}
-        self._planned: list[HandoffCommand] = []
-
-    @classmethod
-    def direct(cls, sender: HandoffSender, kv_caches: list[torch.Tensor]) -> HandoffTable:
-        """PP = 1: every layer is in `kv_caches`, sent from this process."""
-        return cls(StageSender(sender, (0, len(kv_caches)), 0), kv_caches)
-
-    @classmethod
-    def pipelined(cls) -> HandoffTable:
-        """PP >= 2: the stages send (their StageSenders run as stage hooks)."""
-        return cls(None, None)
-
-    def add(self, request_id: str, landing: list[LandingInfo], num_prompt_tokens: int) -> None:
-        self._live[request_id] = Handoff(list(landing), num_prompt_tokens)
-
-    def pop(self, request_id: str) -> Handoff | None:
-        return self._live.pop(request_id, None)
-
-    def observe(self, req: Request, start: int, end: int, table: list[BlockId]) -> None:
-        """The engine's KV observer: hand KV [sent_upto, end) of the prompt to the flows."""
-        h = self._live.get(req.request_id)
-        if h is None or h.error is not None:
-            return
-        end = min(end, req.num_prompt_tokens)
-        if end <= h.sent_upto:
-            return
-        cmd = HandoffCommand(
-            req.request_id, h.num_prompt_tokens, h.sent_upto, end, list(table), h.landing
-        )
-        h.sent_upto = end
-        if self.local is not None and self.kv_caches is not None:
-            h.add_report(self.local.send(cmd, self.kv_caches))
-        else:
-            self._planned.append(cmd)
-
-    def take_commands(self) -> bytes:
-        """The commands planned for the step being issued (b"" if none)."""
-        if not self._planned:
+            h.sent_upto = end
+        cancels, self._cancels = self._cancels, []
+        if not (opens or sends or cancels):
             return b""
-        planned, self._planned = self._planned, []
-        return msgspec.msgpack.encode(planned)
+        return msgspec.msgpack.encode(HandoffMeta(opens, sends, cancels))
 
-    def apply_reports(self, reports: list[bytes]) -> None:
-        """Every stage's reports of a collected step (stage order)."""
-        for payload in reports:
+    def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
+        update = ConnectorUpdate()
+        for stage, payload in enumerate(reports):
             if not payload:
                 continue
-            for report in _reports.decode(payload):
-                h = self._live.get(report.request_id)
-                if h is not None:
-                    h.add_report(report)
+            for res in _report.decode(payload).closed:
+                h = self._live.get(res.request_id)
+                if h is None:
+                    continue
+                h.closed[stage] = res
+                if len(h.closed) == self.num_stages:
+                    del self._live[res.request_id]
+                    self.on_closed(res.request_id, [h.closed[s] for s in sorted(h.closed)])
+                    # blocks kept at a finish or a preemption are free now (none: no-op)
+                    update.released.add(RequestId(res.request_id))
+        return update
+
+    def request_finished(self, request: Request, block_ids: list[BlockId]) -> bool:
+        h = self._live.get(request.request_id)
+        if h is None:
+            return False
+        if request.status is RequestStatus.WAITING:
+            return h.opened  # preempted: keep the blocks the stages may be reading
+        h.finished = True
+        if not h.opened:
+            del self._live[request.request_id]  # nothing was ever sent
+            return False
+        if (
+            request.status is RequestStatus.FINISHED_ABORTED
+            or h.sent_upto < h.open.num_prompt_tokens
+        ):
+            self._cancels.append(request.request_id)
+        return True
+
+    def has_pending(self) -> bool:
+        return any(h.opened for h in self._live.values())
+
+
+class HandoffWorker(KVConnectorWorker):
+    """One stage process's sender: its layers of every request to every decode rank."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        staging_bytes: int,
+        notify: Notify,
+        faults: HandoffFaults | None = None,
+    ) -> None:
+        self.transport = transport
+        self.staging_bytes = staging_bytes
+        self.notify = notify
+        self.faults = faults
+        self.sender: HandoffSender | None = None
+        self._closed_now: list[FlowResult] = []
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], place: WorkerPlace) -> None:
+        self.sender = HandoffSender(
+            self.transport,
+            self.staging_bytes,
+            kv_caches,
+            (place.layer_start, place.layer_end),
+            stage=place.stage,
+            num_stages=place.num_stages,
+            notify=self.notify,
+            faults=self.faults,
+        )
+
+    def start_loads(self, meta: bytes) -> None:
+        return None
+
+    def start_saves(self, meta: bytes) -> None:
+        if not meta:
+            return
+        assert self.sender is not None, "register_kv_caches first"
+        m = _meta.decode(meta)
+        for o in m.opens:
+            try:
+                self.sender.open(o.request_id, o.landing, o.num_prompt_tokens, o.notify_url)
+            except PackLayoutError as e:
+                log.warning("handoff of %s cannot start: %s", o.request_id, e)
+                self._closed_now.append(FlowResult(o.request_id, str(e), 0, 0, 0.0))
+        for s in m.sends:
+            self.sender.submit(s.request_id, s.token_start, s.token_end, s.block_table, s.last)
+        for rid in m.cancels:
+            self.sender.cancel(rid)
+
+    def get_finished(self) -> bytes:
+        closed, self._closed_now = self._closed_now, []
+        if self.sender is not None:
+            closed += [
+                FlowResult(r.request_id, r.error, r.num_bytes, r.num_ops, r.seconds)
+                for r in self.sender.finished()
+            ]
+        return msgspec.msgpack.encode(FlowReport(closed)) if closed else b""
+
+    def wait(self, timeout_s: float) -> None:
+        if self.sender is not None:
+            self.sender.wait_finished(timeout_s)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()

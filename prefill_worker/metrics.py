@@ -7,7 +7,7 @@
     kvserve_prefill_first_token_seconds{instance}          /prefill received -> first token
     kvserve_handoff_bytes_total{instance, stage}           KV bytes written to decode landing
     kvserve_handoff_ops_total{instance, stage}             transfer ops (each <= 8 MiB)
-    kvserve_handoff_seconds{instance, stage}               one request's gather + write time
+    kvserve_handoff_seconds{instance, stage}               one request's write time (sender threads)
     kvserve_handoff_request_bytes{instance, stage}         one request's handoff bytes
 
 plus the engine's series (enginehost/metrics.py) in the same registry. Every labelled
@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from enginehost.host import EngineHost
 from enginehost.metrics import engine_registry
-from prefill_worker.handoff import Handoff
+from protocol.handoff_messages import FlowResult
 from protocol.messages import PromptUsage
 
 OUTCOMES = ("handed_off", "finished", "rejected", "handoff_failed", "failed", "aborted")
@@ -72,33 +72,40 @@ class PrefillMetrics:
             buckets=FIRST_TOKEN_BUCKETS_S,
             registry=r,
         ).labels(instance)
-        hl = {"instance": instance, "stage": str(stage)}
         self.handoff_bytes = Counter(
             "kvserve_handoff_bytes",
             "KV bytes written to decode landing buffers",
             ["instance", "stage"],
             registry=r,
-        ).labels(**hl)
+        )
         self.handoff_ops = Counter(
             "kvserve_handoff_ops",
             "Transfer ops (each at most 8 MiB) of the handoff",
             ["instance", "stage"],
             registry=r,
-        ).labels(**hl)
+        )
         self.handoff_seconds = Histogram(
             "kvserve_handoff_seconds",
-            "One request's handoff time on this stage (gather + write, all segments)",
+            "One request's handoff time on this stage (the sender threads' write time)",
             ["instance", "stage"],
             buckets=HANDOFF_BUCKETS_S,
             registry=r,
-        ).labels(**hl)
+        )
         self.handoff_request_bytes = Histogram(
             "kvserve_handoff_request_bytes",
             "One request's handoff bytes on this stage",
             ["instance", "stage"],
             buckets=HANDOFF_BUCKETS_BYTES,
             registry=r,
-        ).labels(**hl)
+        )
+
+        for m in (
+            self.handoff_bytes,
+            self.handoff_ops,
+            self.handoff_seconds,
+            self.handoff_request_bytes,
+        ):
+            m.labels(instance, str(stage))
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(self.instance, outcome).inc()
@@ -116,9 +123,18 @@ class PrefillMetrics:
         self.generated_tokens.inc()
         self.first_token_seconds.observe(seconds)
 
-    def handoff_done(self, handoff: Handoff) -> None:
-        self.handoff_bytes.inc(handoff.num_bytes)
-        self.handoff_ops.inc(handoff.num_ops)
-        self.handoff_seconds.observe(handoff.seconds)
-        self.handoff_request_bytes.observe(handoff.num_bytes)
-        self.outcome("handed_off")
+    def handoff_closed(self, request_id: str, stages: list[FlowResult]) -> None:
+        """Every stage closed its flow of a request (stage order): count what moved."""
+        for stage, res in enumerate(stages):
+            labels = (self.instance, str(stage))
+            self.handoff_bytes.labels(*labels).inc(res.num_bytes)
+            self.handoff_ops.labels(*labels).inc(res.num_ops)
+            self.handoff_seconds.labels(*labels).observe(res.seconds)
+            self.handoff_request_bytes.labels(*labels).observe(res.num_bytes)
+        errors = [r.error for r in stages if r.error is not None]
+        if not errors:
+            self.outcome("handed_off")
+        elif all(e == "aborted" for e in errors):
+            self.outcome("aborted")
+        else:
+            self.outcome("handoff_failed")

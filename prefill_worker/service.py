@@ -1,8 +1,10 @@
-"""The prefill instance's HTTP service: POST /prefill streams FirstToken, then HandoffDone.
+"""The prefill instance's HTTP service: POST /prefill streams FirstToken.
 
-/prefill ─▶ engine.add_request(prefill_only) ─▶ steps (KV observer streams the handoff
-per chunk into decode's landing region) ─▶ first token sampled ─▶ FirstToken
-─▶ HandoffDone (segments, bytes, ops) | ErrorEvent (the handoff failed)
+/prefill ─▶ handoff target registered (landing ring, decode's notify URL) ─▶
+engine.add_request(prefill_only) ─▶ steps: every stage sends each step's new KV from its
+own threads (prefill_worker/handoff.py) and tells decode directly ─▶ first token sampled
+─▶ FirstToken to the router, PrefillFirstToken to decode (off the engine thread). The
+router hears of a failed transfer from decode, whose stream it reads next.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import httpx
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -19,13 +22,15 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from enginehost.app import base_app, error_response, read_message
 from enginehost.host import EngineHost
 from enginehost.kv_events import KVReporter
-from prefill_worker.handoff import HandoffTable
+from prefill_worker.handoff import HandoffScheduler
 from prefill_worker.metrics import PrefillMetrics
 from protocol.errors import InvalidRequestError, PromptTooLongError
 from protocol.messages import (
+    AbortRequest,
     ErrorEvent,
     FirstToken,
     InstanceStatus,
+    PrefillFirstToken,
     PrefillRequest,
     PromptUsage,
     encode_line,
@@ -46,20 +51,21 @@ def usage_of(out: RequestOutput) -> PromptUsage:
 
 
 class PrefillService:
-    """Owns the HTTP routes of a prefill instance over its engine host and handoff table."""
+    """Owns the HTTP routes of a prefill instance over its engine host and handoffs."""
 
     def __init__(
-        self, name: str, host: EngineHost, handoffs: HandoffTable, num_devices: int = 1
+        self, name: str, host: EngineHost, handoffs: HandoffScheduler, num_devices: int = 1
     ) -> None:
         self.name = name
         self.host = host
         self.handoffs = handoffs
         self.metrics = PrefillMetrics(name, host, num_devices)
         self.registry = self.metrics.registry
-        host.engine.kv_observer = handoffs.observe
+        handoffs.on_closed = self.metrics.handoff_closed
         self.kv_reporter = KVReporter(name, "prefill", host, record_block_events=True)
         """GET /info and /kv_events for KV-aware routing; the pool connector reports its
         saves and restores to it (record_pool_saved, record_restore)."""
+        self._http = httpx.AsyncClient(timeout=10.0, trust_env=False)
 
     def status(self) -> InstanceStatus:
         """Engine thread."""
@@ -79,11 +85,16 @@ class PrefillService:
         )
 
     def app(self) -> FastAPI:
-        app = base_app(self.host, self.status, self.registry)
+        app = base_app(self.host, self.status, self.registry, on_abort=self.on_abort)
         self.kv_reporter.install(app)
         app.post("/prefill")(self.prefill)
         app.post("/admin/reset_prefix_cache")(self.reset_prefix_cache)
         return app
+
+    def on_abort(self, msg: AbortRequest) -> None:
+        """The request may have left the engine with its KV still on the way: stop that."""
+        rid = msg.request_id
+        self.host.loop.submit(lambda _e: self.handoffs.cancel(rid))
 
     async def reset_prefix_cache(self) -> Response:
         n = await self.host.call(lambda e: e.reset_prefix_cache())
@@ -96,15 +107,18 @@ class PrefillService:
         assert isinstance(msg, PrefillRequest)
         rid = msg.request_id
         arrival = time.monotonic()
+        wants_handoff = bool(msg.landing)
+        if wants_handoff and not msg.notify_url:
+            return error_response(400, "a PrefillRequest with landing needs notify_url", rid)
         queue = self.host.open_stream(rid)
 
         def add(e: LLMEngine) -> None:
-            if msg.landing:
-                self.handoffs.add(rid, msg.landing, len(msg.prompt_token_ids))
+            if wants_handoff:
+                self.handoffs.add(rid, msg.landing, len(msg.prompt_token_ids), msg.notify_url)
             try:
                 e.add_request(msg.prompt_token_ids, msg.params, rid, prefill_only=True)
             except BaseException:
-                self.handoffs.pop(rid)
+                self.handoffs.discard(rid)
                 raise
 
         try:
@@ -114,12 +128,12 @@ class PrefillService:
             self.metrics.outcome("rejected")
             return error_response(400, str(e), rid)
         return StreamingResponse(
-            self._events(rid, queue, bool(msg.landing), arrival),
+            self._events(rid, queue, msg.notify_url if wants_handoff else None, arrival),
             media_type="application/x-ndjson",
         )
 
     async def _events(  # type: ignore[no-untyped-def]
-        self, rid: str, queue, wants_handoff: bool, arrival: float
+        self, rid: str, queue, notify_url: str | None, arrival: float
     ) -> AsyncIterator[bytes]:
         finished = False
         try:
@@ -129,7 +143,6 @@ class PrefillService:
                 finished = True
                 self.metrics.outcome("failed")
                 return
-            handoff = await self.host.call(lambda _e: self.handoffs.pop(rid))
             usage = usage_of(out)
             self.metrics.first_token(usage, time.monotonic() - arrival)
             yield encode_line(
@@ -143,18 +156,32 @@ class PrefillService:
                 )
             )
             finished = True
-            if out.finish_reason is not None or not wants_handoff:
+            if notify_url is None:
                 self.metrics.outcome("finished")
                 return
-            if handoff is None or handoff.error is not None:
-                message = handoff.error if handoff else "no handoff state"
-                self.metrics.outcome("handoff_failed")
-                yield encode_line(ErrorEvent(request_id=rid, status=502, message=message or ""))
+            if out.finish_reason is not None:
+                self.metrics.outcome("finished")
+                await self.host.call(lambda _e: self.handoffs.cancel(rid))
                 return
-            self.metrics.handoff_done(handoff)
-            yield encode_line(handoff.done_event(rid))
+            top = out.new_top_logprobs[0] if out.new_top_logprobs else None
+            notice = PrefillFirstToken(rid, out.new_token_ids[0], out.new_logprobs[0], top)
+            await self._tell_decode(notify_url, notice)
         finally:
             self.host.close_stream(rid)
             if not finished:  # the client (router) went away before the first token
-                await self.host.call(lambda e: (e.abort(rid), self.handoffs.pop(rid)))
+                await self.host.call(lambda e: e.abort(rid))
                 self.metrics.outcome("aborted")
+
+    async def _tell_decode(self, url: str, notice: PrefillFirstToken) -> None:
+        """Decode continues after the first token; if it is gone, stop sending its KV."""
+        try:
+            resp = await self._http.post(url, content=msgspec.json.encode(notice))
+            if resp.status_code == 200:
+                return
+            log.info("decode no longer holds %s (%d)", notice.request_id, resp.status_code)
+        except httpx.HTTPError as e:
+            log.warning("first token of %s could not reach decode: %s", notice.request_id, e)
+        await self.host.call(lambda _e: self.handoffs.cancel(notice.request_id))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()

@@ -2,10 +2,12 @@
 
 stage 0 (python -m prefill_worker: HTTP, the one scheduler, layers of stage 0)
     spawns stages 1.. (python -m prefill_worker.stages) and joins their process group
-stage s: its layers [start_s, end_s) and their paged KV (same block ids everywhere),
-    its own Mooncake transport and staging buffer: after computing a step it sends
-    its layers' part of every handoff flow (StageSender), so handoff bytes leave every
-    stage's device in parallel, as DESIGN §5 asks.
+stage s: its layers [start_s, end_s) and their paged KV (same block ids everywhere), and
+    its own KV connector worker (`stage_worker`): the pool's (PoolWorker: its own pool
+    client and slot buffer, saving and restoring its layers' objects) and the handoff's
+    (HandoffWorker: its own Mooncake transport, staging slots and sender threads, sending
+    its layers' part of every handoff flow and telling decode directly). So pool and handoff bytes leave every stage's device in
+    parallel, as DESIGN §4-5 ask. The parts are in CONNECTOR_PARTS order on every stage.
 """
 
 from __future__ import annotations
@@ -16,21 +18,36 @@ import os
 import sys
 from dataclasses import dataclass
 
-from engine.llm_engine import LLMEngine
+import torch
+from prometheus_client import CollectorRegistry
+
+from engine.config import EngineConfig
+from engine.kv_connector import KVConnectorWorker
+from engine.kv_connector_multi import MultiConnectorScheduler, MultiConnectorWorker
+from engine.llm_engine import LLMEngine, kv_namespace
 from engine.parallel.comm import init_parallel
 from engine.parallel.pp_engine import build_pp_engine
 from engine.parallel.procs import ChildProcesses, rendezvous
+from enginehost.kv_events import KVReporter
 from enginehost.startup import cpu_threads_per_engine, engine_config, set_cpu_threads
+from kvpool.stats import StageCounters
 from modelinfo.info import ModelInfo
-from prefill_worker.handoff import HandoffTable, StageSender
+from prefill_worker.handoff import HandoffScheduler, HandoffWorker
+from prefill_worker.notify import HttpNotifier
+from prefill_worker.pool_connector import build_pool_client, build_pool_connector
+from prefill_worker.pool_worker import PoolWorker
 from protocol.cluster import ClusterConfig, PrefillConfig
-from protocol.parallel import even_layer_split, stage_layer_ranges
-from transfer import HandoffSender, Transport
+from protocol.kv_layout import KVLayout
+from protocol.parallel import even_layer_split
+from transfer import HandoffFaults, Transport
 
 log = logging.getLogger(__name__)
 
 STAGING_BYTES = 64 * 1024**2
-"""Registered staging buffer of each stage (gathers of one flow segment at a time)."""
+"""Registered staging buffer of each stage, cut into slots (transfer/sender.py)."""
+
+CONNECTOR_PARTS = ("pool", "handoff")
+"""The KV connector's parts, in the order of the MultiConnector on every stage."""
 
 
 def layer_split(inst: PrefillConfig, num_layers: int) -> tuple[int, ...]:
@@ -39,15 +56,77 @@ def layer_split(inst: PrefillConfig, num_layers: int) -> tuple[int, ...]:
 
 @dataclass
 class PrefillStages:
-    """What stage 0 runs: the engine, its handoff table, and the processes of stages 1.."""
+    """What stage 0 runs: the engine, the handoff's scheduler side (its table) and stage
+    0's handoff worker, and the processes of stages 1.."""
 
     engine: LLMEngine
-    handoffs: HandoffTable
+    handoffs: HandoffScheduler
+    sender: HandoffWorker
     children: ChildProcesses | None
+
+    def connect(
+        self,
+        cluster: ClusterConfig,
+        inst: PrefillConfig,
+        registry: CollectorRegistry,
+        reporter: KVReporter | None,
+    ) -> None:
+        """Plug the instance's KV connector into the engine: the pool (scheduler side over
+        every stage, stage 0's worker) and the handoff, in CONNECTOR_PARTS order."""
+        e = self.engine
+        pool, pool_worker = build_pool_connector(
+            cluster, inst, e.namespace, e.layout, e.config, registry, reporter
+        )
+        e.set_kv_connector(
+            MultiConnectorScheduler([pool, self.handoffs]),
+            MultiConnectorWorker([pool_worker, self.sender]),
+        )
 
     def stop(self) -> None:
         if self.children is not None:
             self.children.stop()
+
+
+def full_layout(info: ModelInfo, config: EngineConfig) -> KVLayout:
+    mc = info.config
+    return KVLayout(
+        num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        block_size=config.block_size,
+        dtype=config.dtype,
+    )
+
+
+def stage_worker(
+    cluster: ClusterConfig,
+    inst: PrefillConfig,
+    info: ModelInfo,
+    config: EngineConfig,
+    stage: int,
+    sender: HandoffWorker,
+) -> KVConnectorWorker:
+    """The KV connector worker of stage `stage` >= 1 (CONNECTOR_PARTS order): its pool
+    worker on its own pool client, and its handoff sender."""
+    split = layer_split(inst, info.config.num_layers)
+    counters = StageCounters()
+    client = build_pool_client(
+        cluster,
+        inst,
+        kv_namespace(info, config, split),
+        full_layout(info, config),
+        counters,
+        stage,
+        torch.device(config.device),
+    )
+    return MultiConnectorWorker([PoolWorker(client, counters), sender])
+
+
+def handoff_worker(inst: PrefillConfig, transport: Transport) -> HandoffWorker:
+    """A stage's handoff worker: staging slots on its transport, notices over HTTP."""
+    f = inst.handoff_faults
+    faults = HandoffFaults(f.fail_prompt_tokens, f.write_delay_s) if f is not None else None
+    return HandoffWorker(transport, STAGING_BYTES, HttpNotifier(), faults)
 
 
 def start_stages(
@@ -66,11 +145,10 @@ def start_stages(
         max_num_seqs=inst.max_num_seqs,
         max_batched_tokens=inst.max_batched_tokens,
     )
-    sender = HandoffSender(transport, STAGING_BYTES, device=config.device)
+    sender = handoff_worker(inst, transport)
     pp = inst.pipeline_parallel
     if pp == 1:
-        engine = LLMEngine(info, config)
-        return PrefillStages(engine, HandoffTable.direct(sender, engine.runner.kv_caches), None)
+        return PrefillStages(LLMEngine(info, config), HandoffScheduler(1), sender, None)
     split = layer_split(inst, info.config.num_layers)
     init_method = rendezvous(os.environ.get("MASTER_ADDR"), inst.dist_port)
     children = ChildProcesses(
@@ -79,13 +157,9 @@ def start_stages(
         init_method,
     )
     ctx = init_parallel(0, pp, config.device, init_method)
-    hook = StageSender(sender, stage_layer_ranges(split)[0], 0)
-    engine = build_pp_engine(info, config, ctx, split, hook, depth=pp)
-    table = HandoffTable.pipelined()
-    engine.stage_commands = table.take_commands
-    engine.on_stage_reports = table.apply_reports
+    engine = build_pp_engine(info, config, ctx, split, depth=pp)
     log.info("PP %d: layer split %s, every stage is up", pp, list(split))
-    return PrefillStages(engine, table, children)
+    return PrefillStages(engine, HandoffScheduler(pp), sender, children)
 
 
 def stage_argv(config: str, name: str, stage: int, init_method: str) -> list[str]:
@@ -149,9 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         transport = create_transport(
             TransportConfig(name="mooncake", host=node.host, protocol=protocol)
         )
-        sender = HandoffSender(transport, STAGING_BYTES, device=config.device)
+        sender = handoff_worker(inst, transport)
+        worker = stage_worker(cluster, inst, info, config, args.stage, sender)
         log.info("stage %d ready: layers %s", args.stage, stage.layers)
-        serve_stage(stage, ctx, StageSender(sender, stage.layers, args.stage), pp)
+        serve_stage(stage, ctx, worker, pp)
     finally:
         shutdown_parallel()
     return 0

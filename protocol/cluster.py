@@ -16,7 +16,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 import yaml
@@ -125,6 +125,17 @@ class PoolConfig(_Section, frozen=True, kw_only=True):
     (counted), never stalling compute."""
 
 
+class HandoffFaultsConfig(_Section, frozen=True, kw_only=True):
+    """Injected handoff faults, for tests of the failure paths only (transfer/faults.py):
+    never set them in a real deployment."""
+
+    fail_prompt_tokens: PositiveInt | None = None
+    """Fail the KV writes of every request with exactly this many prompt tokens, after
+    its first piece (a transfer failed mid-flight)."""
+    write_delay_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
+    """Sleep before every KV write (a slow transport)."""
+
+
 class PrefillConfig(_Section, frozen=True, kw_only=True):
     """One prefill instance: PP stages, one process per device."""
 
@@ -152,6 +163,8 @@ class PrefillConfig(_Section, frozen=True, kw_only=True):
     """Separate Prometheus port; None: /metrics on `port`."""
     env: dict[str, str] = {}
     """Extra environment for the instance's processes (e.g. NCCL_DEBUG)."""
+    handoff_faults: HandoffFaultsConfig | None = None
+    """Test-only fault injection into this instance's KV handoff (None: off)."""
 
     @property
     def device_names(self) -> tuple[str, ...]:
@@ -185,7 +198,9 @@ class DecodeConfig(_Section, frozen=True, kw_only=True):
     kv_cache_memory: ByteSize = ByteSize(512 * MiB)
     """Paged KV cache per device."""
     landing_memory: ByteSize = ByteSize(256 * MiB)
-    """Registered buffer per device that handoff writes land in before the scatter."""
+    """Registered buffer per device that handoff writes land in before the scatter. A
+    request's region is at most a quarter of it (transfer/landing.py): longer prompts
+    stream through the region as a ring, so any context length is served."""
     transfer: TransferConfig = TransferConfig()
     max_num_seqs: PositiveInt = 256
     """Requests decoded at once (continuous batching)."""

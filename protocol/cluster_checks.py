@@ -16,7 +16,12 @@ import msgspec
 
 from protocol.cluster_types import BYTE_SIZE_HELP, ByteSize, device_name
 from protocol.config_errors import ConfigError
-from protocol.parallel import head_layout_error, layer_split_error
+from protocol.parallel import (
+    decode_rank_shards,
+    head_layout_error,
+    landing_error,
+    layer_split_error,
+)
 
 if TYPE_CHECKING:
     from protocol.cluster import ClusterConfig, DecodeConfig, PrefillConfig
@@ -197,6 +202,30 @@ def check_model_layouts(c: ClusterConfig, model: ModelShape, only: str | None = 
         )
         if problem is not None:
             raise ConfigError(f"decode[{i}].tensor_parallel", problem)
+        head_dim = getattr(model, "head_dim", None)
+        if head_dim is None:
+            continue  # a bare shape (layout checks only): no bytes to check
+        problem = landing_error(
+            int(d.landing_memory),
+            rank_kv_bytes_per_token(
+                c, model, head_dim, d.tensor_parallel, d.decode_context_parallel
+            ),
+            max((p.pipeline_parallel for p in c.prefill), default=1),
+            int(getattr(model, "max_position_embeddings", 0)),
+        )
+        if problem is not None:
+            raise ConfigError(f"decode[{i}].landing_memory", problem)
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def rank_kv_bytes_per_token(
+    c: ClusterConfig, model: ModelShape, head_dim: int, tp: int, dcp: int
+) -> int:
+    """KV bytes of one token (all layers, K and V) on a decode rank holding the most heads."""
+    shard = decode_rank_shards(model.num_heads, model.num_kv_heads, tp, dcp)[0]
+    return model.num_layers * 2 * shard.num_kv_heads * head_dim * DTYPE_BYTES[c.dtype]
 
 
 def _check_gpu_sharing(c: ClusterConfig) -> None:

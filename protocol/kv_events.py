@@ -2,8 +2,9 @@
 
     router ── GET /info ───────────────────────────▶ worker   once (and after a restart)
            ◀─ WorkerInfo                                      namespace key, block size, ...
-    router ── GET /kv_events?since=N&wait_s=W ─────▶ worker   long poll, repeated
-           ◀─ KVEventBatch                                    events after N, load, rates
+    router ── GET /kv_events/stream?since=N ────────▶ worker   one long-lived stream
+           ◀─ KVEventBatch, KVEventBatch, ...                 pushed: events after N,
+                                                              load, rates (NDJSON)
 
 Events are the prefix cache's changes (engine/block_pool.py): `stored` / `removed` carry
 block hashes of the chain the router computes itself (protocol/hashing.py, seeded with

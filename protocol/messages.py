@@ -1,13 +1,18 @@
 """Wire messages between router, prefill and decode instances (msgspec, JSON over HTTP).
 
-The serving path of one request (prefill PP stages x decode TP x DCP ranks: the flows):
+The serving path of one request: two worker calls from the router, one direct line from
+prefill to decode (prefill PP stages x decode TP x DCP ranks: the flows):
 
-    router ── AdmitRequest ─────────▶ decode      reserves landing space (waits if full)
-           ◀─ AdmitResponse ────────              one LandingInfo per decode rank
-    router ── PrefillRequest ───────▶ prefill     computes, writes KV into the landing
-           ◀─ PrefillEvent stream ──              FirstToken at once, then HandoffDone
-    router ── DecodeRequest ────────▶ decode      scatters landing -> pages, decodes
-           ◀─ DecodeEvent stream ───              TokenBatch ... (finish_reason on last)
+    router ── DecodeRequest ────────▶ decode      reserves pages (inside its engine) and
+           ◀─ DecodeReady ──────────              a landing region; then waits in-engine
+    router ── PrefillRequest ───────▶ prefill     computes; per prefill chunk every stage
+           ◀─ FirstToken ───────────              writes KV into the landing ring
+                     prefill ── HandoffNotice ──▶ decode   (POST notify_url, off the
+                                                  engine threads): SegmentsLanded (decode
+                                                  scatters them into the reserved pages,
+                                                  then answers: the ring space is free),
+                                                  PrefillFirstToken, FlowClosed
+           ◀─ TokenBatch ... ───────  decode      on the stream opened first
     router ── AbortRequest ─────────▶ both        on client disconnect or error
 
 Streams are newline-delimited JSON: one encoded event per line. Version bumps when a
@@ -23,9 +28,9 @@ import msgspec
 from protocol.kv_layout import KVLayout
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 2
-"""2: LandingInfo carries the rank's KV heads and DCP stripe, KVSegment its rank and the
-layer range of the prefill stage that wrote it (PP prefill x TP x DCP decode)."""
+PROTOCOL_VERSION = 3
+"""3: the router opens decode first (DecodeReady carries the landing), prefill tells
+decode directly (HandoffNotice), the landing region is a ring the flows stream through."""
 
 
 class PromptUsage(msgspec.Struct, frozen=True):
@@ -79,16 +84,24 @@ class KVSegment(msgspec.Struct, frozen=True):
     layer_end: int | None = None
 
 
-class AdmitRequest(msgspec.Struct, frozen=True):
+class DecodeRequest(msgspec.Struct, frozen=True):
+    """Router -> decode POST /decode: the request, before prefill runs. Decode answers
+    with an NDJSON stream: DecodeReady (pages reserved, landing ring allocated), then
+    TokenBatch ... once prefill's KV and first token arrived."""
+
     version: int
     request_id: str
-    num_prompt_tokens: int
-    max_tokens: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
 
 
-class AdmitResponse(msgspec.Struct, frozen=True):
+class DecodeReady(msgspec.Struct, frozen=True, tag="ready"):
+    """Decode's first line: where prefill writes (one LandingInfo per decode rank) and
+    where prefill posts its HandoffNotices."""
+
     request_id: str
     landing: list[LandingInfo]
+    notify_url: str
 
 
 class PrefillRequest(msgspec.Struct, frozen=True):
@@ -97,7 +110,9 @@ class PrefillRequest(msgspec.Struct, frozen=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     landing: list[LandingInfo]
-    """Empty when the request ends at its first token (max_tokens == 1 or a stop)."""
+    """Empty when the request ends at its first token (max_tokens == 1)."""
+    notify_url: str = ""
+    """Decode's POST endpoint for this request's HandoffNotices (with `landing`)."""
 
 
 class FirstToken(msgspec.Struct, frozen=True, tag="first_token"):
@@ -109,14 +124,6 @@ class FirstToken(msgspec.Struct, frozen=True, tag="first_token"):
     """Set when the request is already finished after this token (no decode needed)."""
     top_logprobs: list[tuple[int, float]] | None = None
     """(token id, logprob) alternatives when params.top_logprobs > 0."""
-
-
-class HandoffDone(msgspec.Struct, frozen=True, tag="handoff_done"):
-    request_id: str
-    segments: list[KVSegment]
-    num_bytes: int
-    num_ops: int
-    seconds: float
 
 
 class TokenBatch(msgspec.Struct, frozen=True, tag="tokens"):
@@ -136,19 +143,50 @@ class ErrorEvent(msgspec.Struct, frozen=True, tag="error"):
     message: str
 
 
-PrefillEvent = FirstToken | HandoffDone | ErrorEvent
-DecodeEvent = TokenBatch | ErrorEvent
+PrefillEvent = FirstToken | ErrorEvent
+DecodeEvent = DecodeReady | TokenBatch | ErrorEvent
 
 
-class DecodeRequest(msgspec.Struct, frozen=True):
-    version: int
+# -- prefill -> decode, POST DecodeReady.notify_url ----------------------------------------
+
+
+class SegmentsLanded(msgspec.Struct, frozen=True, tag="landed"):
+    """Prefill stage `stage` (of `num_stages`) finished writing these segments into the
+    landing ring (every rank's). Decode answers 200 after scattering them into the
+    request's pages: their ring bytes may then be written again. 410: the request is
+    gone at decode; the stage stops sending."""
+
     request_id: str
-    prompt_token_ids: list[int]
-    first_token_id: int
-    first_logprob: float | None
-    params: SamplingParams
+    stage: int
+    num_stages: int
     segments: list[KVSegment]
-    first_top_logprobs: list[tuple[int, float]] | None = None
+
+
+class FlowClosed(msgspec.Struct, frozen=True, tag="closed"):
+    """Stage `stage` writes nothing more for this request (done, failed or aborted): after
+    every stage closed, decode may reuse the request's landing ring (the fence)."""
+
+    request_id: str
+    stage: int
+    num_stages: int
+    error: str | None = None
+    num_bytes: int = 0
+    num_ops: int = 0
+    seconds: float = 0.0
+    """Write time of the stage's flows (the background thread's, not the engine's)."""
+
+
+class PrefillFirstToken(msgspec.Struct, frozen=True, tag="first_token"):
+    """Prefill's first sampled token: decode continues after it."""
+
+    request_id: str
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None = None
+    """(token id, logprob) alternatives when params.top_logprobs > 0."""
+
+
+HandoffNotice = SegmentsLanded | FlowClosed | PrefillFirstToken
 
 
 class AbortRequest(msgspec.Struct, frozen=True):
@@ -156,6 +194,10 @@ class AbortRequest(msgspec.Struct, frozen=True):
     reason: Literal["client_disconnected", "error", "timeout", "finished"] = "client_disconnected"
     """"finished": the router has the request's end before this worker (a stop string it
     found first, or a prefill that ended at its first token) and frees what is left."""
+    prefill_contacted: bool = True
+    """Decode: whether a prefill was sent the request. False: no write can be in flight
+    into its landing ring, which is reused at once; True: only after every prefill stage
+    closed its flow (or the landing quarantine passed)."""
 
 
 class InstanceStatus(msgspec.Struct, frozen=True):

@@ -159,3 +159,31 @@ def decode_rank_shards(
             )
         )
     return out
+
+
+LANDING_REGION_SHARE = 4
+"""A request's landing region is at most 1/LANDING_REGION_SHARE of a decode rank's landing
+buffer (transfer/landing.py): that many long prompts stream at once."""
+
+
+def landing_region_max(landing_bytes: int) -> int:
+    """The largest landing region a request gets (4 KiB pages)."""
+    return max(4096, landing_bytes // LANDING_REGION_SHARE // 4096 * 4096)
+
+
+def landing_error(
+    landing_bytes: int, rank_bytes_per_token: int, num_stages: int, max_context: int
+) -> str | None:
+    """Why a decode rank's landing buffer cannot stream prompts up to `max_context`
+    tokens, or None: every prefill stage's share of a region must hold two tokens of its
+    layers (transfer/ring.py), whatever the context length."""
+    region = landing_region_max(landing_bytes)
+    need = 2 * rank_bytes_per_token + 256 * (num_stages + 1)
+    if region >= need:
+        return None
+    return (
+        f"{landing_bytes} bytes give a request a landing region of {region} bytes; "
+        f"streaming a {max_context}-token context to this rank needs at least {need} "
+        f"(two tokens of KV of every layer); raise it to at least "
+        f"{need * LANDING_REGION_SHARE} bytes"
+    )

@@ -2,17 +2,22 @@
 the HTTP service and the scheduler) and the rank or stage processes it spawned.
 
 They travel over torch.distributed as msgpack bytes (engine/parallel/comm.py), never
-pickle. Engine-level messages carry a step; worker-level payloads (handoff commands,
-landing scatters) ride inside them as opaque bytes that the worker layer encodes:
+pickle. Engine-level messages carry a step; the KV connector's step metadata and its
+workers' reports (engine/kv_connector.py) ride inside them as opaque bytes that the
+connectors encode (pool: protocol/pool_messages.py; handoff:
+protocol/handoff_messages.py):
 
     decode TP x DCP (rank 0 ── broadcast ──▶ every rank, in order)
-        RankStep      one engine step: every rank runs its shard of the forward
-        RankCommand   a worker command (LandingScatter) run on every rank, then acked
+        RankStep      one engine step (possibly empty: a connector poll): every rank runs
+                      its connector worker and its shard of the forward; with
+                      want_reports each rank >= 1 then sends its report to rank 0
+        RankCommand   a worker command run on every rank, then acked
         Shutdown
 
     prefill PP (ring: stage 0 ─▶ 1 ─▶ ... ─▶ N-1 ─▶ 0)
-        StageStep     the step's batch, sampling rows, worker commands (HandoffCommand);
-                      each stage appends its report, and the hidden states follow it
+        StageStep     the step's batch (possibly empty: a connector poll), sampling rows,
+                      connector metadata; each stage appends its connector report, and
+                      the hidden states follow it (when the batch has tokens)
         StageResult   from the last stage: sampled tokens and every stage's report
 """
 
@@ -20,7 +25,6 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.messages import KVSegment, LandingInfo
 from protocol.sampling import SamplingParams
 
 
@@ -48,6 +52,10 @@ class SampleRow(msgspec.Struct, frozen=True, array_like=True):
 
 class RankStep(msgspec.Struct, frozen=True, tag="rank_step"):
     batch: StepBatch
+    kv_meta: bytes = b""
+    """The KV connector's metadata of the step (b"" for none)."""
+    want_reports: bool = False
+    """Every rank >= 1 sends its connector report to rank 0 after the step."""
 
 
 class RankCommand(msgspec.Struct, frozen=True, tag="rank_command"):
@@ -65,10 +73,10 @@ class StageStep(msgspec.Struct, frozen=True, tag="stage_step"):
     step_id: int
     batch: StepBatch
     samples: list[SampleRow]
-    commands: bytes
-    """Worker commands every stage runs after computing the step (b"" for none)."""
+    kv_meta: bytes
+    """The KV connector's metadata of the step, for every stage's worker (b"" for none)."""
     reports: list[bytes]
-    """Reports of the stages the step went through so far, in stage order."""
+    """Connector reports of the stages the step went through so far, in stage order."""
 
 
 StageMessage = StageStep | Shutdown
@@ -79,45 +87,10 @@ class StageResult(msgspec.Struct, frozen=True, tag="stage_result"):
     token_ids: list[int]
     logprobs: list[float | None]
     reports: list[bytes]
-    """One per stage, stage order."""
+    """Connector reports, one per stage, stage order."""
 
 
 # -- worker-level payloads ------------------------------------------------------------------
-
-
-class HandoffCommand(msgspec.Struct, frozen=True, array_like=True):
-    """Prefill: after computing the step, send the request's KV of tokens [token_start,
-    token_end) from this stage's layers to every decode rank (one flow per landing)."""
-
-    request_id: str
-    num_prompt_tokens: int
-    token_start: int
-    token_end: int
-    block_table: list[int]
-    landing: list[LandingInfo]
-
-
-class HandoffReport(msgspec.Struct, frozen=True, array_like=True):
-    """What one stage sent for one request in one step (or why it failed)."""
-
-    request_id: str
-    stage: int
-    segments: list[KVSegment]
-    num_bytes: int
-    num_ops: int
-    seconds: float
-    error: str | None = None
-
-
-class LandingScatter(msgspec.Struct, frozen=True, array_like=True):
-    """Decode: scatter the request's landed segments of this rank (bytes [offset_bytes,
-    + nbytes) of the rank's landing buffer) into its pages at block_table."""
-
-    request_id: str
-    offset_bytes: int
-    nbytes: int
-    block_table: list[int]
-    segments: list[KVSegment]
 
 
 class RankLanding(msgspec.Struct, frozen=True, array_like=True):

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         level=cluster.log_level.upper(),
         format="%(asctime)s %(levelname)s router %(name)s: %(message)s",
     )
+    # httpx logs every request at INFO: health checks and notices would flood the log
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.port is not None:
         import msgspec
 

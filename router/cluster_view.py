@@ -2,7 +2,7 @@
 
     per instance (InstanceState)                      fed by
       info      namespace key, block size, capacity   GET /info (once per worker epoch)
-      load      queue, free blocks, measured rates    GET /kv_events, every poll
+      load      queue, free blocks, measured rates    pushed on GET /kv_events/stream
       prefix    GPU-resident block hashes (prefill)   KV events stored/removed/cleared
       pool_id   which pool it saves to / restores     cluster.yaml (shared: one pool;
                                                       split: one per node; none)
@@ -12,7 +12,7 @@
                                                       prefills of instances that do not
                                                       report saves (router/kv_index.py)
 
-`KVWatcher` polls every instance on the router's event loop. Everything here is a hint
+`KVWatcher` holds one long-lived push stream per instance on the router's event loop. Everything here is a hint
 for policies and the gate: a stale view costs efficiency, never correctness. Mutated only
 on the router's event loop.
 """
@@ -36,6 +36,9 @@ from router.instances import Instance, InstanceRegistry
 from router.kv_index import PoolIndex, PrefixIndex
 
 log = logging.getLogger(__name__)
+
+BACKOFF_MIN_S = 0.2
+BACKOFF_MAX_S = 5.0
 
 
 @dataclass
@@ -149,64 +152,83 @@ class ClusterView:
 
 
 class KVWatcher:
-    """Polls GET /info and GET /kv_events of every instance; start() / stop() on the
-    router's event loop. One failed poll is logged at debug and retried next period."""
+    """Subscribes to every instance's pushed KV events (GET /kv_events/stream, NDJSON
+    KVEventBatch lines) and applies them as they arrive; start() / stop() on the router's
+    event loop. A stream that breaks is opened again after a back-off (from where it
+    stopped: the worker resumes the sequence, or resets when it restarted)."""
 
     def __init__(
-        self, registry: InstanceRegistry, view: ClusterView, interval_s: float = 0.2
+        self, registry: InstanceRegistry, view: ClusterView, interval_s: float = 0.05
     ) -> None:
         self._registry = registry
         self._view = view
         self._interval_s = interval_s
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(2.0), trust_env=False)
+        """The longest a worker holds back news on its stream."""
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=None), trust_env=False)
         self._batch_decoder = msgspec.json.Decoder(KVEventBatch)
         self._info_decoder = msgspec.json.Decoder(WorkerInfo)
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.received = 0
+        """Batches applied (for tests and the status page)."""
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+        if not self._tasks:
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._follow(i)) for i in self._registry.all()]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await t
+        self._tasks = []
         await self._http.aclose()
 
-    async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(i) for i in self._registry.all()))
-
-    async def _poll(self, inst: Instance) -> None:
-        st = self._view.state(inst)
-        try:
-            if st.info is None:
-                resp = await self._http.get(inst.url + "/info")
-                if resp.status_code != 200:
-                    return  # a worker without /info: the view stays empty, policies cope
-                self._view.set_info(inst, self._info_decoder.decode(resp.content))
-            resp = await self._http.get(
-                inst.url + "/kv_events", params={"since": st.next_seq, "epoch": st.epoch}
-            )
-            if resp.status_code != 200:
-                return
-            batch = self._batch_decoder.decode(resp.content)
-            if batch.epoch != st.epoch and st.epoch:
-                # A restarted worker: its namespace or capacity may have changed.
-                resp = await self._http.get(inst.url + "/info")
-                if resp.status_code == 200:
-                    self._view.set_info(inst, self._info_decoder.decode(resp.content))
-            self._view.apply_batch(inst, batch)
-        except (httpx.HTTPError, msgspec.DecodeError) as e:
-            log.debug("KV poll of %s failed: %s", inst.describe(), e)
-
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
+    async def _follow(self, inst: Instance) -> None:
+        backoff = BACKOFF_MIN_S
         while True:
-            started = loop.time()
             try:
-                await self.poll_once()
-            except Exception:  # never let one bad poll end watching
-                log.exception("KV poll failed")
-            await asyncio.sleep(max(0.0, self._interval_s - (loop.time() - started)))
+                if await self._subscribe(inst):
+                    backoff = BACKOFF_MIN_S
+            except (httpx.HTTPError, msgspec.DecodeError) as e:
+                log.debug("KV event stream of %s broke: %s", inst.describe(), e)
+            except Exception:  # never let one bad stream end watching
+                log.exception("KV event stream of %s failed", inst.describe())
+            await asyncio.sleep(backoff)
+            backoff = min(BACKOFF_MAX_S, backoff * 2)
+
+    async def _subscribe(self, inst: Instance) -> bool:
+        """Follow one stream until it ends. True if it delivered anything."""
+        st = self._view.state(inst)
+        if st.info is None and not await self._fetch_info(inst):
+            return False  # a worker without /info: the view stays empty, policies cope
+        params: dict[str, str | int | float] = {
+            "since": st.next_seq,
+            "epoch": st.epoch,
+            "interval_s": self._interval_s,
+        }
+        got = False
+        async with self._http.stream("GET", inst.url + "/kv_events/stream", params=params) as resp:
+            if resp.status_code != 200:
+                return False
+            async for line in resp.aiter_lines():
+                if not line.strip():
+                    continue
+                batch = self._batch_decoder.decode(line)
+                st = self._view.state(inst)
+                if (batch.epoch != st.epoch and st.epoch) or st.info is None:
+                    # A restarted worker (its namespace or capacity may have changed), or
+                    # a view that was reset.
+                    await self._fetch_info(inst)
+                self._view.apply_batch(inst, batch)
+                self.received += 1
+                got = True
+        return got
+
+    async def _fetch_info(self, inst: Instance) -> bool:
+        resp = await self._http.get(inst.url + "/info")
+        if resp.status_code != 200:
+            return False
+        self._view.set_info(inst, self._info_decoder.decode(resp.content))
+        return True

@@ -58,10 +58,11 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Tokens per KV block, for policies that hash the prompt."""
     pool_capacity_bytes: dict[str, int] = {}
     """Pool id -> DRAM of its stores (the router's pool index holds that much, by LRU)."""
-    kv_poll_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.2
-    """Period of the GET /kv_events poll of every instance (KV-aware routing, the gate)."""
+    kv_poll_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.05
+    """The longest a worker holds back KV events and load on its push stream (GET
+    /kv_events/stream, one per instance; KV-aware routing and the gate read them)."""
     admission: bool = True
-    """False: no admission gate (requests go straight to decode's /admit)."""
+    """False: no admission gate (requests go straight to decode's /decode)."""
     admission_wait_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     admission_headroom: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     admission_max_waiting: Annotated[int, msgspec.Meta(ge=0)] = 1024

@@ -44,6 +44,10 @@ class HttpLimits(msgspec.Struct, frozen=True, kw_only=True):
     """From the end of the headers to the end of the body."""
 
 
+_LINGER_S = 2.0
+"""How long a refused connection keeps draining the client's bytes before it closes."""
+
+
 def _error(status: int, reason: str, message: str, code: str) -> bytes:
     body = json.dumps(
         {
@@ -203,7 +207,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         if not self._app_has_request or not self.cycle.response_started:
             self.transport.write(_error(status, reason, message, code))
-        self.transport.close()
+        # Lingering close: closing with unread request bytes in the socket would send a
+        # reset that can destroy the answer before the client reads it. Half-close, drop
+        # what still arrives (data_received ignores it), close when the client does or
+        # after a grace period.
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self._timer = self.loop.call_later(_LINGER_S, self.transport.close)
+        else:
+            self.transport.close()
 
 
 def guarded_protocol(limits: HttpLimits, base: type[GuardedHttpToolsProtocol]) -> type:

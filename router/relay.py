@@ -1,18 +1,23 @@
-"""One request's trip through a decode and a prefill instance (protocol/messages.py):
+"""One request's trip through a decode and a prefill instance: two worker calls.
 
-    pick decode ──AdmitRequest──▶ decode      (skipped when max_tokens == 1)
-    pick prefill ─PrefillRequest─▶ prefill ──▶ FirstToken (yielded at once), HandoffDone
-                 ─DecodeRequest──▶ decode  ──▶ TokenBatch ... (yielded as they arrive)
+    pick decode ──DecodeRequest──▶ decode   (skipped when max_tokens == 1)
+                ◀─ DecodeReady              pages reserved, landing ring allocated; the
+                                            stream stays open, decode waits in its engine
+    pick prefill ─PrefillRequest─▶ prefill  (with decode's landing and notify URL)
+                ◀─ FirstToken               yielded at once; prefill's stages write the KV
+                                            and tell decode directly (HandoffNotice)
+                ◀─ TokenBatch ...           on decode's stream (yielded as they arrive)
 
 Retries: an instance that cannot be connected to never saw the request, so it is marked
 unhealthy and another one is tried. Anything later is an error for the client.
 
 Aborts (AbortRequest, sent in the background, never awaited):
 - the run fails (client gone, worker error, timeout): every instance that was sent the
-  request gets one, finished or not, so each frees whatever it still holds;
+  request gets one, finished or not, so each frees whatever it still holds (decode is
+  told whether a prefill was contacted: if not, its landing ring is reused at once);
 - the router finishes first (a stop string the worker has not matched yet, see
   `finish_early`): only the instances still working on it;
-- prefill finishes at its first token: decode, to free the landing space it reserved.
+- prefill finishes at its first token: decode, to free the pages and landing it reserved.
 A run that ends normally (a worker reported the finish) sends none.
 """
 
@@ -25,15 +30,15 @@ from typing import TYPE_CHECKING, TypeVar
 
 from protocol.messages import (
     PROTOCOL_VERSION,
-    AdmitRequest,
+    DecodeEvent,
+    DecodeReady,
     DecodeRequest,
     ErrorEvent,
     FirstToken,
-    HandoffDone,
-    LandingInfo,
     PrefillEvent,
     PrefillRequest,
     PromptUsage,
+    TokenBatch,
 )
 from protocol.sampling import SamplingParams
 from router.cluster_view import ClusterView
@@ -130,8 +135,9 @@ class RequestRun:
         """The run failed: abort every instance that was sent it. Idempotent."""
         if not self._closed:
             self._closed = True
+            prefill_contacted = any(i.role == "prefill" for i in self._contacted)
             for inst in self._contacted:
-                self._s.client.abort_soon(inst, self.request_id, reason)
+                self._s.client.abort_soon(inst, self.request_id, reason, prefill_contacted)
 
     def finish_early(self) -> None:
         """The router has its finish before the workers: stop those still working."""
@@ -144,26 +150,33 @@ class RequestRun:
 
     async def _run(self) -> AsyncIterator[WorkerTokens]:
         needs_decode = self.params.max_tokens > 1
-        landing: list[LandingInfo] = await self._admit() if needs_decode else []
-        first, handoff = None, None
-        async for event in self._prefill_events(landing):
+        decode_events: AsyncIterator[DecodeEvent] | None = None
+        ready: DecodeReady | None = None
+        if needs_decode:
+            decode_events, ready = await self._open_decode()
+        try:
+            async for tokens in self._serve(decode_events, ready):
+                yield tokens
+        finally:
+            if decode_events is not None:
+                await decode_events.aclose()  # type: ignore[attr-defined]
+
+    async def _serve(
+        self, decode_events: AsyncIterator[DecodeEvent] | None, ready: DecodeReady | None
+    ) -> AsyncIterator[WorkerTokens]:
+        first = None
+        async for event in self._prefill_events(ready):
             if isinstance(event, FirstToken):
                 first = event
                 self.usage = event.usage
+                self._done(self.prefill)
                 if event.finish_reason is not None:
-                    self._release(self.decode)  # its landing space is not needed
-                    self._done(self.prefill)
+                    self._release(self.decode)  # its pages and landing are not needed
                     self._completed = True
-                elif handoff is not None:
-                    self._done(self.prefill)
                 top: list[list[tuple[int, float]] | None] | None = None
                 if event.top_logprobs is not None:
                     top = [event.top_logprobs]
                 yield WorkerTokens([event.token_id], [event.logprob], event.finish_reason, top)
-            elif isinstance(event, HandoffDone):
-                handoff = event
-                if first is not None:
-                    self._done(self.prefill)
             else:
                 raise WorkerError(event.status, event.message)
         self._done(self.prefill)
@@ -172,26 +185,14 @@ class RequestRun:
         if first.finish_reason is not None:
             self._completed = True
             return
-        if not needs_decode:
+        if decode_events is None:
             raise WorkerFailed(f"{_name(self.prefill)} did not finish a max_tokens=1 request")
-        if handoff is None:
-            raise WorkerFailed(f"{_name(self.prefill)} ended its stream without HandoffDone")
         assert self.decode is not None
-        req = DecodeRequest(
-            version=PROTOCOL_VERSION,
-            request_id=self.request_id,
-            prompt_token_ids=list(self.ctx.prompt_token_ids),
-            first_token_id=first.token_id,
-            first_logprob=first.logprob,
-            first_top_logprobs=first.top_logprobs,
-            params=self.params,
-            segments=handoff.segments,
-        )
-        async for batch in self._guard(
-            self.decode, self._s.client.decode(self.decode, req, self.deadline)
-        ):
+        async for batch in self._guard(self.decode, decode_events):
             if isinstance(batch, ErrorEvent):
                 raise WorkerError(batch.status, batch.message)
+            if not isinstance(batch, TokenBatch):
+                raise WorkerFailed(f"{_name(self.decode)} sent a second DecodeReady")
             if batch.finish_reason is not None:
                 self._done(self.decode)
                 self._completed = True
@@ -202,30 +203,42 @@ class RequestRun:
                 return
         raise WorkerFailed(f"{_name(self.decode)} ended its stream without a finish_reason")
 
-    async def _admit(self) -> list[LandingInfo]:
-        req = AdmitRequest(
+    async def _open_decode(self) -> tuple[AsyncIterator[DecodeEvent], DecodeReady]:
+        """Open decode's stream and read its DecodeReady (the request then waits there)."""
+        req = DecodeRequest(
             version=PROTOCOL_VERSION,
             request_id=self.request_id,
-            num_prompt_tokens=len(self.ctx.prompt_token_ids),
-            max_tokens=self.params.max_tokens,
+            prompt_token_ids=list(self.ctx.prompt_token_ids),
+            params=self.params,
         )
         tried: set[str] = set()
         while True:
             inst = await self._admit_decode(tried)
+            self._start(inst)
+            events = self._s.client.decode(inst, req, self.deadline)
             try:
-                self._start(inst)
-                resp = await self._s.client.admit(inst, req, self.deadline)
+                first = await anext(aiter(events))
             except InstanceUnreachable as e:
                 self._forget(inst, e, tried)
                 if self._reservation is not None:
                     self._reservation.release()
                     self._reservation = None
                 continue
+            except StopAsyncIteration:
+                message = f"{inst.describe()} ended its stream before DecodeReady"
+                self._s.registry.mark_unhealthy(inst, message)
+                raise WorkerFailed(message) from None
             except WorkerFailed as e:
                 self._s.registry.mark_unhealthy(inst, e.message)
                 raise
             self.decode = inst
-            return resp.landing
+            if isinstance(first, ErrorEvent):
+                await events.aclose()  # type: ignore[attr-defined]
+                raise WorkerError(first.status, first.message)
+            if not isinstance(first, DecodeReady):
+                await events.aclose()  # type: ignore[attr-defined]
+                raise WorkerFailed(f"{inst.describe()} sent tokens before DecodeReady")
+            return events, first
 
     async def _admit_decode(self, tried: set[str]) -> Instance:
         """The decode instance for the request, through the admission gate if there is one."""
@@ -242,13 +255,14 @@ class RequestRun:
             )
         return self._reservation.instance
 
-    async def _prefill_events(self, landing: list[LandingInfo]) -> AsyncIterator[PrefillEvent]:
+    async def _prefill_events(self, ready: DecodeReady | None) -> AsyncIterator[PrefillEvent]:
         req = PrefillRequest(
             version=PROTOCOL_VERSION,
             request_id=self.request_id,
             prompt_token_ids=list(self.ctx.prompt_token_ids),
             params=self.params,
-            landing=landing,
+            landing=ready.landing if ready is not None else [],
+            notify_url=ready.notify_url if ready is not None else "",
         )
         tried: set[str] = set()
         while True:

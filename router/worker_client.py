@@ -2,8 +2,8 @@
 
 Endpoints the router calls (JSON bodies are the msgspec structs named):
 
-    decode   POST /admit       AdmitRequest   -> 200 AdmitResponse
-             POST /decode      DecodeRequest  -> 200 NDJSON stream of DecodeEvent
+    decode   POST /decode      DecodeRequest  -> 200 NDJSON stream of DecodeEvent:
+                               DecodeReady first, then TokenBatch ...
     prefill  POST /prefill     PrefillRequest -> 200 NDJSON stream of PrefillEvent
              POST /admin/reset_prefix_cache   -> 200 (any JSON)
     both     POST /abort       AbortRequest   -> 2xx (body ignored)
@@ -28,8 +28,6 @@ import msgspec
 
 from protocol.messages import (
     AbortRequest,
-    AdmitRequest,
-    AdmitResponse,
     DecodeEvent,
     DecodeRequest,
     ErrorEvent,
@@ -42,7 +40,6 @@ from router.instances import Instance
 
 log = logging.getLogger(__name__)
 
-ADMIT_PATH = "/admit"
 DECODE_PATH = "/decode"
 PREFILL_PATH = "/prefill"
 ABORT_PATH = "/abort"
@@ -67,7 +64,7 @@ class WorkerClient:
 
     def __init__(self, *, connect_timeout_s: float = 2.0, control_timeout_s: float = 1.0) -> None:
         self._pool = Http1Pool(connect_timeout_s)
-        """The serving path (admit, prefill, decode): see router/http1.py for why."""
+        """The serving path (decode, prefill): see router/http1.py for why."""
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(control_timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
@@ -75,7 +72,6 @@ class WorkerClient:
         )
         """Control calls: health, abort, admin."""
         self._control_timeout_s = control_timeout_s
-        self._admit_decoder = msgspec.json.Decoder(AdmitResponse)
         self._prefill_decoder = msgspec.json.Decoder(PrefillEvent)
         self._decode_decoder = msgspec.json.Decoder(DecodeEvent)
         self._background: set[asyncio.Task[None]] = set()
@@ -88,15 +84,6 @@ class WorkerClient:
 
     # -- serving path ---------------------------------------------------------------------
 
-    async def admit(self, inst: Instance, req: AdmitRequest, deadline: float) -> AdmitResponse:
-        """Reserve landing space on a decode instance (it may wait while it is full)."""
-        async with self._post(inst, ADMIT_PATH, req, deadline) as resp:
-            body = await _read_body(resp, deadline)
-        try:
-            return self._admit_decoder.decode(body)
-        except msgspec.DecodeError as e:
-            raise WorkerFailed(f"{inst.describe()} sent an invalid AdmitResponse: {e}") from None
-
     def prefill(
         self, inst: Instance, req: PrefillRequest, deadline: float
     ) -> AsyncIterator[PrefillEvent]:
@@ -106,18 +93,36 @@ class WorkerClient:
     def decode(
         self, inst: Instance, req: DecodeRequest, deadline: float
     ) -> AsyncIterator[DecodeEvent]:
-        """The decode instance's event stream for `req`."""
+        """The decode instance's event stream for `req` (DecodeReady first)."""
         return self._events(inst, DECODE_PATH, req, self._decode_decoder, deadline)
 
-    def abort_soon(self, inst: Instance, request_id: str, reason: AbortReason) -> None:
+    def abort_soon(
+        self,
+        inst: Instance,
+        request_id: str,
+        reason: AbortReason,
+        prefill_contacted: bool = True,
+    ) -> None:
         """Send AbortRequest now without waiting for the answer (safe inside cancellation)."""
-        task = asyncio.get_running_loop().create_task(self.abort(inst, request_id, reason))
+        task = asyncio.get_running_loop().create_task(
+            self.abort(inst, request_id, reason, prefill_contacted)
+        )
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def abort(self, inst: Instance, request_id: str, reason: AbortReason) -> None:
-        """Tell `inst` to free `request_id`; failures are logged, never raised."""
-        body = msgspec.json.encode(AbortRequest(request_id=request_id, reason=reason))
+    async def abort(
+        self,
+        inst: Instance,
+        request_id: str,
+        reason: AbortReason,
+        prefill_contacted: bool = True,
+    ) -> None:
+        """Tell `inst` to free `request_id`; failures are logged, never raised.
+        `prefill_contacted` (decode): whether any prefill was sent the request."""
+        msg = AbortRequest(
+            request_id=request_id, reason=reason, prefill_contacted=prefill_contacted
+        )
+        body = msgspec.json.encode(msg)
         try:
             await self._http.post(
                 inst.url + ABORT_PATH,

@@ -1,12 +1,12 @@
 """A cluster of parallel prefill and decode instances (`kvserve up` on 127.0.0.1), and a
-client that drives one (prefill, decode) pair the way the router does: /admit, /prefill,
-/decode with protocol messages, so a test chooses the pair and sees the handoff."""
+client that drives one (prefill, decode) pair the way the router does: /decode (its
+DecodeReady), then /prefill with that landing, then decode's tokens, so a test chooses
+the pair; the flows are checked from the workers' handoff metrics."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,11 +17,9 @@ from cluster_harness import free_ports, kvserve
 
 from protocol.messages import (
     PROTOCOL_VERSION,
-    AdmitRequest,
-    AdmitResponse,
+    DecodeReady,
     DecodeRequest,
     FirstToken,
-    HandoffDone,
     PrefillRequest,
     TokenBatch,
 )
@@ -120,20 +118,15 @@ def start_parallel_cluster(
 @dataclass
 class PairResult:
     tokens: list[int]
-    admit: AdmitResponse
-    handoff: HandoffDone
+    ready: DecodeReady
+    num_prompt_tokens: int
 
 
-def _ndjson(client: httpx.Client, url: str, body: msgspec.Struct, typ: object) -> list:
-    out = []
-    with client.stream("POST", url, content=msgspec.json.encode(body), timeout=120) as r:
-        if r.status_code != 200:
-            r.read()
-            raise AssertionError(f"{url}: {r.status_code} {r.text}")
-        for line in r.iter_lines():
-            if line:
-                out.append(msgspec.json.decode(line, type=typ))
-    return out
+def _ndjson_lines(r: httpx.Response, url: str):  # type: ignore[no-untyped-def]
+    if r.status_code != 200:
+        r.read()
+        raise AssertionError(f"{url}: {r.status_code} {r.text}")
+    return (line for line in r.iter_lines() if line)
 
 
 def run_pair(
@@ -144,28 +137,24 @@ def run_pair(
     params: SamplingParams,
 ) -> PairResult:
     """One request through a chosen prefill and decode instance (what router/relay.py
-    does, without its choices)."""
+    does, without its choices): decode's stream first, prefill told where to send."""
     with httpx.Client() as client:
-        admit = AdmitRequest(PROTOCOL_VERSION, request_id, len(prompt), params.max_tokens)
-        r = client.post(decode_url + "/admit", content=msgspec.json.encode(admit), timeout=60)
-        assert r.status_code == 200, r.text
-        landing = msgspec.json.decode(r.content, type=AdmitResponse)
-        req = PrefillRequest(PROTOCOL_VERSION, request_id, prompt, params, landing.landing)
-        events = _ndjson(client, prefill_url + "/prefill", req, FirstToken | HandoffDone)
-        first, done = events[0], events[-1]
-        assert isinstance(first, FirstToken) and isinstance(done, HandoffDone), events
-        dreq = DecodeRequest(
-            PROTOCOL_VERSION,
-            request_id,
-            prompt,
-            first.token_id,
-            first.logprob,
-            params,
-            done.segments,
-        )
-        batches = _ndjson(client, decode_url + "/decode", dreq, TokenBatch)
-    tokens = [first.token_id] + [t for b in batches for t in b.token_ids]
-    return PairResult(tokens, landing, done)
+        dreq = DecodeRequest(PROTOCOL_VERSION, request_id, prompt, params)
+        with client.stream(
+            "POST", decode_url + "/decode", content=msgspec.json.encode(dreq), timeout=120
+        ) as dr:
+            lines = _ndjson_lines(dr, decode_url)
+            ready = msgspec.json.decode(next(lines), type=DecodeReady)
+            req = PrefillRequest(
+                PROTOCOL_VERSION, request_id, prompt, params, ready.landing, ready.notify_url
+            )
+            r = client.post(prefill_url + "/prefill", content=msgspec.json.encode(req), timeout=120)
+            assert r.status_code == 200, r.text
+            events = [msgspec.json.decode(x, type=FirstToken) for x in r.content.splitlines() if x]
+            assert len(events) == 1, events
+            batches = [msgspec.json.decode(x, type=TokenBatch) for x in lines]
+    tokens = [events[0].token_id] + [t for b in batches for t in b.token_ids]
+    return PairResult(tokens, ready, len(prompt))
 
 
 def run_pair_batch(
@@ -180,22 +169,47 @@ def run_pair_batch(
         return [f.result() for f in futures]
 
 
-def check_flows(result: PairResult, num_prompt_tokens: int, pp: int, tp: int) -> None:
-    """flows = PP stages x TP ranks; each flow's bytes = its layers x the rank's tokens x
-    the rank's heads; ops = sum over its segments of ceil(bytes / 8 MiB)."""
-    landing = {info.rank: info for info in result.admit.landing}
-    assert sorted(landing) == list(range(tp))
-    flows: dict[tuple[int, int, int], list] = defaultdict(list)
-    for seg in result.handoff.segments:
-        layer_end = seg.layer_end if seg.layer_end is not None else 0
-        flows[(seg.rank, seg.layer_start, layer_end)].append(seg)
-    assert len(flows) == pp * tp, sorted(flows)
-    num_ops = 0
-    for (rank, l0, l1), segs in flows.items():
-        info = landing[rank]
-        n_rank = stripe_len(0, num_prompt_tokens, info.dcp_size, info.dcp_rank)
-        want = n_rank * (l1 - l0) * info.layout.bytes_per_token_per_layer
-        assert sum(s.num_bytes for s in segs) == want, (rank, l0, l1)
-        num_ops += sum(math.ceil(s.num_bytes / MAX_OP_BYTES) for s in segs if s.num_bytes)
-    assert result.handoff.num_ops == num_ops
-    assert result.handoff.num_bytes == sum(s.num_bytes for s in result.handoff.segments)
+def _series(url: str, name: str) -> dict[str, float]:
+    """label text -> value of every sample of `name` on a worker's /metrics."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) :].rsplit(" ", 1)
+            out[labels] = float(value)
+    return out
+
+
+def flow_metrics(prefill_url: str, decode_url: str) -> dict[str, dict[str, float]]:
+    """The handoff series a check compares before and after a batch."""
+    return {
+        "bytes": _series(prefill_url, "kvserve_handoff_bytes_total"),
+        "ops": _series(prefill_url, "kvserve_handoff_ops_total"),
+        "flows": _series(decode_url, "kvserve_handoff_flows_total"),
+    }
+
+
+def check_flows(
+    before: dict[str, dict[str, float]],
+    after: dict[str, dict[str, float]],
+    results: list[PairResult],
+    layer_split: tuple[int, ...],
+) -> None:
+    """Every stage of the prefill sent its layers x every rank's tokens x the rank's heads,
+    ops of at most 8 MiB; decode saw every stage's flow close without error."""
+
+    def delta(kind: str, match: str) -> float:
+        return sum(v - before[kind].get(k, 0.0) for k, v in after[kind].items() if match in k)
+
+    assert delta("flows", 'result="ok"') == len(layer_split) * len(results)
+    assert delta("flows", 'result="failed"') == 0
+    l0 = 0
+    for stage, nl in enumerate(layer_split):
+        want = 0
+        for r in results:
+            for info in r.ready.landing:
+                n_rank = stripe_len(0, r.num_prompt_tokens, info.dcp_size, info.dcp_rank)
+                want += n_rank * nl * info.layout.bytes_per_token_per_layer
+        assert delta("bytes", f'stage="{stage}"') == want, (stage, l0, nl)
+        writes = len(results) * len(results[0].ready.landing)  # at least a write per rank
+        assert delta("ops", f'stage="{stage}"') >= max(writes, math.ceil(want / MAX_OP_BYTES))
+        l0 += nl

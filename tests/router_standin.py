@@ -23,16 +23,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from protocol.kv_events import KVEventBatch, WorkerLoad
 from protocol.kv_layout import KVLayout
 from protocol.messages import (
     AbortRequest,
-    AdmitRequest,
-    AdmitResponse,
+    DecodeReady,
     DecodeRequest,
     ErrorEvent,
     FirstToken,
-    HandoffDone,
-    KVSegment,
     LandingInfo,
     PrefillRequest,
     PromptUsage,
@@ -57,7 +55,8 @@ class StandinWorker:
     token_delay_s: float = 0.0
     prefill_delay_s: float = 0.0
     fail: dict[str, tuple[int, str]] = field(default_factory=dict)
-    """endpoint ("admit" | "prefill" | "decode") -> (status, message) sent as ErrorEvent."""
+    """endpoint ("prefill" | "decode") -> (status, message) sent as ErrorEvent (decode:
+    the HTTP answer, before DecodeReady)."""
     crash_decode_after: int | None = None
     """Drop the decode connection after this many batches."""
     healthy: bool = True
@@ -65,19 +64,20 @@ class StandinWorker:
     aborts: list[tuple[float, AbortRequest]] = field(default_factory=list)
     resets: int = 0
     kv_capacity_tokens: int | None = None
-    """Serve GET /info and /kv_events with this KV capacity; None: no such endpoints (404)."""
+    """Serve GET /info and /kv_events/stream with this KV capacity; None: no such
+    endpoints (404)."""
+    kv_subscriptions: int = 0
 
     def app(self) -> Starlette:
         return Starlette(
             routes=[
-                Route("/admit", self._admit, methods=["POST"]),
                 Route("/prefill", self._prefill, methods=["POST"]),
                 Route("/decode", self._decode, methods=["POST"]),
                 Route("/abort", self._abort, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/admin/reset_prefix_cache", self._reset, methods=["POST"]),
                 Route("/info", self._info, methods=["GET"]),
-                Route("/kv_events", self._kv_events, methods=["GET"]),
+                Route("/kv_events/stream", self._kv_events, methods=["GET"]),
             ]
         )
 
@@ -98,15 +98,20 @@ class StandinWorker:
         return Response(msgspec.json.encode(info), media_type="application/json")
 
     async def _kv_events(self, request: Request) -> Response:
-        from protocol.kv_events import KVEventBatch, WorkerLoad
-
         if self.kv_capacity_tokens is None:
             return Response(b"", status_code=404)
         load = WorkerLoad(
             num_running=0, num_waiting=0, queued_tokens=0, kv_blocks_total=0, kv_blocks_free=0
         )
         batch = KVEventBatch(epoch="standin", next_seq=0, load=load)
-        return Response(msgspec.json.encode(batch), media_type="application/json")
+        self.kv_subscriptions += 1
+
+        async def pushed() -> Any:  # one batch, then a heartbeat now and then
+            while True:
+                yield msgspec.json.encode(batch) + b"\n"
+                await asyncio.sleep(1.0)
+
+        return StreamingResponse(pushed(), media_type=NDJSON)
 
     def aborted_ids(self) -> set[str]:
         return {a.request_id for _, a in self.aborts}
@@ -115,22 +120,6 @@ class StandinWorker:
         if token == self.eos_id and not ignore_eos:
             return "stop"
         return "length" if count >= max_tokens else None
-
-    async def _admit(self, request: Request) -> Response:
-        req = msgspec.json.decode(await request.body(), type=AdmitRequest)
-        self.received.append(("admit", req))
-        if "admit" in self.fail:
-            return _error(req.request_id, *self.fail["admit"])
-        landing = LandingInfo(
-            rank=0,
-            transport="local",
-            peer="127.0.0.1:0",
-            buffer_addr=0,
-            capacity_bytes=req.num_prompt_tokens * LAYOUT.bytes_per_token,
-            layout=LAYOUT,
-        )
-        resp = AdmitResponse(request_id=req.request_id, landing=[landing])
-        return Response(msgspec.json.encode(resp), media_type="application/json")
 
     async def _prefill(self, request: Request) -> Response:
         req = msgspec.json.decode(await request.body(), type=PrefillRequest)
@@ -160,9 +149,6 @@ class StandinWorker:
                     finish_reason=finish,
                 )
             )
-            if req.landing:
-                seg = KVSegment(0, n, 0, n * LAYOUT.bytes_per_token)
-                yield encode_line(HandoffDone(req.request_id, [seg], seg.num_bytes, 1, 0.0))
 
         return StreamingResponse(events(), media_type=NDJSON)
 
@@ -172,8 +158,19 @@ class StandinWorker:
         if "decode" in self.fail:
             return _error(req.request_id, *self.fail["decode"])
         params = req.params
+        n = len(req.prompt_token_ids)
+        landing = LandingInfo(
+            rank=0,
+            transport="local",
+            peer="127.0.0.1:0",
+            buffer_addr=0,
+            capacity_bytes=n * LAYOUT.bytes_per_token,
+            layout=LAYOUT,
+        )
+        ready = DecodeReady(req.request_id, [landing], "http://127.0.0.1:0/kv_notify")
 
         async def events() -> Any:
+            yield encode_line(ready)
             count = 1
             for i, token in enumerate(self.tokens[1:]):
                 if self.crash_decode_after is not None and i >= self.crash_decode_after:

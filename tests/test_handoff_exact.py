@@ -1,21 +1,29 @@
-"""The handoff path in one process with the real pieces: a prefill engine streams its
-prompt KV per chunk through a Mooncake tcp transport into a decode landing region, decode
-scatters it into its own pages. The KV decode holds must be byte-identical to prefill's,
-every write must take ceil(bytes / 8 MiB) ops, and decoding must continue exactly."""
+"""The handoff path in one process with the real pieces: a prefill engine whose KV
+connector sends each step's prompt KV from its sender threads through a Mooncake tcp
+transport into a decode landing ring; a decode engine whose receiver connector keeps the
+request waiting inside the engine, scatters every landed piece into the pages it reserved
+and starts it once prefill's first token is in. The KV decode holds must be
+byte-identical to prefill's, every write ceil(bytes / 8 MiB) ops, and decoding must
+continue exactly as the single-process engine."""
 
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
 
+from decode_worker.receiver import HandoffReceiver, LandingWorker
 from engine.config import EngineConfig
+from engine.kv_connector import NoConnectorScheduler, NoConnectorWorker
 from engine.llm_engine import LLMEngine
-from prefill_worker.handoff import HandoffTable
+from prefill_worker.handoff import HandoffScheduler, HandoffWorker
+from protocol.handoff_messages import FlowResult
+from protocol.messages import FlowClosed, HandoffNotice, SegmentsLanded
 from protocol.sampling import SamplingParams
-from transfer import MAX_OP_BYTES, HandoffSender, LandingArena, TransportConfig, create_transport
-from transfer.landing import scatter_segments
+from transfer import MAX_OP_BYTES, LandingArena, TransportConfig, create_transport
 
 MODEL = "builtin:smollm2-135m-instruct"
 
@@ -34,11 +42,24 @@ def engines(weights_cache_dir: str):
     return prefill, decode
 
 
-def _tokens(ids: list[int], caches: list[torch.Tensor], table: list[int], n: int) -> torch.Tensor:
+def _tokens(caches: list[torch.Tensor], table: list[int], n: int) -> torch.Tensor:
     """[L, 2, n, H, D]: the KV of the first n tokens, read straight from the pages."""
     bs = caches[0].shape[2]
     slots = torch.tensor([table[t // bs] * bs + t % bs for t in range(n)])
     return torch.stack([c.flatten(1, 2)[:, slots] for c in caches])
+
+
+class Recording(HandoffScheduler):
+    """Records the block table prefill computes the prompt into."""
+
+    def __init__(self, num_stages: int) -> None:
+        super().__init__(num_stages)
+        self.table: list[int] = []
+
+    def build_step_meta(self, computed):  # type: ignore[no-untyped-def]
+        for kv in computed:
+            self.table = list(kv.block_ids)
+        return super().build_step_meta(computed)
 
 
 def test_decode_receives_exactly_what_prefill_computed(engines, monkeypatch):
@@ -46,68 +67,85 @@ def test_decode_receives_exactly_what_prefill_computed(engines, monkeypatch):
     prefill, decode = engines
     send_t = create_transport(TransportConfig(name="mooncake", host="127.0.0.1"))
     land_t = create_transport(TransportConfig(name="mooncake", host="127.0.0.1"))
-    assert send_t.peer_address.startswith("127.0.0.1:")
-    sender = HandoffSender(send_t, 64 * 1024**2)
-    arena = LandingArena(256 * 1024**2, land_t)
-    table = HandoffTable.direct(sender, prefill.runner.kv_caches)
-    prefill.kv_observer = table.observe
+    # 16 MiB of landing: an 8 MiB region, a quarter of the prompt's 32 MB: the ring turns
+    arena = LandingArena(32 * 1024**2, land_t, max_region_bytes=8 * 1024**2)
+    receiver = HandoffReceiver(arena, 1, decode.layout)
+    decode_worker = LandingWorker(arena, decode.layout, 0, receiver)
+    decode.set_kv_connector(receiver, decode_worker)
 
-    ids = prefill.info.tokenizer.encode("The history of the agent session: " * 120)[:700]
-    assert len(ids) == 700
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    nbytes = len(ids) * prefill.layout.bytes_per_token
-    region = arena.allocate("r1", nbytes, timeout_s=1)
-    assert region is not None
-    table.add("r1", [arena.landing_info(region, 0, decode.layout)], len(ids))
+    landed: list[SegmentsLanded] = []
+    closed: list[FlowClosed] = []
 
-    held: dict[str, torch.Tensor] = {}
+    def notify(url: str, notice: HandoffNotice) -> bool:  # prefill's notifier thread
+        if isinstance(notice, FlowClosed):
+            closed.append(notice)
+            receiver.closed(notice)
+            return True
+        assert isinstance(notice, SegmentsLanded)
+        landed.append(notice)
+        answer: Future[bool] = receiver.landed(notice)
+        return answer.result(timeout=60)  # the main thread's decode steps scatter it
 
-    def snapshot(req, start, end, blocks):  # runs before the request's blocks are freed
-        table.observe(req, start, end, blocks)
-        if end == len(ids):
-            held["prefill"] = _tokens(ids, prefill.runner.kv_caches, list(blocks), len(ids))
+    handoffs = Recording(1)
+    results: list[FlowResult] = []
+    handoffs.on_closed = lambda _rid, stages: results.extend(stages)
+    sender = HandoffWorker(send_t, 16 * 1024**2, notify)
+    prefill.set_kv_connector(handoffs, sender)
+    try:
+        ids = prefill.info.tokenizer.encode("The history of the agent session: " * 120)[:700]
+        assert len(ids) == 700
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        nbytes = len(ids) * prefill.layout.bytes_per_token
+        region = arena.allocate("r1", nbytes, timeout_s=1)
+        assert region is not None and region.nbytes < nbytes
 
-    prefill.kv_observer = snapshot
-    prefill.add_request(ids, params, "r1", prefill_only=True)
-    outs = []
-    while prefill.has_unfinished():
-        outs += prefill.step()
-    first = outs[-1]
-    assert first.prefill_done and first.finish_reason is None
-    handoff = table.pop("r1")
-    assert handoff is not None and handoff.error is None
+        ready = threading.Event()
+        receiver.expect("r1", region, len(ids), ready.set)
+        decode.add_request(ids, params, "r1")
+        decode.step()  # admitted: pages reserved, waiting for the KV inside the engine
+        assert ready.is_set() and len(decode.scheduler.loading) == 1
+        pages = list(decode.kv.block_table("r1"))
+        assert len(pages) * decode.config.block_size >= len(ids)
 
-    # Streamed per prefill chunk (256-token budget): 700 tokens -> 3 segments, in order.
-    assert [(s.token_start, s.token_end) for s in handoff.segments] == [
-        (0, 256),
-        (256, 512),
-        (512, 700),
-    ]
-    per_token = prefill.layout.bytes_per_token
-    expected_ops = sum(
-        math.ceil((s.token_end - s.token_start) * per_token / MAX_OP_BYTES)
-        for s in handoff.segments
-    )
-    assert handoff.num_ops == expected_ops
-    assert handoff.num_bytes == nbytes
+        handoffs.add("r1", [arena.landing_info(region, 0, decode.layout)], len(ids), "decode")
+        prefill.add_request(ids, params, "r1", prefill_only=True)
+        first = None
+        held = None
+        tokens: list[int] = []
+        for _ in range(20000):
+            for out in prefill.step() if prefill.has_unfinished() else []:
+                first = out
+                # the blocks are still held by the handoff (or free, never reused here)
+                held = _tokens(prefill.runner.kv_caches, handoffs.table, len(ids))
+                assert decode.append_remote_token("r1", out.new_token_ids[0], out.new_logprobs[0])
+                assert receiver.first_token("r1")
+                tokens.append(out.new_token_ids[0])
+            for out in decode.step():
+                tokens += out.new_token_ids
+                if out.finished:
+                    break
+            else:
+                continue
+            break
+        assert first is not None and first.prefill_done
+        assert held is not None
+        assert len(tokens) == 24
 
-    got: dict[str, torch.Tensor] = {}
+        # streamed per prefill chunk (256-token budget), every piece fitting half the ring
+        assert [s.segments[0].token_end for s in landed][-1] == 700
+        assert all(seg.num_bytes <= region.nbytes // 2 for s in landed for seg in s.segments)
+        assert closed and closed[0].error is None
+        assert len(results) == 1 and results[0].error is None
+        assert results[0].num_bytes == nbytes
+        assert results[0].num_ops == sum(
+            math.ceil(seg.num_bytes / MAX_OP_BYTES) for s in landed for seg in s.segments
+        )
+        got = _tokens(decode.runner.kv_caches, pages, len(ids))
+        assert torch.equal(got, held)  # byte-identical KV
+        assert arena.used_bytes == 0  # every piece landed: the region is free again
 
-    def fill(caches, blocks):
-        scatter_segments(region, handoff.segments, decode.layout, caches, list(blocks))
-        got["decode"] = _tokens(ids, caches, list(blocks), len(ids))
-
-    out = decode.admit_prefilled(
-        ids, first.new_token_ids[0], first.new_logprobs[0], params, "r1", fill
-    )
-    assert out is not None and not out.finished
-    arena.free("r1")
-    assert torch.equal(got["decode"], held["prefill"])  # byte-identical KV
-
-    tokens = [first.new_token_ids[0]]
-    while decode.has_unfinished():
-        for o in decode.step():
-            tokens += o.new_token_ids
-    prefill.kv_observer = None
-    alone = prefill.generate([ids], params)[0].token_ids
-    assert tokens == alone
+        prefill.set_kv_connector(NoConnectorScheduler(), NoConnectorWorker())
+        alone = prefill.generate([ids], params)[0].token_ids
+        assert tokens == alone
+    finally:
+        sender.close()

@@ -5,17 +5,25 @@ requests run, partial and failed loads recompute, aborts during a load, token ac
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_connector import KVConnector, LoadResult
+from engine.kv_connector import (
+    ConnectorUpdate,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    StepKV,
+    WorkerPlace,
+)
 from engine.llm_engine import LLMEngine
 from engine.request import Request
 from protocol.hashing import chunk_keys
-from protocol.ids import BlockId, RequestId
+from protocol.ids import RequestId
 from protocol.sampling import SamplingParams
 from transfer.kv_pack import gather, scatter
 
@@ -23,82 +31,140 @@ CHUNK = 256
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-class DictConnector(KVConnector):
-    """Chunks of prompt KV in a dict shared by engines; loads run on a thread.
-    `fail_from_chunk`: loads stop there (a partial load). `gate`: loads wait for it."""
+class DictScheduler(KVConnectorScheduler):
+    """Scheduler side: chunk lookups in the shared dict; plans loads and saves as msgpack
+    [loads, saves] (the worker side runs them). Loads are done when the worker says."""
 
-    def __init__(self, store: dict[bytes, torch.Tensor], kv_caches: list[torch.Tensor]):
+    def __init__(self, store: dict[bytes, torch.Tensor]) -> None:
         self.store = store
-        self.kv_caches = kv_caches
-        self.fail_from_chunk: int | None = None
-        self.gate = threading.Event()
-        self.gate.set()
-        self._done: list[LoadResult] = []
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._loads: list[list] = []
+        self._in_flight: set[str] = set()
+        self._finished_in_flight: set[str] = set()
         self._saved_upto: dict[RequestId, int] = {}
-        self.writes_after_report = 0
         self.finished: list[RequestId] = []
 
-    def _keys(self, req: Request) -> list[bytes]:
-        return [bytes(k) for k in chunk_keys(req.block_hashes, CHUNK // 16)]
-
-    def num_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        keys = self._keys(request)
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        keys = _keys(request)
         last = min((request.num_tokens - 1) // CHUNK, request.num_prompt_tokens // CHUNK)
         c = num_computed_tokens // CHUNK
         while c < last and keys[c] in self.store:
             c += 1
-        return max(0, c * CHUNK - num_computed_tokens)
+        return max(0, c * CHUNK - num_computed_tokens), True
 
-    def start_load(
-        self, request: Request, block_ids: list[BlockId], token_start: int, token_end: int
-    ) -> None:
-        keys, table = self._keys(request), list(block_ids)
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens) -> None:
+        if num_external_tokens:
+            start = request.num_computed_tokens
+            self._loads.append(
+                [
+                    request.request_id,
+                    _keys(request),
+                    list(block_ids),
+                    start,
+                    start + num_external_tokens,
+                ]
+            )
+            self._in_flight.add(request.request_id)
 
-        def run() -> None:
-            self.gate.wait(10)
-            n = token_start
-            for c in range(token_start // CHUNK, token_end // CHUNK):
-                if self.fail_from_chunk is not None and c >= self.fail_from_chunk:
-                    break
-                lo = max(token_start, c * CHUNK)
-                src = self.store[keys[c]][:, :, lo - c * CHUNK :]
-                scatter(src, self.kv_caches, table, lo, (c + 1) * CHUNK)
-                n = (c + 1) * CHUNK
-            with self._lock:
-                self._done.append(LoadResult(request.request_id, n - token_start))
-            self._wake.set()
+    def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
+        saves = []
+        for kv in computed:
+            r = kv.request
+            c = self._saved_upto.setdefault(r.request_id, kv.token_start // CHUNK)
+            last = min(kv.token_end, r.num_prompt_tokens) // CHUNK
+            if c < last:
+                saves.append([_keys(r)[c:last], c, list(kv.block_ids)])
+                self._saved_upto[r.request_id] = last
+        if not (self._loads or saves):
+            return b""
+        loads, self._loads = self._loads, []
+        return msgspec.msgpack.encode([loads, saves])
 
-        threading.Thread(target=run, daemon=True).start()
-
-    def finished_loads(self) -> list[LoadResult]:
-        with self._lock:
-            out, self._done = self._done, []
+    def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
+        out = ConnectorUpdate()
+        for raw in reports:
+            for rid, n in msgspec.msgpack.decode(raw) if raw else []:
+                self._in_flight.discard(rid)
+                if rid in self._finished_in_flight:
+                    self._finished_in_flight.discard(rid)
+                    out.released.add(rid)
+                else:
+                    out.finished_loads[rid] = n
         return out
+
+    def request_finished(self, request: Request, block_ids) -> bool:
+        self._saved_upto.pop(request.request_id, None)
+        self.finished.append(request.request_id)
+        if request.request_id in self._in_flight:
+            self._finished_in_flight.add(request.request_id)
+            return True
+        return False
+
+    def has_pending(self) -> bool:
+        return bool(self._in_flight)
+
+
+class DictWorker(KVConnectorWorker):
+    """Worker side: loads on a thread (`fail_from_chunk`: they stop there, a partial load;
+    `gate`: they wait for it), saves copied in start_saves."""
+
+    def __init__(self, store: dict[bytes, torch.Tensor]) -> None:
+        self.store = store
+        self.fail_from_chunk: int | None = None
+        self.gate = threading.Event()
+        self.gate.set()
+        self._done: list[list] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self.kv_caches: list[torch.Tensor] = []
+
+    def register_kv_caches(self, kv_caches, place: WorkerPlace) -> None:
+        self.kv_caches = kv_caches
+
+    def start_loads(self, meta: bytes) -> None:
+        for rid, keys, table, token_start, token_end in (
+            msgspec.msgpack.decode(meta)[0] if meta else []
+        ):
+            threading.Thread(
+                target=self._load, args=(rid, keys, table, token_start, token_end), daemon=True
+            ).start()
+
+    def _load(self, rid, keys, table, token_start, token_end) -> None:  # type: ignore[no-untyped-def]
+        self.gate.wait(10)
+        n = token_start
+        for c in range(token_start // CHUNK, token_end // CHUNK):
+            if self.fail_from_chunk is not None and c >= self.fail_from_chunk:
+                break
+            lo = max(token_start, c * CHUNK)
+            src = self.store[keys[c]][:, :, lo - c * CHUNK :]
+            scatter(src, self.kv_caches, table, lo, (c + 1) * CHUNK)
+            n = (c + 1) * CHUNK
+        with self._lock:
+            self._done.append([rid, n - token_start])
+        self._wake.set()
+
+    def start_saves(self, meta: bytes) -> None:
+        for keys, c0, table in msgspec.msgpack.decode(meta)[1] if meta else []:
+            for i, key in enumerate(keys):
+                c = c0 + i
+                k0 = self.kv_caches[0]
+                out = torch.empty(
+                    (len(self.kv_caches), 2, CHUNK, k0.shape[3], k0.shape[4]), dtype=k0.dtype
+                )
+                gather(self.kv_caches, table, c * CHUNK, (c + 1) * CHUNK, out)
+                self.store.setdefault(key, out)
+
+    def get_finished(self) -> bytes:
+        with self._lock:
+            done, self._done = self._done, []
+        return msgspec.msgpack.encode(done) if done else b""
 
     def wait(self, timeout_s: float) -> None:
         self._wake.wait(timeout_s)
         self._wake.clear()
 
-    def on_computed(
-        self, request: Request, token_start: int, token_end: int, block_ids: list[BlockId]
-    ) -> None:
-        keys = self._keys(request)
-        c = self._saved_upto.setdefault(request.request_id, token_start // CHUNK)
-        while (c + 1) * CHUNK <= min(token_end, request.num_prompt_tokens):
-            k0 = self.kv_caches[0]
-            out = torch.empty(
-                (len(self.kv_caches), 2, CHUNK, k0.shape[3], k0.shape[4]), dtype=k0.dtype
-            )
-            gather(self.kv_caches, list(block_ids), c * CHUNK, (c + 1) * CHUNK, out)
-            self.store.setdefault(keys[c], out)
-            c += 1
-        self._saved_upto[request.request_id] = c
 
-    def request_finished(self, request: Request) -> None:
-        self._saved_upto.pop(request.request_id, None)
-        self.finished.append(request.request_id)
+def _keys(req: Request) -> list[bytes]:
+    return [bytes(k) for k in chunk_keys(req.block_hashes, CHUNK // 16)]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +174,7 @@ def engines(tiny_llama_dir: Path, weights_cache_dir: str):
     made = []
     for _ in range(2):
         e = LLMEngine.from_spec(str(tiny_llama_dir), cfg)
-        e.set_kv_connector(DictConnector(store, e.runner.kv_caches))
+        e.set_kv_connector(DictScheduler(store), DictWorker(store))
         made.append(e)
     cold = LLMEngine.from_spec(str(tiny_llama_dir), cfg)
     return made[0], made[1], cold, store
@@ -119,10 +185,14 @@ def _prompt(seed: int, n: int) -> list[int]:
     return torch.randint(100, 40000, (n,), generator=g).tolist()
 
 
+def _worker(e: LLMEngine) -> DictWorker:
+    assert isinstance(e.kv_worker, DictWorker)
+    return e.kv_worker
+
+
 def _reset(e: LLMEngine) -> None:
     e.reset_prefix_cache()
-    conn = e.kv_connector
-    assert isinstance(conn, DictConnector)
+    conn = _worker(e)
     conn.fail_from_chunk = None
     conn.gate.set()
 
@@ -164,8 +234,7 @@ def test_partial_load_recomputes_from_first_missing_chunk(engines):
     _reset(b)
     p = _prompt(4, 1000)  # 3 full chunks
     a.generate([p], GREEDY)
-    conn = b.kv_connector
-    assert isinstance(conn, DictConnector)
+    conn = _worker(b)
     conn.fail_from_chunk = 1
     short = b.counters.loads_short
     got = b.generate([p], GREEDY)[0]
@@ -184,8 +253,7 @@ def test_others_run_while_one_waits_for_kv_and_abort_keeps_blocks(engines):
     _reset(b)
     p = _prompt(5, 600)
     a.generate([p], GREEDY)
-    conn = b.kv_connector
-    assert isinstance(conn, DictConnector)
+    conn = _worker(b)
     conn.gate.clear()  # the load hangs until the gate opens
     slow = b.add_request(p, GREEDY, "slow")
     fast = b.add_request(_prompt(6, 40), GREEDY, "fast")
@@ -200,11 +268,12 @@ def test_others_run_while_one_waits_for_kv_and_abort_keeps_blocks(engines):
     # Abort while the load is in flight: blocks stay held until the load reports.
     held = b.pool.num_free_blocks
     assert b.abort(slow)
-    assert b.pool.num_free_blocks == held and slow in b.scheduler.abandoned
+    assert b.pool.num_free_blocks == held and slow in b.scheduler.held
+    assert b.has_unfinished()  # the engine keeps polling until the load reports
     conn.gate.set()
     for _ in range(200):
         b.step()
-        if not b.scheduler.abandoned:
+        if not b.scheduler.held:
             break
     assert not b.has_unfinished()
     assert b.pool.num_free_blocks == b.pool.num_blocks

@@ -1,4 +1,5 @@
-"""LandingArena: first-fit with coalescing, back-pressure by waiting, FIFO, abort, errors."""
+"""LandingArena: first-fit with coalescing, back-pressure by waiting, FIFO, abort, errors,
+and the region cap that makes long prompts stream instead of being refused."""
 
 from __future__ import annotations
 
@@ -7,14 +8,19 @@ import time
 
 import pytest
 
-from transfer import LandingArena, LandingError, LandingTooLargeError, LocalTransport
+from transfer import LandingArena, LandingError, LocalTransport
 from transfer.landing import ALIGN_BYTES, LandingRegion
 
 PAGE = ALIGN_BYTES
 
 
+def make_arena(total: int, transport: LocalTransport | None = None) -> LandingArena:
+    """An arena whose regions may take all of it (the cap is tested on its own)."""
+    return LandingArena(total, transport, max_region_bytes=total)
+
+
 def test_allocate_free_and_accounting() -> None:
-    arena = LandingArena(8 * PAGE)
+    arena = make_arena(8 * PAGE)
     a = arena.allocate("a", 1, timeout_s=0)
     b = arena.allocate("b", PAGE + 1, timeout_s=0)
     assert a is not None and b is not None
@@ -28,7 +34,7 @@ def test_allocate_free_and_accounting() -> None:
 
 
 def test_free_ranges_coalesce() -> None:
-    arena = LandingArena(6 * PAGE)
+    arena = make_arena(6 * PAGE)
     for name in "abc":
         assert arena.allocate(name, 2 * PAGE, timeout_s=0) is not None
     assert arena.free_ranges() == []
@@ -42,7 +48,7 @@ def test_free_ranges_coalesce() -> None:
 
 
 def test_first_fit_reuses_the_lowest_hole() -> None:
-    arena = LandingArena(6 * PAGE)
+    arena = make_arena(6 * PAGE)
     for name in "abc":
         arena.allocate(name, 2 * PAGE, timeout_s=0)
     arena.free("b")
@@ -51,16 +57,18 @@ def test_first_fit_reuses_the_lowest_hole() -> None:
     assert region is not None and region.offset_bytes == 2 * PAGE
 
 
-def test_too_large_is_an_immediate_error() -> None:
-    arena = LandingArena(4 * PAGE)
+def test_regions_are_capped_so_no_prompt_is_refused() -> None:
+    capped = LandingArena(16 * PAGE)  # default: a quarter of the arena per region
+    assert capped.max_region_bytes == 4 * PAGE
     start = time.monotonic()
-    with pytest.raises(LandingTooLargeError, match="landing size"):
-        arena.allocate("huge", 4 * PAGE + 1, timeout_s=30)
-    assert time.monotonic() - start < 1
+    huge = capped.allocate("huge", 1000 * PAGE, timeout_s=30)  # streams through 4 pages
+    assert huge is not None and huge.nbytes == 4 * PAGE and time.monotonic() - start < 1
+    small = capped.allocate("small", PAGE, timeout_s=0)
+    assert small is not None and small.nbytes == PAGE  # a short prompt takes what it needs
 
 
 def test_waits_when_full_and_proceeds_when_freed() -> None:
-    arena = LandingArena(4 * PAGE)
+    arena = make_arena(4 * PAGE)
     assert arena.allocate("a", 4 * PAGE, timeout_s=0) is not None
     got: list[LandingRegion | None] = []
     waiter = threading.Thread(target=lambda: got.append(arena.allocate("b", PAGE, timeout_s=20)))
@@ -74,7 +82,7 @@ def test_waits_when_full_and_proceeds_when_freed() -> None:
 
 
 def test_timeout_returns_none() -> None:
-    arena = LandingArena(PAGE)
+    arena = make_arena(PAGE)
     arena.allocate("a", PAGE, timeout_s=0)
     start = time.monotonic()
     assert arena.allocate("b", PAGE, timeout_s=0.2) is None
@@ -84,7 +92,7 @@ def test_timeout_returns_none() -> None:
 
 def test_waiters_are_served_in_order() -> None:
     """A small request that would fit must not overtake a larger one waiting before it."""
-    arena = LandingArena(4 * PAGE)
+    arena = make_arena(4 * PAGE)
     arena.allocate("a", 3 * PAGE, timeout_s=0)
     got: dict[str, LandingRegion | None] = {}
     big = threading.Thread(target=lambda: got.update(big=arena.allocate("big", 2 * PAGE, 20)))
@@ -98,7 +106,7 @@ def test_waiters_are_served_in_order() -> None:
 
 
 def test_free_on_abort_is_idempotent() -> None:
-    arena = LandingArena(2 * PAGE)
+    arena = make_arena(2 * PAGE)
     arena.allocate("r", PAGE, timeout_s=0)
     assert arena.free("r") is True
     assert arena.free("r") is False  # completion racing an abort
@@ -108,7 +116,7 @@ def test_free_on_abort_is_idempotent() -> None:
 
 def test_duplicate_request_and_close() -> None:
     transport = LocalTransport()
-    arena = LandingArena(2 * PAGE, transport)
+    arena = make_arena(2 * PAGE, transport)
     assert transport.is_registered(arena.base_addr, 2 * PAGE)
     arena.allocate("r", 2 * PAGE, timeout_s=0)
     with pytest.raises(LandingError, match="already holds"):

@@ -135,3 +135,29 @@ def test_kvserve_check_reads_the_model(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(bad))
     with pytest.raises(ConfigError, match=r"prefill\[0\]\.layer_split: \[20, 20\] covers 40"):
         check(path, io.StringIO())
+
+
+class FullShape(Shape):
+    """What the landing check also needs: head_dim and the context length."""
+
+    def __init__(self) -> None:
+        super().__init__(30, 9, 3)
+        self.head_dim, self.max_position_embeddings = 64, 8192
+
+
+def test_landing_must_stream_the_full_context() -> None:
+    """A region is a quarter of the landing buffer and must hold two tokens of every layer
+    of the rank (SmolLM2 float32 at TP2 x DCP2: 23 KB per token on a rank)."""
+    ok = _cluster(decode__landing_memory="1MiB")
+    check_model_layouts(ok, FullShape())  # 256 KiB regions stream any context
+    with pytest.raises(ConfigError) as e:
+        check_model_layouts(_cluster(decode__landing_memory="64KiB"), FullShape())
+    assert e.value.path == "decode[0].landing_memory"
+    assert "8192-token context" in e.value.message and "raise it" in e.value.message
+
+
+def test_kvserve_check_reports_how_the_context_lands() -> None:
+    out = io.StringIO()
+    assert check(str(EXAMPLE), out=out) == 0
+    text = out.getvalue()
+    assert "a 8192-token context is 180MiB per rank; region 32MiB: streams through it" in text

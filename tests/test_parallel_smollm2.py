@@ -4,16 +4,18 @@ single-process engine (tests/test_engine_smollm2.py ties that to transformers)."
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import openai
 import pytest
 import yaml
 from cluster_harness import free_ports, kvserve
-from parallel_harness import check_flows, run_pair
+from parallel_harness import check_flows, flow_metrics, run_pair
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from protocol.parallel import even_layer_split
 from protocol.sampling import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -76,12 +78,19 @@ def test_router_completions_equal_single_process(cluster, engine):
 def test_tokens_and_flows(cluster, engine):
     ids = engine.info.tokenizer.encode(PROMPTS[2])
     want = engine.generate([ids], PARAMS)[0].token_ids
-    res = run_pair(
-        f"http://127.0.0.1:{cluster['prefill'][0]['port']}",
-        f"http://127.0.0.1:{cluster['decode'][0]['port']}",
-        "smollm2-flows",
-        ids,
-        PARAMS,
-    )
+    prefill_url = f"http://127.0.0.1:{cluster['prefill'][0]['port']}"
+    decode_url = f"http://127.0.0.1:{cluster['decode'][0]['port']}"
+    before = flow_metrics(prefill_url, decode_url)
+    res = run_pair(prefill_url, decode_url, "smollm2-flows", ids, PARAMS)
     assert res.tokens == want
-    check_flows(res, len(ids), pp=2, tp=2)  # 4 flows
+    assert len(res.ready.landing) == 2  # TP2 x DCP2: 2 stages x 2 ranks = 4 flows
+    split = tuple(cluster["prefill"][0].get("layer_split") or even_layer_split(30, 2))
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            check_flows(before, flow_metrics(prefill_url, decode_url), [res], split)
+            break
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)

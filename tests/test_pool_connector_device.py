@@ -1,4 +1,4 @@
-"""PoolConnector's verified restore on each device it runs on (CPU here, CUDA where there is
+"""The pool connector's verified restore on each device it runs on (CPU here, CUDA where there is
 one) over the in-process "local" backend: the payload checksum is computed where the
 payload is packed (device before D2H, or host) and verified where it is unpacked (on a GPU
 after its H2D copy); a damaged object ends the leading run before its chunk, is counted
@@ -12,11 +12,13 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from engine.kv_connector import StepKV, WorkerPlace
 from engine.request import Request
 from kvpool.backend import BackendConfig, create_backend
 from kvpool.client import PoolClient
 from kvpool.metrics import PoolMetrics
-from prefill_worker.pool_connector import PoolConnector
+from kvpool.stats import StageCounters
+from prefill_worker.pool_connector import PoolScheduler, PoolWorker
 from protocol.ids import BlockHash, RequestId
 from protocol.kv_layout import KVLayout
 from protocol.namespace import KVNamespace
@@ -30,8 +32,9 @@ NS = KVNamespace(
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _connector(address: str, kv: list[torch.Tensor]) -> PoolConnector:
-    metrics = PoolMetrics(CollectorRegistry(), "test")
+def _connector(address: str, kv: list[torch.Tensor]) -> tuple[PoolScheduler, PoolWorker]:
+    """Both sides of the pool connector in one process (both stages of NS local)."""
+    counters = StageCounters()
     backend = create_backend("local", BackendConfig("127.0.0.1", address))
     client = PoolClient(
         backend,
@@ -39,19 +42,37 @@ def _connector(address: str, kv: list[torch.Tensor]) -> PoolConnector:
         LAYOUT,
         buffer_bytes=4 << 20,
         max_save_chunks=4,
-        metrics=metrics,
+        metrics=counters,
         pin_memory=kv[0].device.type == "cuda",
     )
-    return PoolConnector(client, kv, metrics)
+    worker = PoolWorker(client, counters)
+    worker.register_kv_caches(kv, WorkerPlace(0, LAYOUT.num_layers))
+    return PoolScheduler(client, PoolMetrics(CollectorRegistry(), "test"), 16), worker
 
 
-def _load(conn: PoolConnector, req: Request, blocks: list[int], end: int) -> int:
-    conn.start_load(req, blocks, 0, end)  # type: ignore[arg-type]
+def _save(conn: tuple[PoolScheduler, PoolWorker], req: Request, blocks: list[int]) -> None:
+    sched, worker = conn
+    meta = sched.build_step_meta([StepKV(req, 0, req.num_prompt_tokens, blocks)])  # type: ignore[arg-type]
+    worker.start_loads(meta)
+    worker.start_saves(meta)
+    assert worker.drain_saves(10)
+    deadline = time.monotonic() + 10
+    while sched.has_pending() and time.monotonic() < deadline:
+        sched.update_from_workers([worker.get_finished()])
+        time.sleep(0.005)
+    assert not sched.has_pending()
+
+
+def _load(conn: tuple[PoolScheduler, PoolWorker], req: Request, blocks: list[int], end: int) -> int:
+    sched, worker = conn
+    req.num_computed_tokens = 0
+    sched.update_state_after_alloc(req, blocks, end)  # type: ignore[arg-type]
+    worker.start_loads(sched.build_step_meta([]))
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        done = conn.finished_loads()
+        done = sched.update_from_workers([worker.get_finished()]).finished_loads
         if done:
-            return done[0].num_tokens
+            return done[req.request_id]
         time.sleep(0.01)
     raise AssertionError("load did not finish")
 
@@ -78,9 +99,8 @@ def test_verified_restore_stops_before_a_damaged_object(device: str) -> None:
             hash_root=BlockHash(b"\x01" * 16),
         )
         blocks_a = list(range(nblk - 1, -1, -1))[: len(prompt) // 16 + 1]
-        a.on_computed(req, 0, len(prompt), blocks_a)  # type: ignore[arg-type]
-        assert a.drain_saves(10)
-        assert _count(a.metrics.save_chunks) == 3
+        _save(a, req, blocks_a)
+        assert _count(a[0].metrics.save_chunks) == 3
         blocks_b = list(range(3, 3 + 3 * CHUNK // 16))
 
         def same(chunks: int) -> bool:
@@ -95,8 +115,8 @@ def test_verified_restore_stops_before_a_damaged_object(device: str) -> None:
         for k in kv_b:
             k.zero_()
         # Flip one payload bit of chunk 1's stage-1 object and store it back.
-        client = a.client
-        keys = a._keys(req, 0, 3)
+        client = a[0].client
+        keys = a[0]._keys(req, 0, 3)
         victim = client.keys.object_key(keys[1], 1)
         slot = client.buffer.load_slot_ids[0]
         n = client.specs[1].object_bytes
@@ -110,10 +130,10 @@ def test_verified_restore_stops_before_a_damaged_object(device: str) -> None:
         )
         assert _load(b, req, blocks_b, 3 * CHUNK) == CHUNK  # chunk 0 only
         assert same(1)
-        m = b.metrics
+        m = b[0].metrics
         assert _count(m.checksum_failures) == 1
         assert _count(m.failures, instance="test", op="load", reason="checksum") == 1
         assert client.backend.exists([victim]) == [False]  # removed
     finally:
-        a.close()
-        b.close()
+        a[1].close()
+        b[1].close()

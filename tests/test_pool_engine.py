@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from engine.llm_engine import Completion, LLMEngine
 from kvpool.backend import BackendConfig, create_backend
 from kvpool.client import PoolClient
 from kvpool.metrics import PoolMetrics
-from prefill_worker.pool_connector import PoolConnector
+from kvpool.stats import StageCounters
+from prefill_worker.pool_connector import PoolScheduler, PoolWorker
 from protocol.hashing import chunk_keys
 from protocol.ids import ChunkKey
 from protocol.sampling import SamplingParams
@@ -52,18 +54,33 @@ def _engine(model: Path, cache_dir: str, pool: Pool | None, dtype: str = "float3
     e = LLMEngine.from_spec(str(model), cfg)
     if pool is not None:
         backend = create_backend("mooncake", BackendConfig("127.0.0.1", pool.master_address))
-        metrics = PoolMetrics(CollectorRegistry(), "test")
         namespace = msgspec.structs.replace(e.namespace, layer_split=SPLIT)
-        client = PoolClient(
-            backend, namespace, e.layout, buffer_bytes=4 << 20, max_save_chunks=8, metrics=metrics
-        )
-        e.set_kv_connector(PoolConnector(client, e.runner.kv_caches, metrics))
+        _connect(e, backend, namespace, buffer_bytes=4 << 20, max_save_chunks=8)
     return e
 
 
-def _conn(e: LLMEngine) -> PoolConnector:
-    assert isinstance(e.kv_connector, PoolConnector)
-    return e.kv_connector
+def _connect(e: LLMEngine, backend, namespace, **kw) -> PoolMetrics:  # type: ignore[no-untyped-def]
+    """Both sides of the pool connector in the engine's process (every stage local)."""
+    counters = StageCounters()
+    client = PoolClient(backend, namespace, e.layout, metrics=counters, **kw)
+    metrics = PoolMetrics(CollectorRegistry(), "test")
+    worker = PoolWorker(client, counters)
+    e.set_kv_connector(PoolScheduler(client, metrics, 16, wake=worker.wake), worker)
+    return metrics
+
+
+def _conn(e: LLMEngine) -> PoolScheduler:
+    assert isinstance(e.connector, PoolScheduler)
+    return e.connector
+
+
+def settle(e: LLMEngine, timeout_s: float = 30) -> None:
+    """Step the idle engine until its connector has nothing outstanding (saves written
+    and reported, metrics applied)."""
+    deadline = time.monotonic() + timeout_s
+    while e.has_unfinished():
+        assert time.monotonic() < deadline, "the pool connector did not settle"
+        e.step()
 
 
 def _value(metric, **labels) -> float:  # type: ignore[no-untyped-def]
@@ -87,7 +104,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 def _run(e: LLMEngine, prompt: list[int]) -> Completion:
     out = e.generate([prompt], GREEDY)[0]
-    assert _conn(e).drain_saves(30) if isinstance(e.kv_connector, PoolConnector) else True
+    settle(e)
     return out
 
 
@@ -273,19 +290,59 @@ def test_saturated_save_queue_drops_and_never_stalls_compute(tiny_llama_dir, wei
 
     cfg = EngineConfig(cache_dir=weights_cache_dir, num_blocks=256, max_num_batched_tokens=1024)
     e = LLMEngine.from_spec(str(tiny_llama_dir), cfg)
-    metrics = PoolMetrics(CollectorRegistry(), "test")
     backend = SlowBackend(BackendConfig("127.0.0.1", "local-slow"))
-    client = PoolClient(
-        backend, e.namespace, e.layout, buffer_bytes=None, max_save_chunks=1, metrics=metrics
-    )
-    e.set_kv_connector(PoolConnector(client, e.runner.kv_caches, metrics))
+    metrics = _connect(e, backend, e.namespace, buffer_bytes=None, max_save_chunks=1)
     try:
         out = e.generate([_prompt(7, 1000)], GREEDY)[0]  # returns while the write hangs
         assert len(out.token_ids) == 4
         assert _value(metrics.save_dropped) == 2 and _value(metrics.save_queue_depth) == 1
+        assert e.has_unfinished()  # the engine polls until the save reports
         release.set()
-        assert _conn(e).drain_saves(10)
+        settle(e, 10)
         assert _value(metrics.save_chunks) == 1 and _value(metrics.save_queue_depth) == 0
+    finally:
+        release.set()
+        e.close()
+
+
+def test_pool_lookup_never_blocks_the_engine_thread(tiny_llama_dir, weights_cache_dir):
+    """A pool whose existence checks hang: the request that needs a lookup waits (in the
+    waiting queue, the engine thread free), a short request behind it runs to the end;
+    once the lookup is back the first one runs too."""
+    import threading
+
+    from kvpool.local_backend import LocalBackend
+
+    release = threading.Event()
+
+    class SlowLookups(LocalBackend):
+        def exists(self, keys):  # type: ignore[no-untyped-def]
+            release.wait(10)
+            return super().exists(keys)
+
+    cfg = EngineConfig(cache_dir=weights_cache_dir, num_blocks=256, max_num_batched_tokens=1024)
+    e = LLMEngine.from_spec(str(tiny_llama_dir), cfg)
+    _connect(
+        e,
+        SlowLookups(BackendConfig("127.0.0.1", "local-slow-lookups")),
+        e.namespace,
+        buffer_bytes=None,
+        max_save_chunks=4,
+    )
+    try:
+        long_id = e.add_request(_prompt(8, 600), GREEDY, "long")
+        short_id = e.add_request(_prompt(9, 100), GREEDY, "short")  # < 1 chunk: no lookup
+        done: set[str] = set()
+        t0 = time.monotonic()
+        while short_id not in done:
+            assert time.monotonic() - t0 < 30
+            done |= {o.request_id for o in e.step() if o.finished}
+        assert long_id not in done and e.scheduler.waiting[0].request_id == long_id
+        release.set()
+        while e.has_unfinished():
+            assert time.monotonic() - t0 < 60
+            done |= {o.request_id for o in e.step() if o.finished}
+        assert long_id in done
     finally:
         release.set()
         e.close()

@@ -1,16 +1,19 @@
 """PipelinedEngine's scheduling over an in-process stand-in pipeline (results come back
 `depth` steps late, in order): same tokens as LLMEngine, steps really in flight, requests
-paused while their token is out, aborts in flight, stage commands and reports in order."""
+paused while their token is out, aborts in flight, connector metadata and reports in
+order."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.kv_connector import ConnectorUpdate, NoConnectorScheduler, NoConnectorWorker, StepKV
 from engine.llm_engine import LLMEngine
 from engine.parallel.pp_engine import PipelinedEngine
 from engine.parallel.step_inputs import batch_tensors
@@ -41,10 +44,19 @@ class InProcessPipeline:
     def execute(self, scheduled, kv):  # type: ignore[no-untyped-def]
         raise NotImplementedError
 
-    def submit(self, batch: StepBatch, samples: list[SampleRow], commands: bytes) -> int:
+    def set_kv_worker(self, worker) -> None:  # type: ignore[no-untyped-def]
+        self.kv_worker = worker
+
+    def submit(self, batch: StepBatch, samples: list[SampleRow], kv_meta: bytes) -> int:
+        tokens: list[int] = []
+        logprobs: list[float | None] = []
+        step = self._ids
+        self._ids += 1
+        if not batch.positions:  # a connector poll
+            self._results.append(StageResult(step, [], [], [kv_meta, kv_meta]))
+            return step
         ids, positions, meta = batch_tensors(batch, torch.device("cpu"), self.block_size)
         hidden = self.model(ids, positions, self.kv_caches, meta)
-        tokens: list[int] = []
         logprobs: list[float | None] = []
         if samples:
             rows = torch.tensor([s.row for s in samples])
@@ -54,9 +66,7 @@ class InProcessPipeline:
             ]
             result = self.sampler.sample(logits, states)
             tokens, logprobs = list(result.token_ids), list(result.logprobs)
-        step = self._ids
-        self._ids += 1
-        self._results.append(StageResult(step, tokens, logprobs, [commands, commands]))
+        self._results.append(StageResult(step, tokens, logprobs, [kv_meta, kv_meta]))
         self.max_outstanding = max(self.max_outstanding, len(self._results))
         return step
 
@@ -94,19 +104,29 @@ def test_same_tokens_with_steps_in_flight(tiny_parallel_dir, weights_cache_dir, 
     assert engine.namespace.layer_split == (2, 2)
 
 
-def test_abort_in_flight_and_commands_in_order(tiny_parallel_dir, weights_cache_dir, prompts):
+class RecordingConnector(NoConnectorScheduler):
+    """Step metadata = the KV ranges the step computes; the stand-in pipeline echoes it
+    back as each stage's report."""
+
+    def __init__(self) -> None:
+        self.reports: list[list[bytes]] = []
+
+    def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
+        return b";".join(
+            f"{kv.request.request_id}:{kv.token_start}-{kv.token_end}".encode() for kv in computed
+        )
+
+    def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
+        if any(reports):
+            self.reports.append(list(reports))
+        return ConnectorUpdate()
+
+
+def test_abort_in_flight_and_meta_in_order(tiny_parallel_dir, weights_cache_dir, prompts):
     engine, _, config = _engines(tiny_parallel_dir, weights_cache_dir, 2)
-    seen_commands: list[bytes] = []
-    reports: list[list[bytes]] = []
-    engine.kv_observer = lambda r, a, b, t: seen_commands.append(f"{r.request_id}:{a}-{b}".encode())
-
-    def take() -> bytes:
-        out = b";".join(seen_commands)
-        seen_commands.clear()
-        return out
-
-    engine.stage_commands = take
-    engine.on_stage_reports = reports.append
+    conn = RecordingConnector()
+    engine.set_kv_connector(conn, NoConnectorWorker())
+    reports = conn.reports
     keep = engine.add_request(prompts[1], PARAMS, "keep")
     gone = engine.add_request(prompts[2], PARAMS, "gone")
     engine.step()  # first chunk of both in flight, nothing back yet
@@ -119,7 +139,7 @@ def test_abort_in_flight_and_commands_in_order(tiny_parallel_dir, weights_cache_
     assert [t for o in outputs for t in o.new_token_ids] == reference.generate(
         [prompts[1]], PARAMS
     )[0].token_ids
-    # Reports came back step by step, each stage's report of that step's commands.
+    # Reports came back step by step, each stage's report of that step's metadata.
     assert reports[0][0].startswith(b"keep:0-") and reports[0][0] == reports[0][1]
     assert all(len(r) == 2 for r in reports)
     assert engine.pool.num_free_blocks == engine.pool.num_blocks

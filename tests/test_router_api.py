@@ -162,20 +162,20 @@ def test_sampling_params_reach_workers(h: RouterHarness) -> None:
         response_format={"type": "json_object"},
         extra_body={"top_k": 5, "min_tokens": 2, "ignore_eos": True, "repetition_penalty": 1.1},
     )
-    kind, admit = h.decode[0].received[0]
-    assert kind == "admit" and admit.max_tokens == 7
-    p = h.prefill[0].received[0][1].params
+    # two worker calls: decode first (it answers DecodeReady), then prefill with its landing
+    kind, decode_req = h.decode[0].received[0]
+    assert kind == "decode" and decode_req.params.max_tokens == 7
+    assert len(h.decode[0].received) == 1 and len(h.prefill[0].received) == 1
+    prefill_req = h.prefill[0].received[0][1]
+    p = prefill_req.params
     assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.top_k) == (7, 0.3, 0.9, 11, 5)
     assert p.min_tokens == 2 and p.ignore_eos is True
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.1)
     assert p.logit_bias == ((17, -5.0), (3, 2.5)) and (p.logprobs, p.top_logprobs) == (True, 4)
     assert p.grammar is not None and p.grammar.kind == "json_object"
-    decode_req = h.decode[0].received[1][1]
-    assert decode_req.first_token_id == h.info.tokenizer.encode(TEXT)[0]
-    assert (
-        decode_req.segments
-        and decode_req.prompt_token_ids == h.prefill[0].received[0][1].prompt_token_ids
-    )
+    assert decode_req.params == p
+    assert decode_req.prompt_token_ids == prefill_req.prompt_token_ids
+    assert prefill_req.landing and prefill_req.notify_url.endswith("/kv_notify")
 
 
 def test_default_max_tokens_is_remaining_context(h: RouterHarness) -> None:
@@ -186,13 +186,13 @@ def test_default_max_tokens_is_remaining_context(h: RouterHarness) -> None:
 def test_first_token_finish_skips_decode(h: RouterHarness) -> None:
     r = h.openai().completions.create(model=h.served_name, prompt="x", max_tokens=1)
     assert r.choices[0].text == "Hello" and r.choices[0].finish_reason == "length"
-    assert h.decode[0].received == []  # max_tokens == 1: no admission at all
+    assert h.decode[0].received == []  # max_tokens == 1: decode is never called
     assert h.prefill[0].received[0][1].landing == []
     h.set_output([h.info.eos_token_ids[0], 100])
     r = h.openai().completions.create(model=h.served_name, prompt="x", max_tokens=5)
     assert r.choices[0].text == "" and r.choices[0].finish_reason == "stop"
     kinds = [k for k, _ in h.decode[0].received]
-    assert kinds == ["admit"]  # admitted, then freed by an abort, never decoded
+    assert kinds == ["decode"]  # its stream opened, then freed by an abort
     rid = h.decode[0].received[0][1].request_id
     _wait_for(lambda: rid in h.decode[0].aborted_ids())
     assert [a.reason for _, a in h.decode[0].aborts if a.request_id == rid] == ["finished"]

@@ -60,7 +60,7 @@ def test_client_disconnect_mid_stream_aborts_both_workers(h: RouterHarness) -> N
         _wait_for(lambda w=worker: request_id in w.aborted_ids(), 1.0)
         at, abort = next((t, a) for t, a in worker.aborts if a.request_id == request_id)
         assert at - closed_at < 1.0 and abort.reason == "client_disconnected"
-    assert len(h.decode[0].received) == 2  # admit + decode, nothing after the abort
+    assert len(h.decode[0].received) == 1  # one /decode call, nothing after the abort
 
 
 def test_client_disconnect_before_first_token_aborts(h: RouterHarness) -> None:
@@ -122,7 +122,7 @@ def test_worker_error_event_status_reaches_client(h: RouterHarness) -> None:
     assert r.status_code == 400
     assert r.json()["error"]["message"] == "prompt too long for the KV cache"
     _wait_for(lambda: len(h.decode[0].aborts) == 1, 1.0)  # its landing is freed
-    h.set_output([100, 101, 102], fail={"admit": (503, "decode KV is full")})
+    h.set_output([100, 101, 102], fail={"decode": (503, "decode KV is full")})
     with pytest.raises(openai.InternalServerError, match="decode KV is full"):
         h.openai().completions.create(model=h.served_name, prompt="x", max_tokens=3)
 

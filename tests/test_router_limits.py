@@ -45,6 +45,23 @@ def _read_all(sock: socket.socket) -> bytes:
         out += data
 
 
+def _read_response(sock: socket.socket) -> bytes:
+    """One whole response (headers + Content-Length bytes), which must say it closes."""
+    out = b""
+    while b"\r\n\r\n" not in out:
+        data = sock.recv(65536)
+        assert data, f"closed before a whole response: {out!r}"
+        out += data
+    head, _, body = out.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        data = sock.recv(65536)
+        assert data, "closed mid-body"
+        body += data
+    assert b"connection: close" in head.lower()
+    return head + b"\r\n\r\n" + body
+
+
 def _status_and_error(raw: bytes) -> tuple[int, dict]:  # type: ignore[type-arg]
     head, _, body = raw.partition(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
@@ -78,7 +95,7 @@ def test_declared_body_over_the_limit_is_413_before_it_is_sent(h: RouterHarness)
     with _connect(h) as s:
         s.sendall(_head(10 * 1024 * 1024))  # headers only: the body is never sent
         t0 = time.monotonic()
-        status, err = _status_and_error(_read_all(s))
+        status, err = _status_and_error(_read_response(s))
     assert status == 413 and err["code"] == "request_too_large"
     assert str(LIMITS.max_body_bytes) in err["message"]
     assert time.monotonic() - t0 < LIMITS.body_timeout_s  # answered, not timed out
@@ -94,7 +111,7 @@ def test_chunked_body_over_the_limit_is_413(h: RouterHarness) -> None:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             for _ in range(8):  # 128 KiB in 16 KiB chunks; it may close before the last
                 s.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
-        status, err = _status_and_error(_read_all(s))
+        status, err = _status_and_error(_read_response(s))
     assert status == 413 and err["code"] == "request_too_large"
 
 
@@ -102,7 +119,7 @@ def test_partial_headers_time_out_with_408(h: RouterHarness) -> None:
     with _connect(h) as s:
         s.sendall(f"POST {CHAT} HTTP/1.1\r\nhost: 127.0.0.1\r\n".encode())
         t0 = time.monotonic()
-        status, err = _status_and_error(_read_all(s))
+        status, err = _status_and_error(_read_response(s))
         waited = time.monotonic() - t0
     assert status == 408 and err["code"] == "request_timeout" and "headers" in err["message"]
     assert LIMITS.header_timeout_s * 0.8 < waited < LIMITS.header_timeout_s + 2
@@ -113,7 +130,7 @@ def test_body_shorter_than_declared_times_out_with_408_not_a_500(h: RouterHarnes
     with _connect(h) as s:
         s.sendall(_head(1000) + b'{"model": "x", ')  # 15 of the 1000 declared bytes
         t0 = time.monotonic()
-        status, err = _status_and_error(_read_all(s))
+        status, err = _status_and_error(_read_response(s))
         waited = time.monotonic() - t0
     assert status == 408 and "body" in err["message"]
     assert waited < LIMITS.body_timeout_s + 2
@@ -136,7 +153,7 @@ def test_header_block_over_the_limit_is_431(h: RouterHarness) -> None:
     with _connect(h) as s:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             s.sendall(_head(2, big))
-        status, err = _status_and_error(_read_all(s))
+        status, err = _status_and_error(_read_response(s))
     assert status == 431 and err["code"] == "headers_too_large"
 
 

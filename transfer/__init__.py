@@ -1,8 +1,11 @@
 """Handoff: move a request's KV from prefill pages to decode pages (DESIGN §5 step 5).
 
-    prefill                                             decode
-    paged KV --gather--> staging --Transport.write--> landing region --scatter--> paged KV
-             (kv_pack)   (HandoffSender)  ops <= 8 MiB  (LandingArena)  (scatter_segments)
+    prefill (every stage, its own threads)              decode (every rank)
+    paged KV --gather--> staging --Transport.write--> landing ring --scatter--> paged KV
+             (kv_pack)  slots (HandoffSender) ops <= 8 MiB (LandingArena,    (reserved
+                                                           ring.py)          at admit)
+    flow control: decode answers each SegmentsLanded after its scatter; the sender reuses
+    those ring bytes only then (transfer/ring.py)
 
 Layer 2: imports protocol and torch only. Importing the package registers every transport
 ("local", "mooncake"); Mooncake itself is imported only when a mooncake transport is made.
@@ -10,16 +13,18 @@ Layer 2: imports protocol and torch only. Importing the package registers every 
 
 from transfer.errors import (
     LandingError,
-    LandingTooLargeError,
     PackLayoutError,
     TransferError,
     TransportConfigError,
 )
-from transfer.flows import check_flows, flow_offset, rank_landing_bytes, send_flows, shard_of
+from transfer.faults import HandoffFaults
+from transfer.flows import FlowCoverage, rank_landing_bytes, shard_of
 from transfer.kv_pack import FULL, KVShard, gather, packed_nbytes, packed_view, scatter
 from transfer.landing import LandingArena, LandingRegion, scatter_segments
 from transfer.local import LocalFabric, LocalTransport
 from transfer.mooncake_te import MooncakeTransport
+from transfer.ring import RingSpace, stage_ring
+from transfer.send_state import SendResult
 from transfer.sender import HandoffSender
 from transfer.transport import (
     MAX_OP_BYTES,
@@ -35,33 +40,34 @@ from transfer.transport import (
 __all__ = [
     "FULL",
     "MAX_OP_BYTES",
+    "FlowCoverage",
+    "HandoffFaults",
     "HandoffSender",
     "KVShard",
     "LandingArena",
     "LandingError",
     "LandingRegion",
-    "LandingTooLargeError",
     "LocalFabric",
     "LocalTransport",
     "MooncakeTransport",
     "PackLayoutError",
+    "RingSpace",
+    "SendResult",
     "TransferError",
     "Transport",
     "TransportConfig",
     "TransportConfigError",
     "WriteOp",
     "WriteStats",
-    "check_flows",
     "create_transport",
     "expected_num_ops",
-    "flow_offset",
     "gather",
     "packed_nbytes",
     "packed_view",
     "rank_landing_bytes",
     "scatter",
     "scatter_segments",
-    "send_flows",
     "shard_of",
+    "stage_ring",
     "transport_names",
 ]

@@ -34,8 +34,3 @@ class PackLayoutError(KvserveError, ValueError):
 class LandingError(KvserveError, ValueError):
     """A landing arena was used wrongly: a request id allocated twice, a closed arena, a
     segment outside its region."""
-
-
-class LandingTooLargeError(LandingError):
-    """A request needs more landing bytes than the whole arena holds; it can never fit,
-    so waiting would hang. Raise the decode rank's landing size or shorten the prompt."""

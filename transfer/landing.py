@@ -4,11 +4,13 @@
     |-- req A --|.....free.....|------ req B ------|--free--|
     ^ base      ^ free list entries (offset, size), sorted by offset, neighbours merged
 
-Prefill writes a request's KV segments into its region (LandingInfo tells it where);
-decode scatters them into its paged cache and frees the region. When the arena is full,
+Prefill streams a request's KV segments through its region (a ring, transfer/ring.py;
+LandingInfo tells it where); decode scatters each landed piece into the request's pages
+and frees the region once no write into it can be in flight. When the arena is full,
 `allocate` waits (first come, first served) until frees make room or its timeout ends:
-running out of landing space is back-pressure, not an error. Only a request larger than
-the whole arena is an error, raised at once.
+running out of landing space is back-pressure, not an error. A region is at most
+`max_region_bytes` (a share of the arena, protocol/parallel.py) whatever the prompt: a long prompt streams
+through it, so no request is refused for its size.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 
 from protocol.kv_layout import KVLayout
 from protocol.messages import KVSegment, LandingInfo
-from transfer.errors import LandingError, LandingTooLargeError
+from protocol.parallel import landing_region_max
+from transfer.errors import LandingError
 from transfer.kv_pack import FULL, KVShard, packed_view, scatter, torch_dtype
 from transfer.transport import Transport
 
@@ -51,9 +54,17 @@ class LandingArena:
     and the first-fit free list that hands its bytes out as per-request regions.
     All methods are thread-safe."""
 
-    def __init__(self, total_bytes: int, transport: Transport | None = None) -> None:
+    def __init__(
+        self,
+        total_bytes: int,
+        transport: Transport | None = None,
+        max_region_bytes: int | None = None,
+    ) -> None:
         if total_bytes <= 0 or total_bytes % ALIGN_BYTES:
             raise LandingError(f"landing size {total_bytes} must be a positive multiple of 4 KiB")
+        cap = max_region_bytes or landing_region_max(total_bytes)
+        self.max_region_bytes = max(ALIGN_BYTES, min(cap, total_bytes) // ALIGN_BYTES * ALIGN_BYTES)
+        """The largest region handed out: a prompt whose KV is larger streams through it."""
         self.buffer = torch.empty(
             total_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
         )
@@ -84,15 +95,10 @@ class LandingArena:
             return self._regions.get(request_id)
 
     def allocate(self, request_id: str, nbytes: int, timeout_s: float) -> LandingRegion | None:
-        """A region of at least `nbytes` for `request_id`, waiting up to timeout_s for
-        room (behind earlier waiters). None when the time ran out or the arena closed.
-        Raises LandingTooLargeError at once if nbytes exceeds the whole arena."""
-        size = -(-max(nbytes, 1) // ALIGN_BYTES) * ALIGN_BYTES
-        if size > self._total:
-            raise LandingTooLargeError(
-                f"request {request_id} needs {nbytes} landing bytes but the arena holds "
-                f"{self._total}: raise the decode landing size or shorten the prompt"
-            )
+        """A region of min(nbytes, max_region_bytes) for `request_id`, waiting up to
+        timeout_s for room (behind earlier waiters). None when the time ran out or the
+        arena closed."""
+        size = min(-(-max(nbytes, 1) // ALIGN_BYTES) * ALIGN_BYTES, self.max_region_bytes)
         deadline = time.monotonic() + timeout_s
         with self._cond:
             if request_id in self._regions:
@@ -149,7 +155,7 @@ class LandingArena:
             return True
 
     def landing_info(self, region: LandingRegion, rank: int, layout: KVLayout) -> LandingInfo:
-        """What prefill needs to write into `region` (sent to it in AdmitResponse)."""
+        """What prefill needs to write into `region` (sent to it in DecodeReady)."""
         if self.transport is None:
             raise LandingError("this arena has no transport: pass one to LandingArena")
         return LandingInfo(
@@ -205,11 +211,14 @@ def scatter_segments(
     kv_caches: list[torch.Tensor],
     block_table: list[int],
     shard: KVShard = FULL,
+    skip_below: int = 0,
 ) -> None:
     """Unpack every landed segment of `region` into the paged cache (kv_pack.scatter):
     segment layers [layer_start, layer_end) go to kv_caches[layer_start:layer_end], its
-    tokens are the shard's stripe (kv_caches hold the shard's heads, all layers). Each
-    segment must be exactly its tokens x layers of `layout`, inside the region."""
+    tokens are the shard's stripe (kv_caches hold the shard's heads, all layers). Tokens
+    below `skip_below` are not written (decode's own prefix cache holds them, in blocks
+    other requests may be reading). Each segment must be exactly its tokens x layers of
+    `layout`, inside the region."""
     dtype = torch_dtype(layout)
     for seg in segments:
         n = shard.num_tokens(seg.token_start, seg.token_end)
@@ -225,7 +234,13 @@ def scatter_segments(
             )
         if seg.offset_bytes + seg.num_bytes > region.nbytes:
             raise LandingError(f"segment {seg} ends past region of {region.nbytes} bytes")
+        start = max(seg.token_start, skip_below)
+        if start >= seg.token_end or n == 0:
+            continue
         shape = (l1 - l0, 2, n, layout.num_kv_heads, layout.head_dim)
         src = packed_view(region.buffer, seg.offset_bytes, shape, dtype)
-        src = src.to(kv_caches[0].device)  # host landing -> GPU pages (blocking: freed next)
-        scatter(src, kv_caches[l0:l1], block_table, seg.token_start, seg.token_end, shard)
+        skipped = shard.num_tokens(seg.token_start, start)
+        if skipped:
+            src = src[:, :, skipped:]
+        src = src.to(kv_caches[0].device)  # host landing -> pages (blocking: reused next)
+        scatter(src, kv_caches[l0:l1], block_table, start, seg.token_end, shard)

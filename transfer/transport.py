@@ -42,7 +42,7 @@ class WriteOp(NamedTuple):
 
 @dataclass(frozen=True)
 class WriteStats:
-    """What one or more writes moved, for metrics and HandoffDone."""
+    """What one or more writes moved, for metrics and FlowClosed."""
 
     num_bytes: int = 0
     num_ops: int = 0

@@ -14,8 +14,10 @@ the sessions' histories, so that most turns must come from the pool or be recomp
 The pool chunk is scaled down with the contexts (64 tokens for ~2K contexts, as 256 is
 for 170K ones): a restore rounds down to a chunk boundary, and at 256 tokens that
 rounding alone would cost ~10% of a 2K-token prompt.
-Configurations `policy/pool` with pool one of shared | split | none. The trace ceiling
-(what a perfect infinite cache would reuse) comes with every report.
+Configurations `policy/pool` with pool one of shared | split | none, optionally with
+`-ppN`: each prefill a pipeline of N stage processes (e.g. `kv_aware/shared-pp2`: every
+stage saves and restores its own layers in the shared pool). The trace ceiling (what a
+perfect infinite cache would reuse) comes with every report.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ DEFAULT_CONFIGS = (
     "kv_aware/split",
     "kv_aware/none",
     "round_robin/none",
+    "kv_aware/shared-pp2",
 )
 HOSTS = ("127.0.0.1", "127.0.0.2")
 
@@ -48,7 +51,24 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def cluster_yaml(name: str, policy: str, pool: str, args: argparse.Namespace) -> dict[str, Any]:
+def _mib(size: str) -> int:
+    units = {"MiB": 1, "GiB": 1024}
+    for unit, mult in units.items():
+        if size.endswith(unit):
+            return int(float(size[: -len(unit)]) * mult)
+    raise ValueError(f"{size!r}: give the size in MiB or GiB")
+
+
+def parse_label(label: str) -> tuple[str, str, int]:
+    """`policy/pool[-ppN]` -> (policy, pool, prefill pipeline stages)."""
+    policy, rest = label.split("/")
+    pool, _, pp = rest.partition("-pp")
+    return policy, pool, int(pp) if pp else 1
+
+
+def cluster_yaml(
+    name: str, policy: str, pool: str, args: argparse.Namespace, pp: int = 1
+) -> dict[str, Any]:
     ports = {k: _free_port(HOSTS[0]) for k in ("router", "p0", "d0", "mrpc", "mmet", "s0")}
     ports.update(p1=_free_port(HOSTS[1]), s1=_free_port(HOSTS[1]))
     cfg: dict[str, Any] = {
@@ -63,10 +83,12 @@ def cluster_yaml(name: str, policy: str, pool: str, args: argparse.Namespace) ->
                 "name": f"prefill-{i}",
                 "node": f"n{i}",
                 "port": ports[f"p{i}"],
-                "devices": ["cpu"],
+                "devices": ["cpu"] * pp,
+                "pipeline_parallel": pp,
                 "max_batched_tokens": 1024,
                 "max_num_seqs": 32,
-                "kv_cache_memory": args.prefill_kv,
+                # per stage: the instance's cache holds the same tokens at any pp
+                "kv_cache_memory": f"{_mib(args.prefill_kv) // pp}MiB",
                 "pool_buffer_memory": args.pool_buffer,
             }
             for i in range(2)
@@ -113,17 +135,17 @@ def _kvserve(*argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
 
 
 def run_config(label: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    policy, pool = label.split("/")
-    name = f"study-{policy.replace('_', '')}-{pool}"
+    policy, pool, pp = parse_label(label)
+    name = f"study-{policy.replace('_', '')}-{pool}" + (f"-pp{pp}" if pp > 1 else "")
     cdir = out / label.replace("/", "-")
     cdir.mkdir(parents=True, exist_ok=True)
-    cfg = cluster_yaml(name, policy, pool, args)
+    cfg = cluster_yaml(name, policy, pool, args, pp)
     config = cdir / "cluster.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     state = cdir / "state"
     t0 = time.monotonic()
     up = _kvserve("up", "-c", str(config), "--detach", "--state-dir", str(state), timeout=300)
-    row: dict[str, Any] = {"config": label, "policy": policy, "pool": pool}
+    row: dict[str, Any] = {"config": label, "policy": policy, "pool": pool, "prefill_pp": pp}
     if up.returncode != 0:
         row["error"] = f"kvserve up failed: {(up.stderr or up.stdout)[-800:]}"
         _kvserve("down", "-c", str(config), "--state-dir", str(state), timeout=60)
@@ -152,7 +174,7 @@ def run_config(label: str, args: argparse.Namespace, out: Path) -> dict[str, Any
         "--seed",
         str(args.seed),
         "--gpus",
-        "3",
+        str(2 * pp + 1),  # worker processes: two prefills of pp stages and one decode
         "--out",
         str(cdir / "bench"),
     ]

@@ -371,7 +371,7 @@ CAPACITY = Dashboard(
         ),
         Panel(
             "Landing buffer",
-            "Fraction of decode's landing arena held by requests between /admit and the scatter.",
+            "Fraction of decode's landing arena held by requests, from /decode until no write can be in flight.",
             (
                 Query(
                     f"sum by (instance) ({sel('kvserve_landing_used_bytes')}) / "
@@ -383,7 +383,7 @@ CAPACITY = Dashboard(
         ),
         Panel(
             "Landing wait",
-            "Time /admit waited for landing space (p50, p90): back-pressure from decode.",
+            "Time /decode waited for landing space (p50, p90): back-pressure from decode.",
             quantiles("kvserve_landing_wait_seconds", what="wait"),
             unit="s",
         ),

@@ -1,11 +1,16 @@
 """PipelinedEngine: LLMEngine over a prefill pipeline, with up to `depth` steps in flight.
 
-    step():  issue   schedule (requests waiting for a sampled token are paused) ->
-                     advance their progress, cache full blocks, KV observer (plans the
-                     handoff sends, which ride the step as stage commands) ->
-                     PipelineExecutor.submit (stage 0 computes now, the ring later)
+    step():  issue   schedule (requests waiting for a sampled token are paused; the
+                     KV connector's step metadata) -> advance their progress, cache full
+                     blocks -> PipelineExecutor.submit (stage 0 computes now, the ring
+                     later; every stage runs its connector worker around its layers)
              collect when `depth` steps are in flight or nothing new can run:
-                     the oldest step's sampled tokens and stage reports -> outputs
+                     the oldest step's sampled tokens and every stage's connector
+                     report (loads done on every stage, blocks released) -> outputs
+
+With nothing to compute but connector metadata to deliver (a load to start) or transfers
+outstanding, an empty step goes around the ring: every stage's worker gets the metadata
+and reports, no layer runs.
 
 So stage 0 computes step k+1 while stage 1 computes step k, and so on down the ring: a
 long prompt's chunks (which do not sample until the last) fill the pipeline one after
@@ -18,19 +23,18 @@ prefix-cache hit on these blocks) always finds the KV in place.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.kv_connector import KVConnector
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.kv_connector import KVConnectorScheduler, KVConnectorWorker
+from engine.llm_engine import LOAD_POLL_S, LLMEngine, RequestOutput
 from engine.parallel.comm import ParallelContext
-from engine.parallel.pp_runner import PipelineExecutor, StageHook, build_stage
+from engine.parallel.pp_runner import PipelineExecutor, build_stage
 from engine.parallel.step_inputs import build_batch
 from engine.request import Request
 from modelinfo.info import ModelInfo
 from protocol.errors import InvalidRequestError
-from protocol.rank_messages import SampleRow
+from protocol.rank_messages import SampleRow, StepBatch
 from protocol.sampling import SamplingParams
 
 
@@ -43,23 +47,21 @@ class _InFlight:
 
 class PipelinedEngine(LLMEngine):
     """Owns the steps in flight on a pipeline (PP >= 2); everything else is LLMEngine's.
-
-    Worker seams: `stage_commands()` is called after the KV observer of every issued step
-    and returns the commands every stage runs after computing it; `on_stage_reports`
-    receives the stages' reports of each collected step, before its outputs."""
+    The KV connector's driver worker runs on stage 0 (PipelineExecutor.set_kv_worker)."""
 
     def __init__(self, info: ModelInfo, config: EngineConfig, executor: PipelineExecutor) -> None:
         super().__init__(info, config, runner=executor)
         self.pipeline = executor
         self.depth = executor.depth
         self._in_flight: deque[_InFlight] = deque()
-        self.stage_commands: Callable[[], bytes] | None = None
-        self.on_stage_reports: Callable[[list[bytes]], None] | None = None
 
-    def set_kv_connector(self, connector: KVConnector) -> None:
-        raise NotImplementedError(
-            "the KV pool over a prefill pipeline saves and loads per stage; not built yet"
-        )
+    def set_kv_connector(self, scheduler: KVConnectorScheduler, worker: KVConnectorWorker) -> None:
+        """The connector's scheduler side, and stage 0's worker (stages 1.. build theirs)."""
+        assert not self.scheduler.has_work(), "set the connector before adding requests"
+        self.connector = scheduler
+        self.scheduler.connector = scheduler
+        self.kv_worker = worker
+        self.pipeline.set_kv_worker(worker)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The last stage samples from SampleRow alone: no prompt tokens, grammar state or
@@ -83,7 +85,7 @@ class PipelinedEngine(LLMEngine):
     def _issue(self) -> bool:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
-            return False
+            return self._issue_poll(plan.kv_meta)
         batch, rows = build_batch(plan.scheduled, self.kv)
         sampling = [s.request for s in plan.scheduled if s.samples]
         samples = [
@@ -91,24 +93,31 @@ class PipelinedEngine(LLMEngine):
             for row, r in zip(rows, sampling, strict=True)
         ]
         for s in plan.scheduled:
-            r = s.request
-            start = r.num_computed_tokens
-            r.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(r)
-            if self.kv_observer is not None:
-                self.kv_observer(r, start, r.num_computed_tokens, self.kv.block_table(r.request_id))
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(s.request)
         for r in sampling:
             self.scheduler.paused.add(r.request_id)
-        commands = self.stage_commands() if self.stage_commands is not None else b""
-        step_id = self.pipeline.submit(batch, samples, commands)
+        step_id = self.pipeline.submit(batch, samples, plan.kv_meta)
         self._in_flight.append(_InFlight(step_id, [(r, r.num_preemptions) for r in sampling]))
+        return True
+
+    def _issue_poll(self, kv_meta: bytes) -> bool:
+        """Nothing to compute: an empty step carries the connector's metadata (always, so
+        nothing it planned is lost) or, with transfers outstanding and the ring idle, polls
+        every stage's worker after a short wait."""
+        if not kv_meta:
+            if self._in_flight or not self.connector.has_pending():
+                return False
+            self.kv_worker.wait(LOAD_POLL_S)
+        empty = StepBatch([], [], [0], [], [])
+        step_id = self.pipeline.submit(empty, [], kv_meta)
+        self._in_flight.append(_InFlight(step_id, []))
         return True
 
     def _complete(self, flight: _InFlight) -> list[RequestOutput]:
         result = self.pipeline.collect()
         assert result.step_id == flight.step_id, "the ring returns steps in order"
-        if self.on_stage_reports is not None:
-            self.on_stage_reports(result.reports)
+        self.apply_reports(result.reports)
         outputs = []
         for (req, epoch), token, logprob in zip(
             flight.sampling, result.token_ids, result.logprobs, strict=True
@@ -137,11 +146,10 @@ def build_pp_engine(
     config: EngineConfig,
     ctx: ParallelContext,
     layer_split: tuple[int, ...],
-    hook: StageHook | None = None,
     depth: int | None = None,
 ) -> PipelinedEngine:
     """The driver's engine over a pipeline of len(layer_split) stages (the others run
     pp_runner.serve_stage). depth: steps in flight, default one per stage."""
     stage = build_stage(info, config, ctx, layer_split)
-    executor = PipelineExecutor(stage, ctx, layer_split, hook, depth or len(layer_split))
+    executor = PipelineExecutor(stage, ctx, layer_split, depth or len(layer_split))
     return PipelinedEngine(info, config, executor)

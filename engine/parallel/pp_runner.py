@@ -4,11 +4,16 @@ The stages form a ring; every step travels it once, and several steps are on it 
 
     stage 0 (driver)              stage 1 ... stage N-2            stage N-1
     submit(step k):               recv StageStep + hidden          recv StageStep + hidden
-      its layers, stage hook  ─▶    its layers, stage hook    ─▶     its layers, stage hook
+      loads, its layers, saves ─▶   loads, its layers, saves  ─▶     loads, layers, saves,
       isend StageStep + hidden      isend (its report added)         logits of the sampled
     ...submit(step k+1) while                                        rows, sample
        the others run step k   ◀──────────── StageResult (tokens, every stage's report) ──┘
     collect() -> StageResult of the oldest step
+
+"loads" and "saves" are the stage's KV connector worker (engine/kv_connector.py):
+start_loads(meta) before the stage's layers, start_saves(meta) and get_finished() after,
+so each stage moves its own layers' KV from its own process, all stages in parallel. A
+step without tokens (a connector poll) skips the layers and carries no hidden states.
 
 Each stage owns its layers' paged KV with the same block ids (one scheduler, in the
 driver). Steps reach every stage in order, so a block freed and reused by a later step is
@@ -20,7 +25,6 @@ steps in flight, so a wait on an old send never blocks.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import count
 
@@ -28,9 +32,10 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from engine.attention.base import get_backend
+from engine.attention.base import AttentionMetadata, get_backend
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnectorWorker, NoConnectorWorker, WorkerPlace
 from engine.llm_engine import torch_dtype
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import build_model
@@ -54,10 +59,6 @@ from protocol.rank_messages import (
 
 log = logging.getLogger(__name__)
 
-StageHook = Callable[[bytes, list[torch.Tensor]], bytes]
-"""(worker commands of a step, this stage's kv caches) -> this stage's report (b"" for
-none). Runs on every stage after it computed the step (prefill: the handoff sends)."""
-
 _step_decoder = msgspec.msgpack.Decoder(StageMessage)  # type: ignore[arg-type]
 _result_decoder = msgspec.msgpack.Decoder(StageResult)
 
@@ -77,6 +78,28 @@ class PPStage:
     @property
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
+
+    @property
+    def place(self) -> WorkerPlace:
+        return WorkerPlace(self.layers[0], self.layers[1], self.index, self.num_stages)
+
+    def run(
+        self,
+        worker: KVConnectorWorker,
+        kv_meta: bytes,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        ids: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, bytes]:
+        """One step on this stage: connector loads, its layers (none for an empty
+        step), connector saves; (hidden states out, this stage's connector report)."""
+        worker.start_loads(kv_meta)
+        out = None
+        if positions.numel():
+            out = self.model(ids, positions, self.kv_caches, meta, hidden_states=hidden)
+        worker.start_saves(kv_meta)
+        return out, worker.get_finished()
 
 
 def stage_num_blocks(config: EngineConfig, info: ModelInfo, layer_split: tuple[int, ...]) -> int:
@@ -135,10 +158,6 @@ def build_stage(
     return PPStage(ctx.rank, len(layer_split), (start, end), model, layout, num_blocks, caches)
 
 
-def _run_hook(hook: StageHook | None, commands: bytes, caches: list[torch.Tensor]) -> bytes:
-    return hook(commands, caches) if hook is not None and commands else b""
-
-
 class PipelineExecutor:
     """The driver's side of the ring: owns stage 0's layers and cache, puts steps on the
     ring and takes their results off it in order. Engine thread only."""
@@ -148,11 +167,11 @@ class PipelineExecutor:
         stage: PPStage,
         ctx: ParallelContext,
         layer_split: tuple[int, ...],
-        hook: StageHook | None,
         depth: int,
     ) -> None:
         assert ctx.is_driver and len(layer_split) >= 2
-        self.stage, self.ctx, self.hook, self.depth = stage, ctx, hook, depth
+        self.stage, self.ctx, self.depth = stage, ctx, depth
+        self.kv_worker: KVConnectorWorker = NoConnectorWorker()
         self.kv_caches = stage.kv_caches
         self.num_blocks = stage.num_blocks
         self.layer_split = layer_split
@@ -163,15 +182,20 @@ class PipelineExecutor:
     def execute(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> torch.Tensor | None:
         raise NotImplementedError("a pipeline runs through PipelinedEngine.step (submit/collect)")
 
-    def submit(self, batch: StepBatch, samples: list[SampleRow], commands: bytes) -> int:
-        """Compute stage 0's layers of the step, run its hook, and pass the step on.
-        Returns the step id that collect() will return it under."""
+    def set_kv_worker(self, worker: KVConnectorWorker) -> None:
+        """Stage 0's connector worker (the other stages build their own)."""
+        self.kv_worker = worker
+        worker.register_kv_caches(self.kv_caches, self.stage.place)
+
+    def submit(self, batch: StepBatch, samples: list[SampleRow], kv_meta: bytes) -> int:
+        """Run stage 0's part of the step (connector loads, its layers, connector saves)
+        and pass the step on. Returns the step id that collect() will return it under.
+        A batch without tokens is a connector poll: no layers, no hidden states."""
         step_id = next(self._step_ids)
         ids, positions, meta = batch_tensors(batch, self.ctx.device, self.stage.layout.block_size)
-        hidden = self.stage.model(ids, positions, self.kv_caches, meta)
-        report = _run_hook(self.hook, commands, self.kv_caches)
+        hidden, report = self.stage.run(self.kv_worker, kv_meta, positions, meta, ids=ids)
         header = StageStep(
-            step_id, msgspec.structs.replace(batch, input_ids=[]), samples, commands, [report]
+            step_id, msgspec.structs.replace(batch, input_ids=[]), samples, kv_meta, [report]
         )
         self._to_next.send(encode(header), self.ctx.cpu_group, hidden, None)
         self._to_next.drain(self.depth)
@@ -189,9 +213,21 @@ class PipelineExecutor:
             self._to_next.drain()
 
 
-def serve_stage(stage: PPStage, ctx: ParallelContext, hook: StageHook | None, depth: int) -> None:
-    """The loop of stage >= 1: run each step that arrives until Shutdown."""
+def serve_stage(
+    stage: PPStage, ctx: ParallelContext, worker: KVConnectorWorker | None, depth: int
+) -> None:
+    """The loop of stage >= 1: run each step that arrives until Shutdown. `worker`: this
+    stage's KV connector worker (None: off); closed on return."""
     assert not ctx.is_driver
+    worker = worker or NoConnectorWorker()
+    worker.register_kv_caches(stage.kv_caches, stage.place)
+    try:
+        _serve(stage, ctx, worker, depth)
+    finally:
+        worker.close()
+
+
+def _serve(stage: PPStage, ctx: ParallelContext, worker: KVConnectorWorker, depth: int) -> None:
     prev = ctx.rank - 1
     out = Outbox(0 if stage.is_last else ctx.rank + 1)
     sampler = Sampler()
@@ -204,11 +240,15 @@ def serve_stage(stage: PPStage, ctx: ParallelContext, hook: StageHook | None, de
             out.drain()
             return
         num_tokens = len(msg.batch.positions)
-        hidden = torch.empty(num_tokens, hidden_size, dtype=stage.model.dtype, device=ctx.device)
-        dist.recv(hidden, prev)
+        hidden: torch.Tensor | None = None
+        if num_tokens:
+            hidden = torch.empty(
+                num_tokens, hidden_size, dtype=stage.model.dtype, device=ctx.device
+            )
+            dist.recv(hidden, prev)
         _, positions, meta = batch_tensors(msg.batch, ctx.device, stage.layout.block_size)
-        hidden = stage.model(None, positions, stage.kv_caches, meta, hidden_states=hidden)
-        reports = [*msg.reports, _run_hook(hook, msg.commands, stage.kv_caches)]
+        hidden, report = stage.run(worker, msg.kv_meta, positions, meta, hidden=hidden)
+        reports = [*msg.reports, report]
         if stage.is_last:
             tokens, logprobs = _sample(stage, sampler, hidden, msg.samples, ctx.device)
             out.send(encode(StageResult(msg.step_id, tokens, logprobs, reports)), ctx.cpu_group)
@@ -221,11 +261,11 @@ def serve_stage(stage: PPStage, ctx: ParallelContext, hook: StageHook | None, de
 def _sample(
     stage: PPStage,
     sampler: Sampler,
-    hidden: torch.Tensor,
+    hidden: torch.Tensor | None,
     samples: list[SampleRow],
     device: torch.device,
 ) -> tuple[list[int], list[float | None]]:
-    if not samples:
+    if not samples or hidden is None:
         return [], []
     idx = torch.tensor([s.row for s in samples], dtype=torch.long, device=device)
     logits = stage.model.compute_logits(hidden.index_select(0, idx))

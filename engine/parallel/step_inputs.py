@@ -68,7 +68,7 @@ def batch_tensors(
                 continue
             j = t // dcp_size
             slots.append(table[j // block_size] * block_size + j % block_size)
-    width = max(len(t) for t in batch.block_tables)
+    width = max((len(t) for t in batch.block_tables), default=0)
     padded = [t + [0] * (width - len(t)) for t in batch.block_tables]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),

@@ -1,10 +1,12 @@
 """Decode TP x DCP: the driver's executor (rank 0) and the loop of every other rank.
 
     rank 0 (engine thread)                        rank r >= 1 (serve_rank)
-    LLMEngine.step ─▶ TPExecutor.execute          loop:
-        build_batch ── broadcast RankStep ──────▶     RankStep    -> forward (its shard)
-        forward (its shard, collectives) ◀──────▶     collectives with every rank
+    LLMEngine.step ─▶ TPExecutor.execute_step     loop:
+        build_batch ── broadcast RankStep ──────▶     RankStep    -> connector loads,
+        connector loads, forward (its shard,             forward (its shard), connector
+          collectives), connector saves ◀──────▶          saves; collectives with every rank
         logits of the sampled rows (rank 0 only)
+        every rank's connector report ◀── send ───    its report (when want_reports)
     decode admission ─▶ run_command ── RankCommand ▶  RankCommand -> command_hook, then
         command_hook here, all-reduce of failures ◀─▶  the same all-reduce (an ack)
     close ── Shutdown ─────────────────────────────▶  return
@@ -27,8 +29,9 @@ import torch.distributed as dist
 from engine.attention.base import LSEAttentionBackend, get_backend
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnectorWorker, NoConnectorWorker, WorkerPlace
 from engine.llm_engine import LLMEngine, torch_dtype
-from engine.parallel.comm import ParallelContext, broadcast_bytes
+from engine.parallel.comm import ParallelContext, broadcast_bytes, recv_bytes, send_bytes
 from engine.parallel.step_inputs import batch_tensors, build_batch
 from engine.parallel.tp_model import TPLlamaModel
 from engine.scheduler import ScheduledRequest
@@ -36,7 +39,14 @@ from engine.weights.cache import load_weights
 from modelinfo.info import ModelInfo
 from protocol.kv_layout import KVLayout
 from protocol.parallel import DecodeRankShard, decode_rank_shards
-from protocol.rank_messages import RankCommand, RankMessage, RankStep, Shutdown, encode
+from protocol.rank_messages import (
+    RankCommand,
+    RankMessage,
+    RankStep,
+    Shutdown,
+    StepBatch,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +66,10 @@ class TPRank:
     """This rank's cache: all layers, its group's KV heads, `block_size`-token blocks."""
     num_blocks: int
     kv_caches: list[torch.Tensor]
+
+    @property
+    def place(self) -> WorkerPlace:
+        return WorkerPlace(0, self.layout.num_layers, shard=self.shard)
 
 
 def build_tp_rank(
@@ -95,16 +109,40 @@ class TPExecutor:
         self.kv_caches = rank.kv_caches
         self.num_blocks = rank.num_blocks
         self.layer_split: tuple[int, ...] = (rank.layout.num_layers,)
+        self.kv_worker: KVConnectorWorker = NoConnectorWorker()
+        self._want_reports = False
         self._closed = False
 
+    def set_kv_worker(self, worker: KVConnectorWorker) -> None:
+        """Rank 0's connector worker; from now on every step gathers every rank's report."""
+        self.kv_worker = worker
+        self._want_reports = True
+        worker.register_kv_caches(self.kv_caches, self.rank.place)
+
     def execute(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> torch.Tensor | None:
+        return self.execute_step(scheduled, kv, b"")[0]
+
+    def execute_step(
+        self, scheduled: list[ScheduledRequest], kv: KVCacheManager, kv_meta: bytes
+    ) -> tuple[torch.Tensor | None, list[bytes]]:
         batch, rows = build_batch(scheduled, kv)
-        broadcast_bytes(encode(RankStep(batch)), self.ctx.cpu_group)
-        hidden = _forward(self.rank, self.ctx, RankStep(batch))
-        if not rows:
-            return None
+        hidden, reports = self._step(RankStep(batch, kv_meta, self._want_reports))
+        if not rows or hidden is None:
+            return None, reports
         idx = torch.tensor(rows, dtype=torch.long, device=self.ctx.device)
-        return self.rank.model.compute_logits(hidden.index_select(0, idx))
+        return self.rank.model.compute_logits(hidden.index_select(0, idx)), reports
+
+    def poll_kv(self, kv_meta: bytes) -> list[bytes]:
+        empty = StepBatch([], [], [0], [], [])
+        return self._step(RankStep(empty, kv_meta, self._want_reports))[1]
+
+    def _step(self, msg: RankStep) -> tuple[torch.Tensor | None, list[bytes]]:
+        broadcast_bytes(encode(msg), self.ctx.cpu_group)
+        hidden, report = _run_step(self.rank, self.ctx, self.kv_worker, msg)
+        if not msg.want_reports:
+            return hidden, [report] + [b""] * (self.ctx.world_size - 1)
+        others = [recv_bytes(r, self.ctx.cpu_group) for r in range(1, self.ctx.world_size)]
+        return hidden, [report, *others]
 
     def run_command(self, payload: bytes) -> None:
         """Run a worker command on every rank (this one too) before the next step;
@@ -123,12 +161,21 @@ class TPExecutor:
             broadcast_bytes(encode(Shutdown()), self.ctx.cpu_group)
 
 
-def _forward(rank: TPRank, ctx: ParallelContext, msg: RankStep) -> torch.Tensor:
-    ids, positions, meta = batch_tensors(
-        msg.batch, ctx.device, rank.layout.block_size, ctx.dcp_size, rank.shard.dcp_rank
-    )
-    assert ids is not None, "decode ranks embed: the step must carry input ids"
-    return rank.model(ids, positions, rank.kv_caches, meta)
+def _run_step(
+    rank: TPRank, ctx: ParallelContext, worker: KVConnectorWorker, msg: RankStep
+) -> tuple[torch.Tensor | None, bytes]:
+    """Connector loads, this rank's shard of the forward (none for an empty step),
+    connector saves: (hidden states, this rank's connector report)."""
+    worker.start_loads(msg.kv_meta)
+    hidden = None
+    if msg.batch.positions:
+        ids, positions, meta = batch_tensors(
+            msg.batch, ctx.device, rank.layout.block_size, ctx.dcp_size, rank.shard.dcp_rank
+        )
+        assert ids is not None, "decode ranks embed: the step must carry input ids"
+        hidden = rank.model(ids, positions, rank.kv_caches, meta)
+    worker.start_saves(msg.kv_meta)
+    return hidden, worker.get_finished()
 
 
 def _run_hook(hook: CommandHook | None, payload: bytes, caches: list[torch.Tensor]) -> str | None:
@@ -147,15 +194,34 @@ def _any_failed(failed: bool, ctx: ParallelContext) -> bool:
     return bool(flag.item())
 
 
-def serve_rank(rank: TPRank, ctx: ParallelContext, command_hook: CommandHook | None) -> None:
-    """The loop of rank >= 1: run what rank 0 broadcasts until Shutdown."""
+def serve_rank(
+    rank: TPRank,
+    ctx: ParallelContext,
+    command_hook: CommandHook | None,
+    worker: KVConnectorWorker | None = None,
+) -> None:
+    """The loop of rank >= 1: run what rank 0 broadcasts until Shutdown. `worker`: this
+    rank's KV connector worker (None: off); closed on return."""
     assert not ctx.is_driver
+    worker = worker or NoConnectorWorker()
+    worker.register_kv_caches(rank.kv_caches, rank.place)
+    try:
+        _serve(rank, ctx, command_hook, worker)
+    finally:
+        worker.close()
+
+
+def _serve(
+    rank: TPRank, ctx: ParallelContext, command_hook: CommandHook | None, worker: KVConnectorWorker
+) -> None:
     while True:
         msg = _decoder.decode(broadcast_bytes(None, ctx.cpu_group))
         if isinstance(msg, Shutdown):
             return
         if isinstance(msg, RankStep):
-            _forward(rank, ctx, msg)
+            _, report = _run_step(rank, ctx, worker, msg)
+            if msg.want_reports:
+                send_bytes(report, 0, ctx.cpu_group)
         else:
             error = _run_hook(command_hook, msg.payload, rank.kv_caches)
             if error is not None:

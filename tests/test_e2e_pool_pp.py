@@ -1,0 +1,230 @@
+"""The shared pool with a pipelined prefill, through `kvserve up` and the router: a PP 2
+prefill (each stage saves and restores its own layers from its own process) and a
+TP 2 x DCP 2 decode. Multi-turn sessions restored after every prefix-cache reset equal a
+cold single-process run token for token, every stage saved and restored (per-stage
+series), and a load that fails mid-flight on one stage (an injected fault) recomputes
+only its own request, from its first missing chunk."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+import re
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+from cluster_harness import Cluster, free_ports, kvserve, wait_until
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from protocol.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(600)
+CHUNK = 256
+MAX_TOKENS = 6
+VOCAB = ["agent", "tool", "cache", "token", "block", "router", "decode", "pool", "turn", "stage"]
+
+
+class PPPoolCluster(Cluster):
+    prefill_metrics_url: str = ""
+    fault_dir: Path = Path()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the prefill's samples of a series whose labels include `labels`."""
+        text = httpx.get(self.prefill_metrics_url + "/metrics", timeout=10).text
+        total = 0.0
+        for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
+            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+            if all(have.get(k) == v for k, v in labels.items()):
+                total += float(m.group(2))
+        return total
+
+    def reset(self) -> None:
+        r = httpx.post(self.router_url + "/v1/admin/reset_prefix_cache", timeout=30)
+        assert r.status_code == 200 and r.json()["success"], r.text
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_parallel_dir: Path, weights_cache_dir: str):
+    tmp = tmp_path_factory.mktemp("pp-pool")
+    faults = tmp / "faults"
+    faults.mkdir()
+    p = free_ports(8)
+    cfg = {
+        "name": "pp-pool",
+        "model": str(tiny_parallel_dir),
+        "dtype": "float32",
+        "cache": {"block_size": 16, "chunk_size": CHUNK, "weights_cache_dir": weights_cache_dir},
+        "nodes": [{"name": "local", "host": "127.0.0.1"}],
+        "pool": {
+            "master": {"node": "local", "port": p[1], "metrics_port": p[2]},
+            "stores": [
+                {"node": "local", "numa_node": i, "size": "16MiB", "metrics_port": p[3 + i]}
+                for i in range(2)
+            ],
+        },
+        "prefill": [
+            {
+                "name": "prefill-0",
+                "node": "local",
+                "port": p[5],
+                "devices": ["cpu", "cpu"],
+                "pipeline_parallel": 2,
+                "max_batched_tokens": 256,
+                "max_num_seqs": 16,
+                "kv_cache_memory": "16MiB",
+                "pool_buffer_memory": "8MiB",
+                "env": {"KVSERVE_POOL_FAULT_DIR": str(faults)},
+            }
+        ],
+        "decode": [
+            {
+                "name": "decode-0",
+                "node": "local",
+                "port": p[6],
+                "devices": ["cpu", "cpu"],
+                "tensor_parallel": 2,
+                "decode_context_parallel": 2,
+                "max_num_seqs": 16,
+                "kv_cache_memory": "16MiB",
+                "landing_memory": "8MiB",
+            }
+        ],
+        "router": {
+            "host": "127.0.0.1",
+            "port": p[0],
+            "policy": "round_robin",
+            "served_model_name": "pp-pool-model",
+            "request_timeout_s": 120,
+        },
+    }
+    config = tmp / "cluster.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    state = tmp / "state"
+    res = kvserve("up", "-c", str(config), "--detach", "--state-dir", str(state), timeout=600)
+    assert res.returncode == 0, f"kvserve up failed:\n{res.stdout}\n{res.stderr}"
+    c = PPPoolCluster(config, state, f"http://127.0.0.1:{p[0]}", "", "", "pp-pool-model", "pp-pool")
+    c.prefill_metrics_url = f"http://127.0.0.1:{p[5]}"
+    c.fault_dir = faults
+    yield c
+    res = c.down()
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_parallel_dir: Path, weights_cache_dir: str) -> LLMEngine:
+    return LLMEngine.from_spec(str(tiny_parallel_dir), EngineConfig(cache_dir=weights_cache_dir))
+
+
+def _words(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(VOCAB) for _ in range(n))
+
+
+class Session:
+    """A growing prompt: each turn is the last prompt + its completion + new text."""
+
+    def __init__(self, seed: int, ref: LLMEngine, words: int) -> None:
+        self.seed, self.ref = seed, ref
+        self.text = _words(seed, words)
+
+    def turn(self, c: Cluster, k: int) -> tuple[dict, list[int]]:
+        """Send turn k (its output must equal a cold run); returns (usage details, ids)."""
+        return self.send(c, *self.prepare(k))
+
+    def prepare(self, k: int) -> tuple[int, list[int], str]:
+        """Turn k's prompt and the cold run's output for it (the reference engine is not
+        thread-safe: prepare turns one at a time, send them at once)."""
+        if k:
+            self.text += " " + _words(self.seed * 100 + k, 60)
+        ids = self.ref.info.tokenizer.encode(self.text)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        return k, ids, self.ref.generate([ids], params)[0].text
+
+    def send(self, c: Cluster, k: int, ids: list[int], want: str) -> tuple[dict, list[int]]:
+        client = openai.OpenAI(base_url=c.api_base, api_key="unused", max_retries=0, timeout=120)
+        got = client.completions.create(
+            model=c.served_name,
+            prompt=self.text,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert got.choices[0].text == want, f"turn {k}: output differs from a cold run"
+        details = got.usage.prompt_tokens_details.model_dump()
+        assert details["gpu_tokens"] + details["pool_tokens"] + details["computed_tokens"] == len(
+            ids
+        )
+        self.text += got.choices[0].text
+        return details, ids
+
+
+def test_multi_turn_restore_from_every_stage_equals_cold(cluster: PPPoolCluster, reference):
+    s = Session(1, reference, 200)
+    prev_len = 0
+    restored = 0
+    for k in range(3):
+        cluster.reset()  # the GPU prefix cache is gone; the pool keeps every stage's objects
+        details, ids = s.turn(cluster, k)
+        assert details["gpu_tokens"] == 0
+        if k == 0:
+            assert details["pool_tokens"] == 0
+        else:
+            want = min(prev_len // CHUNK, (len(ids) - 1) // CHUNK) * CHUNK
+            assert want > 0 and details["pool_tokens"] == want, (k, details, prev_len)
+        restored += details["pool_tokens"]
+        prev_len = len(ids)
+    assert restored > 0
+    # Each stage stored and restored its own objects, from its own process.
+    for stage in ("0", "1"):
+
+        def both(stage: str = stage) -> bool:
+            m = cluster.metric
+            return (
+                m("kvserve_pool_stage_objects_total", stage=stage, op="save") > 0
+                and m("kvserve_pool_stage_objects_total", stage=stage, op="load") * CHUNK
+                >= restored
+            )
+
+        assert wait_until(both, timeout_s=10, interval_s=0.2), f"stage {stage} saved/restored"
+        assert cluster.metric("kvserve_pool_restore_seconds_count", stage=stage) >= 2
+    assert cluster.metric("kvserve_pool_restored_tokens_total") >= restored
+    assert cluster.metric("kvserve_prompt_tokens_total", source="pool") >= restored
+    assert cluster.metric("kvserve_pool_save_chunks_total") >= 2
+
+
+def test_load_failed_on_one_stage_recomputes_only_that_request(cluster: PPPoolCluster, reference):
+    sessions = [Session(20 + i, reference, 220) for i in range(2)]
+    lens = []
+    for s in sessions:
+        _, ids = s.turn(cluster, 0)  # both histories saved (>= 2 chunks each)
+        lens.append(len(ids))
+    assert min(lens) >= 2 * CHUNK
+    # Every chunk of both histories is in the pool before the fault is armed.
+    assert wait_until(
+        lambda: cluster.metric("kvserve_pool_save_chunks_total") >= sum(n // CHUNK for n in lens),
+        timeout_s=10,
+        interval_s=0.2,
+    )
+    cluster.reset()
+    before = cluster.metric("kvserve_pool_failures_total", op="load", reason="injected")
+    (cluster.fault_dir / "load-stage1").touch()  # stage 1's next read returns one object
+    turns = [s.prepare(1) for s in sessions]
+    with cf.ThreadPoolExecutor(2) as ex:
+        results = list(
+            ex.map(lambda st: st[0].send(cluster, *st[1]), zip(sessions, turns, strict=True))
+        )
+    assert not (cluster.fault_dir / "load-stage1").exists(), "the fault was never taken"
+    got = [
+        (d["pool_tokens"], min(n // CHUNK, (len(ids) - 1) // CHUNK) * CHUNK)
+        for n, (d, ids) in zip(lens, results, strict=True)
+    ]
+    # One request restored only its first chunk (stage 1 lost the rest) and recomputed
+    # from there; the other restored everything; both outputs equal a cold run (turn()).
+    short = [g for g in got if g[0] < g[1]]
+    assert len(short) == 1 and short[0][0] == CHUNK, got
+    assert all(pool == full for pool, full in got if (pool, full) != short[0]), got
+    assert cluster.metric("kvserve_pool_failures_total", op="load", reason="injected") > before
