@@ -78,6 +78,13 @@ def landing_bytes(inst: DecodeConfig) -> int:
     return int(inst.landing_memory) // 4096 * 4096
 
 
+def landing_device(inst: DecodeConfig, rank: int) -> str:
+    """Where rank `rank`'s landing buffer lives: on its GPU when the handoff is cuda_ipc
+    (prefill writes GPU to GPU, the scatter is a device copy), else pinned host memory."""
+    device = inst.device_names[rank]
+    return device if inst.transfer.protocol == "cuda_ipc" and device != "cpu" else "cpu"
+
+
 def rank_landing(rank: int, arena: LandingArena) -> RankLanding:
     assert arena.transport is not None
     return RankLanding(
@@ -126,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from modelinfo.info import load_model_info
     from protocol.cluster import load_cluster
-    from transfer import TransportConfig, create_transport
+    from transfer import create_transport, handoff_transport_config
 
     die_with_parent(args.parent_pid)
     cluster = load_cluster(args.config)
@@ -153,10 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             inst.tensor_parallel,
             inst.decode_context_parallel,
         )
-        transport = create_transport(
-            TransportConfig(name="mooncake", host=node.host, protocol=inst.transfer.protocol)
-        )
-        arena = LandingArena(landing_bytes(inst), transport)
+        transport = create_transport(handoff_transport_config(inst.transfer.protocol, node.host))
+        arena = LandingArena(landing_bytes(inst), transport, device=landing_device(inst, args.rank))
         send_bytes(encode(rank_landing(args.rank, arena)), 0, ctx.cpu_group)
         log.info("rank %d ready: %s", args.rank, rank.shard)
         worker = LandingWorker(arena, rank.layout, args.rank)

@@ -353,6 +353,9 @@ class LandingWorker(KVConnectorWorker):
         self.stripe: KVShard = FULL
         self._done: list[int] = []
         self._failed: list[tuple[int, str]] = []
+        self._scattered: torch.cuda.Event | None = None
+        """A landing on the GPU: recorded after the step's scatters, waited for before
+        they are reported (prefill rewrites those ring bytes once they are)."""
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], place: WorkerPlace) -> None:
         self.kv_caches = kv_caches
@@ -382,11 +385,17 @@ class LandingWorker(KVConnectorWorker):
                 continue
             self._done.append(p.piece_id)
             self.on_scatter(time.perf_counter() - started)
+        if self.arena.buffer.is_cuda:
+            self._scattered = torch.cuda.Event()
+            self._scattered.record(torch.cuda.current_stream(self.arena.buffer.device))
 
     def start_saves(self, meta: bytes) -> None:
         return None
 
     def get_finished(self) -> bytes:
+        if self._scattered is not None:  # after the step's forward: long done by now
+            self._scattered.synchronize()
+            self._scattered = None
         if not self._done and not self._failed:
             return msgspec.msgpack.encode(ScatterReport())
         report = ScatterReport(self._done, self._failed)

@@ -28,6 +28,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Weights, activations and KV element type."""
     device: str = "cpu"
     attention_backend: str = "torch"
+    """"torch" (the reference; CPU and CUDA), "torch_lse" (reference with LSE, DCP) or
+    "flex" (FlexAttention kernels reading the paged cache in place; CUDA only, block_size
+    >= 16)."""
+    cuda_graphs: bool = True
+    """Capture pure-decode steps in CUDA graphs at start-up, one per batch-size bucket up to
+    max_num_seqs (only on CUDA with a graph-safe backend: "flex"). False runs every step
+    eagerly (same tokens, more launch overhead)."""
     enable_prefix_caching: bool = True
     cache_dir: str | None = None
     """Where converted weights are cached; None means ~/.cache/kvserve."""

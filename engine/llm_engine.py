@@ -198,7 +198,15 @@ class LLMEngine:
             1, config.kv_cache_bytes // self.layout.bytes_per_block
         )
         return ModelRunner(
-            model, self.layout, num_blocks, device=self.device, dtype=self.dtype, backend=backend
+            model,
+            self.layout,
+            num_blocks,
+            device=self.device,
+            dtype=self.dtype,
+            backend=backend,
+            cuda_graphs=config.cuda_graphs,
+            max_batch=config.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
 
     @classmethod

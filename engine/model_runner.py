@@ -16,6 +16,8 @@ from typing import Protocol
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs
+from engine.device_tables import DeviceBlockTables
 from engine.kv_cache_manager import KVCacheManager
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledRequest
@@ -43,7 +45,13 @@ class ModelExecutor(Protocol):
 
 
 class ModelRunner:
-    """Owns the model, the paged KV tensors of its layers, and step input preparation."""
+    """Owns the model, the paged KV tensors of its layers, the device block tables, the
+    decode CUDA graphs (CUDA, a graph-safe backend, `cuda_graphs`), and step input
+    preparation.
+
+    Host work per step is O(new tokens + batch): block tables live on the device and take
+    only their new entries (DeviceBlockTables), and the step's ids, positions, slots and
+    KV lengths go up in one copy."""
 
     def __init__(
         self,
@@ -54,18 +62,46 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         backend: AttentionBackend,
+        cuda_graphs: bool = False,
+        max_batch: int = 64,
+        max_model_len: int | None = None,
+        graph_sizes: list[int] | None = None,
     ) -> None:
         self.model = model
         self.layout = layout
         self.device = device
         self.backend = backend
-        shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        # kv_caches[i]: [2, num_blocks, block_size, Hkv, D], layer i of this model.
+        use_graphs = cuda_graphs and device.type == "cuda" and backend.graph_safe_decode
+        # One extra block past those the scheduler hands out: CUDA-graph padding rows
+        # write their K/V there.
+        shape = (
+            2,
+            num_blocks + use_graphs,
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
+        # kv_caches[i]: [2, num_blocks(+1), block_size, Hkv, D], layer i of this model.
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)
         ]
         self.num_blocks = num_blocks
         self.layer_split: tuple[int, ...] = (layout.num_layers,)
+        self.tables = DeviceBlockTables(device)
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            max_len = max_model_len or model.config.max_position_embeddings
+            self.graphs = DecodeGraphs(
+                model,
+                self.kv_caches,
+                block_size=layout.block_size,
+                max_batch=max_batch,
+                max_blocks_per_seq=-(-max_len // layout.block_size),
+                scratch_block=num_blocks,
+                device=device,
+                sizes=graph_sizes,
+            )
+            self.graphs.capture()
 
     def close(self) -> None:
         pass
@@ -74,46 +110,71 @@ class ModelRunner:
         self, scheduled: list[ScheduledRequest], kv: KVCacheManager
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flat input ids, positions, attention metadata and the rows to sample."""
+        inputs, meta, rows, _ = self._prepare(scheduled, kv)
+        return inputs[0], inputs[1], meta, rows
+
+    def _prepare(
+        self, scheduled: list[ScheduledRequest], kv: KVCacheManager
+    ) -> tuple[torch.Tensor, AttentionMetadata, list[int], torch.Tensor]:
+        """([3, T] int64 device: ids, positions, slots), metadata, sample rows, and the
+        [B] int32 device KV lengths."""
         bs = self.layout.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
         sample_rows: list[int] = []
+        row_tables = []
         for s in scheduled:
             r = s.request
             start = r.num_computed_tokens
             end = start + s.num_new_tokens
             table = kv.block_table(r.request_id)
+            row_tables.append((r.request_id, table))
             ids.extend(r.all_token_ids[start:end])
             pos.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             qsl.append(qsl[-1] + s.num_new_tokens)
             seq_lens.append(end)
-            tables.append(list(table))
             if s.samples:
                 sample_rows.append(qsl[-1] - 1)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
+        rows = self.tables.update(row_tables)
+        num_tokens, num_seqs = len(ids), len(rows)
+        # One upload: ids, positions, slots [T] each, then KV lengths and table rows [B].
+        host = torch.tensor(ids + pos + slots + seq_lens + rows, dtype=torch.int64)
+        dev = host.to(self.device, non_blocking=True)
+        inputs = dev[: 3 * num_tokens].view(3, num_tokens)
+        lens = dev[3 * num_tokens : 3 * num_tokens + num_seqs].to(torch.int32)
+        row_idx = dev[3 * num_tokens + num_seqs :]
+        width = -(-max(seq_lens) // bs)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=inputs[2],
             query_start_loc=qsl,
             seq_lens=seq_lens,
-            block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
+            block_tables=self.tables.table.index_select(0, row_idx)[:, :width],
+            seq_lens_tensor=lens,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        return input_ids, positions, meta, sample_rows
+        return inputs, meta, sample_rows, lens
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> torch.Tensor | None:
         """Run one step; return float32 logits [num_sampling_requests, V] (None if none
         sample)."""
-        input_ids, positions, meta, rows = self.prepare(scheduled, kv)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        inputs, meta, rows, lens = self._prepare(scheduled, kv)
+        num_seqs = meta.num_seqs
+        size = None
+        if self.graphs is not None and inputs.shape[1] == num_seqs:  # pure decode
+            size = self.graphs.bucket(num_seqs, meta.block_tables.shape[1])
+        if size is not None and self.graphs is not None:
+            step = torch.cat([inputs, lens.to(torch.int64).unsqueeze(0)])
+            logits = self.graphs.run(size, step, meta.block_tables)
+            if len(rows) == num_seqs:
+                return logits.clone()  # the graph overwrites its output next step
+            if not rows:
+                return None
+            return logits.index_select(0, torch.tensor(rows, device=self.device))
+        hidden = self.model(inputs[0], inputs[1], self.kv_caches, meta)
         if not rows:
             return None
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)

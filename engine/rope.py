@@ -83,5 +83,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D], cos/sin [T, 1, D] -> rotated [T, H, D] (a new tensor)."""
-    return x * cos + rotate_half(x) * sin
+    """x [T, H, D], cos/sin [T, 1, R] -> [T, H, D] (a new tensor): the leading R <= D dims
+    rotated, the rest passed through (partial rotary, Glm4Moe; R = D elsewhere)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    head = x[..., :rot]
+    return torch.cat((head * cos + rotate_half(head) * sin, x[..., rot:]), dim=-1)

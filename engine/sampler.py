@@ -144,6 +144,10 @@ class Sampler:
         # Seeded rows whose state carries no generator of their own borrow this one; it is
         # re-seeded per row, so sharing it keeps every row's draw its own.
         self._seeded_generator = torch.Generator(device=device)
+        # Unseeded rows of logits on another device (CUDA logits, a CPU-built Sampler) draw
+        # from a generator on that device, seeded like `generator`: a CUDA tensor cannot
+        # take a CPU generator.
+        self._device_generators: dict[str, torch.Generator] = {}
         if seed is None:
             self.generator.seed()
         else:
@@ -277,11 +281,12 @@ class Sampler:
         # q = -log(u), u uniform in [0, 1): q > 0, and u == 0 gives q = inf, p / q = 0.
         u = torch.empty_like(probs)
         unseeded = [j for j, s in enumerate(states) if s.params.seed is None]
+        shared = self._shared_generator(device) if unseeded else self.generator
         if len(unseeded) == num_rows:
-            u.uniform_(generator=self.generator)
+            u.uniform_(generator=shared)
         elif unseeded:
             idx = torch.tensor(unseeded, device=device)
-            u[idx] = torch.rand(len(unseeded), vocab_size, device=device, generator=self.generator)
+            u[idx] = torch.rand(len(unseeded), vocab_size, device=device, generator=shared)
         for j, s in enumerate(states):
             if s.params.seed is None:
                 continue
@@ -293,6 +298,19 @@ class Sampler:
                 u[j] = torch.rand(vocab_size, generator=gen, device=gen.device)
         q = u.log_().neg_()
         return probs.div_(q).argmax(dim=-1)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        """The generator of unseeded rows on `device`: `generator` itself when it lives
+        there, else one created on first use with the same initial seed."""
+        if self.generator.device == device:
+            return self.generator
+        key = str(device)
+        gen = self._device_generators.get(key)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.generator.initial_seed())
+            self._device_generators[key] = gen
+        return gen
 
 
 def _nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -330,4 +348,6 @@ def _threshold_in_sorted(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> tor
     higher-ranked tokens hold less than top_p (the top token has 0 above it: kept)."""
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     num_kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)
-    return sorted_probs.gather(1, num_kept - 1)
+    # A top_p below float32's smallest value (5e-324 is a valid float64) arrives as 0:
+    # nothing has less mass above it, yet the top token is always kept.
+    return sorted_probs.gather(1, num_kept.clamp_(min=1) - 1)

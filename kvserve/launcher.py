@@ -29,6 +29,7 @@ from typing import IO
 from kvserve.cluster_status import status
 from kvserve.cluster_summary import summarize
 from kvserve.components import ComponentSpec, plan_components
+from kvserve.gpu_probe import probe_gpu_memory
 from kvserve.process_groups import group_members, pid_alive, stop_groups
 from kvserve.run_state import ComponentState, RunDir, RunState
 from kvserve.supervisor import LaunchError, Supervisor
@@ -37,7 +38,8 @@ from protocol.cluster import ClusterConfig, load_cluster, local_nodes
 from protocol.cluster_checks import check_model_layouts, cluster_ports, rank_kv_bytes_per_token
 from protocol.cluster_types import format_bytes
 from protocol.config_errors import ConfigError
-from protocol.errors import ModelLoadError
+from protocol.device_budget import ModelBytes, check_device_budgets, shared_devices
+from protocol.errors import ModelLoadError, UnsupportedArchitectureError
 from protocol.parallel import landing_region_max
 
 __all__ = ["LaunchError", "LaunchOptions", "check", "down", "status", "up"]
@@ -286,21 +288,38 @@ def check(config_path: str | Path, out: IO[str] = sys.stdout) -> int:
     return 0
 
 
+def check_gpus(cluster: ClusterConfig, model: ModelBytes) -> list[str]:
+    """The GPU memory budgets of instances sharing a GPU against its memory (the node's
+    gpu_memory, else probed here for the nodes of this machine); ConfigError if one is
+    oversubscribed. Lines for the summary; none when no GPU is shared."""
+    if not shared_devices(cluster):
+        return []
+    needs_probe = any(n.gpu_memory is None for n in local_nodes(cluster))
+    gpus = probe_gpu_memory() if needs_probe else {}
+    probed = {n.name: gpus for n in local_nodes(cluster)}
+    return check_device_budgets(cluster, model, probed)
+
+
 def check_model(cluster: ClusterConfig, source: str) -> str:
     """Check the prefill layer splits and decode TP x DCP against the model's layers and
-    heads (ConfigError naming the key); the model's config is read, nothing loaded.
-    A model this host cannot read is left to the workers, which check at start."""
+    heads (ConfigError naming the key); the model's config is read, nothing loaded. An
+    architecture the engine cannot build is a ConfigError on `model` naming the supported
+    ones. A model this host cannot read is left to the workers, which check at start."""
     try:
         model = load_model_config(cluster.model)
+    except UnsupportedArchitectureError as e:
+        raise ConfigError("model", str(e), source) from None
     except ModelLoadError as e:
         return f"  layouts  not checked against the model on this host: {e}"
     try:
         check_model_layouts(cluster, model)
+        gpu_lines = check_gpus(cluster, model)
     except ConfigError as e:
         raise ConfigError(e.path, e.message, source) from None
     lines = [
         f"  layouts  fit the model: {model.num_layers} layers, {model.num_heads} query / "
-        f"{model.num_kv_heads} KV heads"
+        f"{model.num_kv_heads} KV heads",
+        *gpu_lines,
     ]
     context = model.max_position_embeddings
     for d in cluster.decode:

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from protocol.errors import ModelLoadError
+from protocol.errors import ModelLoadError, UnsupportedArchitectureError
 
 
 class RopeScaling(msgspec.Struct, frozen=True, kw_only=True):
@@ -23,8 +23,58 @@ class RopeScaling(msgspec.Struct, frozen=True, kw_only=True):
     original_max_position_embeddings: int = 8192
 
 
+class MoeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The mixture-of-experts feed-forward of a model (docs/models.md has the math).
+
+    A sparse layer's MLP routes every token to `top_k` of `num_experts` SwiGLU experts and
+    sums their outputs weighted by the router; a shared expert (Glm4Moe) sees every token.
+    Layers not in `sparse_layers` keep the dense MLP of `ModelConfig.intermediate_size`.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    """Intermediate size of one routed expert (`moe_intermediate_size`)."""
+    scoring: str
+    """"softmax" (Qwen3-MoE: softmax over all experts, then top-k) or "sigmoid" (Glm4Moe:
+    sigmoid scores, top-k chosen on scores + e_score_correction_bias within the best
+    groups, weighted by the uncorrected scores)."""
+    norm_topk_prob: bool
+    """Renormalize the k chosen weights to sum to 1."""
+    num_groups: int = 1
+    topk_groups: int = 1
+    """Grouped top-k (sigmoid scoring): experts split into `num_groups` groups, only the
+    `topk_groups` groups with the best top-2 score sums are eligible."""
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0
+    """Intermediate size of the shared expert (n_shared_experts x moe_intermediate_size);
+    0 for none."""
+    router_float32: bool = False
+    """Router logits computed in float32 whatever the model dtype (Glm4Moe keeps its gate
+    weight and score bias in float32)."""
+    sparse_layers: tuple[int, ...] = ()
+    """Indices of the layers whose MLP is the mixture of experts."""
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ModelLoadError(f"MoE scoring {self.scoring!r} is not softmax or sigmoid")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelLoadError(
+                f"num_experts_per_tok ({self.top_k}) must be in [1, {self.num_experts}]"
+            )
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            raise ModelLoadError(
+                f"n_group ({self.num_groups}) must divide the {self.num_experts} experts"
+            )
+        if not 0 < self.topk_groups <= self.num_groups:
+            raise ModelLoadError(f"topk_group ({self.topk_groups}) must be in [1, n_group]")
+        if self.num_groups > 1 and self.num_experts // self.num_groups < 2:
+            raise ModelLoadError("grouped top-k needs at least 2 experts per group")
+
+
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Hyper-parameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2)."""
+    """Hyper-parameters of a decoder of the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3,
+    SmolLM2) or of its mixture-of-experts relatives (Qwen3-MoE, Glm4Moe)."""
 
     architecture: str
     """Hugging Face architecture name, e.g. "LlamaForCausalLM"; picks the implementation."""
@@ -44,6 +94,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Bias on q/k/v projections (Qwen2; Llama with attention_bias=True)."""
     qk_norm: bool = False
     """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    partial_rotary_factor: float = 1.0
+    """RoPE rotates the first head_dim x factor dims of each head, the rest pass (Glm4Moe)."""
+    moe: MoeConfig | None = None
+    """The mixture-of-experts MLP, None for a dense model."""
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -53,9 +107,60 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        rot = self.rotary_dim
+        if not (0 < rot <= self.head_dim and rot % 2 == 0):
+            raise ModelLoadError(
+                f"partial_rotary_factor {self.partial_rotary_factor} gives {rot} rotary dims "
+                f"of head_dim {self.head_dim}; need an even count in [2, head_dim]"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each q/k head RoPE rotates (as transformers computes it)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def mlp_params_per_layer(self) -> int:
+        """MLP parameters of a layer, averaged over the layers, every expert counted (what
+        memory budgets need; 3 x hidden x intermediate for a dense model)."""
+        h, dense = self.hidden_size, 3 * self.hidden_size * self.intermediate_size
+        if self.moe is None:
+            return dense
+        m = self.moe
+        sparse = m.num_experts * (3 * h * m.intermediate_size + h)  # experts + router row
+        sparse += 3 * h * m.shared_intermediate_size
+        num_sparse = len(m.sparse_layers)
+        total = num_sparse * sparse + (self.num_layers - num_sparse) * dense
+        return -(-total // self.num_layers)  # rounded up
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture of experts."""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
 
-_QK_NORM_ARCHS = {"Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = (
+    "Glm4MoeForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+"""config.json `architectures[0]` values the engine builds (engine/models/registry.py maps
+each to its class; a test keeps the two equal). Torch-free, so `kvserve check` can refuse a
+model before any worker starts."""
+
+
+def check_architecture(arch: str) -> None:
+    """UnsupportedArchitectureError naming the supported architectures unless `arch` is one."""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"model architecture {arch!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+_QK_NORM_ARCHS = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
 _BIAS_ARCHS = {"Qwen2ForCausalLM"}
 
 
@@ -82,6 +187,7 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     if not archs:
         raise ModelLoadError("config.json has no 'architectures' entry; cannot pick a model")
     arch = archs[0]
+    check_architecture(arch)
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -105,9 +211,60 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch in _BIAS_ARCHS)),
-            qk_norm=arch in _QK_NORM_ARCHS,
+            qk_norm=bool(cfg.get("use_qk_norm", arch in _QK_NORM_ARCHS)),
+            partial_rotary_factor=_partial_rotary_factor(arch, cfg, rope),
+            moe=_moe_from_hf(arch, cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks required key {e.args[0]!r}") from None
+
+
+def _partial_rotary_factor(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> float:
+    # transformers' Glm4MoeConfig defaults the factor to 0.5 when config.json omits it.
+    default = 0.5 if arch == "Glm4MoeForCausalLM" else 1.0
+    return float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default)))
+
+
+def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
+    """The MoE section of a Qwen3-MoE or Glm4Moe config.json (defaults as transformers')."""
+    layers = int(cfg["num_hidden_layers"])
+    if arch == "Qwen3MoeForCausalLM":
+        # transformers 5 writes the expert count as num_local_experts; the Hub's configs
+        # (transformers 4) as num_experts (Qwen3-MoE) or n_routed_experts (Glm4Moe).
+        num_experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 128)))
+        step = int(cfg.get("decoder_sparse_step", 1))
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = tuple(
+            i
+            for i in range(layers)
+            if i not in dense and num_experts > 0 and step > 0 and (i + 1) % step == 0
+        )
+        if num_experts == 0:
+            return None
+        return MoeConfig(
+            num_experts=num_experts,
+            top_k=int(cfg.get("num_experts_per_tok", 8)),
+            intermediate_size=int(cfg.get("moe_intermediate_size", 768)),
+            scoring="softmax",
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            sparse_layers=sparse,
+        )
+    if arch == "Glm4MoeForCausalLM":
+        inter = int(cfg.get("moe_intermediate_size", 1408))
+        first_dense = int(cfg.get("first_k_dense_replace", 1))
+        return MoeConfig(
+            num_experts=int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 128))),
+            top_k=int(cfg.get("num_experts_per_tok", 8)),
+            intermediate_size=inter,
+            scoring="sigmoid",
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            num_groups=int(cfg.get("n_group", 1)),
+            topk_groups=int(cfg.get("topk_group", 1)),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            shared_intermediate_size=inter * int(cfg.get("n_shared_experts", 1)),
+            router_float32=True,
+            sparse_layers=tuple(range(first_dense, layers)),
+        )
+    return None

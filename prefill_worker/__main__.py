@@ -10,7 +10,7 @@ from enginehost.metrics import serve_metrics_port
 from enginehost.startup import load_instance, serve
 from prefill_worker.service import PrefillService
 from prefill_worker.stages import start_stages
-from transfer import TransportConfig, create_transport
+from transfer import create_transport, handoff_transport_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,9 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster, node, info = ctx.cluster, ctx.node, ctx.info
     inst = cluster.prefill_instance(ctx.instance.name)
     protocol = cluster.decode[0].transfer.protocol if cluster.decode else "tcp"
-    transport = create_transport(
-        TransportConfig(name="mooncake", host=node.host, protocol=protocol)
-    )
+    transport = create_transport(handoff_transport_config(protocol, node.host))
     stages = start_stages(ctx.config_path, cluster, inst, info, transport)
     engine = stages.engine
     host = EngineHost(engine)

@@ -37,13 +37,13 @@ from prefill_worker.notify import HttpNotifier
 from prefill_worker.pool_connector import build_pool_client, build_pool_connector
 from prefill_worker.pool_worker import PoolWorker
 from protocol.cluster import ClusterConfig, PrefillConfig
+from protocol.device_budget import handoff_staging_bytes
 from protocol.kv_layout import KVLayout
 from protocol.parallel import even_layer_split
 from transfer import HandoffFaults, Transport
 
 log = logging.getLogger(__name__)
 
-STAGING_BYTES = 64 * 1024**2
 """Registered staging buffer of each stage, cut into slots (transfer/sender.py)."""
 
 CONNECTOR_PARTS = ("pool", "handoff")
@@ -126,7 +126,10 @@ def handoff_worker(inst: PrefillConfig, transport: Transport) -> HandoffWorker:
     """A stage's handoff worker: staging slots on its transport, notices over HTTP."""
     f = inst.handoff_faults
     faults = HandoffFaults(f.fail_prompt_tokens, f.write_delay_s) if f is not None else None
-    return HandoffWorker(transport, STAGING_BYTES, HttpNotifier(), faults)
+    # over cuda_ipc the slots are larger: fewer pieces (each a gather, a write and a
+    # scatter of per-layer launches) for the same KV; counted in the GPU budget
+    staging = handoff_staging_bytes("cuda_ipc" if transport.name == "cuda_ipc" else "tcp")
+    return HandoffWorker(transport, staging, HttpNotifier(), faults)
 
 
 def start_stages(
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     from enginehost.startup import setup_logging
     from modelinfo.info import load_model_info
     from protocol.cluster import load_cluster
-    from transfer import TransportConfig, create_transport
+    from transfer import create_transport, handoff_transport_config
 
     die_with_parent(args.parent_pid)
     cluster = load_cluster(args.config)
@@ -220,9 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         split = layer_split(inst, info.config.num_layers)
         stage = build_stage(info, config, ctx, split)
         protocol = cluster.decode[0].transfer.protocol if cluster.decode else "tcp"
-        transport = create_transport(
-            TransportConfig(name="mooncake", host=node.host, protocol=protocol)
-        )
+        transport = create_transport(handoff_transport_config(protocol, node.host))
         sender = handoff_worker(inst, transport)
         worker = stage_worker(cluster, inst, info, config, args.stage, sender)
         log.info("stage %d ready: layers %s", args.stage, stage.layers)

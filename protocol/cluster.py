@@ -38,6 +38,7 @@ from protocol.config_errors import ConfigError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Protocol = Literal["tcp", "rdma"]
+HandoffProtocol = Literal["tcp", "rdma", "cuda_ipc"]
 RoutingPolicy = Literal["round_robin", "random", "session", "kv_aware"]
 ToolParserName = Literal["hermes", "llama3_json", "mistral"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -66,6 +67,12 @@ class NodeConfig(_Section, frozen=True, kw_only=True):
     host: str
     """Address its components bind and advertise to the others (127.0.0.1 on one host).
     Never a wildcard: it is what peers connect to."""
+    gpu_memory: ByteSize | None = None
+    """Memory of each GPU of this node, for the budget check (protocol/device_budget.py);
+    None: `kvserve check` / `up` probe it on the machine (nvidia-smi)."""
+    share_devices: bool = False
+    """Allow several instances on one GPU of this node (e.g. prefill and decode on GPU 0).
+    Their GPU memory budgets must then fit the GPU together."""
 
 
 class PoolMasterConfig(_Section, frozen=True, kw_only=True):
@@ -156,7 +163,11 @@ class PrefillConfig(_Section, frozen=True, kw_only=True):
     kv_cache_memory: ByteSize = ByteSize(512 * MiB)
     """Paged KV cache per device (GPU prefix cache)."""
     pool_buffer_memory: ByteSize = ByteSize(256 * MiB)
-    """Buffer per device registered with the pool for zero-copy save/restore (pool only)."""
+    """Buffer per device registered with the pool for zero-copy save/restore (pool only;
+    pinned host memory, not part of the GPU budget)."""
+    gpu_memory_budget: ByteSize | None = None
+    """GPU memory one stage process may use; None: derived (weights + kv_cache_memory +
+    handoff staging + workspace, protocol/device_budget.py). Checked when GPUs are shared."""
     dist_port: Port | None = None
     """torch.distributed rendezvous port of the stage processes; None: picked at start."""
     metrics_port: Port | None = None
@@ -175,7 +186,10 @@ class PrefillConfig(_Section, frozen=True, kw_only=True):
 class TransferConfig(_Section, frozen=True, kw_only=True):
     """How KV reaches a decode instance from prefill (the handoff)."""
 
-    protocol: Protocol = "tcp"
+    protocol: HandoffProtocol = "tcp"
+    """Mooncake Transfer Engine over "tcp" or "rdma" (any hosts), or "cuda_ipc": GPU to GPU
+    between processes of one host (every prefill and this decode on GPUs of its node; the
+    landing buffer lives on the decode GPU)."""
     port: Port | None = None
     """Transfer engine port of rank 0 (rank r uses port + r); None: picked at start."""
     rdma_devices: tuple[str, ...] = ()
@@ -202,6 +216,9 @@ class DecodeConfig(_Section, frozen=True, kw_only=True):
     request's region is at most a quarter of it (transfer/landing.py): longer prompts
     stream through the region as a ring, so any context length is served."""
     transfer: TransferConfig = TransferConfig()
+    gpu_memory_budget: ByteSize | None = None
+    """GPU memory one rank process may use; None: derived (weights + kv_cache_memory +
+    landing_memory when it is on the GPU + workspace, protocol/device_budget.py)."""
     max_num_seqs: PositiveInt = 256
     """Requests decoded at once (continuous batching)."""
     dist_port: Port | None = None

@@ -16,6 +16,7 @@ import msgspec
 
 from protocol.cluster_types import BYTE_SIZE_HELP, ByteSize, device_name
 from protocol.config_errors import ConfigError
+from protocol.device_budget import shared_devices
 from protocol.parallel import (
     decode_rank_shards,
     head_layout_error,
@@ -229,19 +230,51 @@ def rank_kv_bytes_per_token(
 
 
 def _check_gpu_sharing(c: ClusterConfig) -> None:
-    owner: dict[tuple[str, str], str] = {}
-    for path, inst in _instances(c):
-        host = c.node(inst.node).host
-        for j, dev in enumerate(inst.devices):
-            name = device_name(dev)
-            if name is None or name == "cpu":
-                continue
-            key = (host, name)
-            if key in owner:
+    """Instances share a GPU only where their node says share_devices: true (then
+    protocol/device_budget.py checks that their budgets fit it, once the model is known);
+    a handoff over cuda_ipc needs every instance on GPUs of one host."""
+    for (host, name), paths in shared_devices(c).items():
+        for path in paths:
+            inst = _instance_at(c, path)
+            node_i = next(k for k, n in enumerate(c.nodes) if n.name == inst.node)
+            if not c.nodes[node_i].share_devices:
                 raise ConfigError(
-                    f"{path}.devices[{j}]", f"{name} on host {host} is already used by {owner[key]}"
+                    paths[1],
+                    f"{name} on host {host} is already used by {paths[0]}: set "
+                    f"nodes[{node_i}].share_devices: true to run several instances on one GPU "
+                    "(their GPU memory budgets must then fit it), or give each its own GPU",
                 )
-            owner[key] = path
+    ipc = [i for i, d in enumerate(c.decode) if d.transfer.protocol == "cuda_ipc"]
+    if not ipc:
+        return
+    first = f"decode[{ipc[0]}]"
+    for j, d in enumerate(c.decode):
+        if d.transfer.protocol != "cuda_ipc":
+            raise ConfigError(
+                f"decode[{j}].transfer.protocol",
+                f"is {d.transfer.protocol} but {first} uses cuda_ipc: prefill has one handoff "
+                "transport, so every decode instance must use the same protocol",
+            )
+    host = c.node(c.decode[ipc[0]].node).host
+    for path, inst in _instances(c):
+        if c.node(inst.node).host != host:
+            raise ConfigError(
+                f"{first}.transfer.protocol",
+                f"cuda_ipc joins processes of one host, but {path} runs on "
+                f"{c.node(inst.node).host} and {first} on {host}: use tcp or rdma",
+            )
+        if "cpu" in inst.device_names:
+            raise ConfigError(
+                f"{first}.transfer.protocol",
+                f"cuda_ipc moves KV from GPU to GPU, but {path} runs on cpu: use tcp",
+            )
+
+
+def _instance_at(c: ClusterConfig, path: str) -> PrefillConfig | DecodeConfig:
+    """The instance of a key path such as decode[0].devices[1]."""
+    kind, rest = path.split("[", 1)
+    index = int(rest.split("]", 1)[0])
+    return c.prefill[index] if kind == "prefill" else c.decode[index]
 
 
 def _check_router(c: ClusterConfig) -> None:

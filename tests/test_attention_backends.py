@@ -8,17 +8,28 @@ import random
 
 import pytest
 import torch
+from flex_simulator import simulate_flex
 
-from engine.attention.base import _BACKENDS, AttentionMetadata, get_backend
+from engine.attention.base import _BACKENDS, AttentionBackend, AttentionMetadata, get_backend
+from engine.attention.flex import FlexAttentionBackend
 
 HQ, HKV, D = 6, 2, 16
-BLOCK_SIZE, NUM_BLOCKS = 4, 48
+NUM_BLOCKS = 200
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _backend_names() -> list[str]:
     get_backend("torch")  # registers the built-in backends
     return sorted(_BACKENDS)
+
+
+def make_backend(name: str, device: str) -> tuple[AttentionBackend, int]:
+    """The backend and the block size to test it with: "flex" tiles KV by whole blocks
+    (>= 16 slots) and runs its compiled kernel on CUDA only, so on CPU it runs with the
+    kernel simulator (tests/flex_simulator.py); the torch backends use 4-slot blocks."""
+    if name == "flex":
+        return FlexAttentionBackend(None if device == "cuda" else simulate_flex), 16
+    return get_backend(name), 4
 
 
 def _dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
@@ -37,6 +48,7 @@ def _run_step(backend_name: str, device: str, seqs: list[tuple[int, int]], num_l
     sharing one metadata (so backends exercise their per-step state) and checks both."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    backend, block_size = make_backend(backend_name, device)
     gen = torch.Generator().manual_seed(0)
     rng = random.Random(0)
     free = list(range(NUM_BLOCKS))
@@ -44,10 +56,10 @@ def _run_step(backend_name: str, device: str, seqs: list[tuple[int, int]], num_l
     tables, slot_mapping, qsl, seq_lens = [], [], [0], []
     for cached, new in seqs:
         seq_len = cached + new
-        table = [free.pop() for _ in range(-(-seq_len // BLOCK_SIZE))]
+        table = [free.pop() for _ in range(-(-seq_len // block_size))]
         tables.append(table)
         slot_mapping += [
-            table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached, seq_len)
+            table[p // block_size] * block_size + p % block_size for p in range(cached, seq_len)
         ]
         qsl.append(qsl[-1] + new)
         seq_lens.append(seq_len)
@@ -58,16 +70,15 @@ def _run_step(backend_name: str, device: str, seqs: list[tuple[int, int]], num_l
         seq_lens=seq_lens,
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),
     )
-    backend = get_backend(backend_name)
     scale = D**-0.5
     for _ in range(num_layers):
-        cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, HKV, D, generator=gen)  # garbage around
+        cache = torch.randn(2, NUM_BLOCKS, block_size, HKV, D, generator=gen)  # garbage around
         full_k = [torch.randn(c + n, HKV, D, generator=gen) for c, n in seqs]
         full_v = [torch.randn(c + n, HKV, D, generator=gen) for c, n in seqs]
         for (cached, _), table, k, v in zip(seqs, tables, full_k, full_v, strict=True):
             for p in range(cached):  # the cached prefix is already in the paged cache
-                cache[0, table[p // BLOCK_SIZE], p % BLOCK_SIZE] = k[p]
-                cache[1, table[p // BLOCK_SIZE], p % BLOCK_SIZE] = v[p]
+                cache[0, table[p // block_size], p % block_size] = k[p]
+                cache[1, table[p // block_size], p % block_size] = v[p]
         q = torch.randn(qsl[-1], HQ, D, generator=gen)
         new_k = torch.cat([k[c:] for (c, _), k in zip(seqs, full_k, strict=True)])
         new_v = torch.cat([v[c:] for (c, _), v in zip(seqs, full_v, strict=True)])
@@ -83,7 +94,7 @@ def _run_step(backend_name: str, device: str, seqs: list[tuple[int, int]], num_l
                 out[qsl[b] : qsl[b + 1]].double(), want, atol=2e-5, rtol=1e-5
             )
             for p in range(cached + new):  # every position, old and new, sits at its slot
-                blk, off = table[p // BLOCK_SIZE], p % BLOCK_SIZE
+                blk, off = table[p // block_size], p % block_size
                 assert torch.equal(cache[0, blk, off], full_k[b][p])
                 assert torch.equal(cache[1, blk, off], full_v[b][p])
 
@@ -108,3 +119,11 @@ def test_pure_decode_batch(backend_name: str, device: str) -> None:
 def test_single_prefills(backend_name: str, device: str) -> None:
     _run_step(backend_name, device, [(0, 13)])
     _run_step(backend_name, device, [(9, 2)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend_name", _backend_names())
+def test_long_prefills_span_query_tiles(backend_name: str, device: str) -> None:
+    # 300 new tokens behind an unaligned 203-token prefix (query tiles of 128 straddle
+    # blocks), a decode, and a fresh 129-token prompt (a one-row last tile)
+    _run_step(backend_name, device, [(203, 300), (37, 1), (0, 129)], num_layers=1)

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from test_attention_backends import make_backend
 
 from engine.attention.base import (
     _BACKENDS,
@@ -19,7 +20,7 @@ from engine.attention.base import (
 )
 
 HQ, HKV, D = 6, 2, 16
-BLOCK_SIZE, NUM_BLOCKS = 4, 48
+NUM_BLOCKS = 48
 
 
 def _lse_backends() -> list[str]:
@@ -42,7 +43,7 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
 def _run(backend_name: str, seqs: list[tuple[int, int]], dcp: int, seed: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    backend = get_backend(backend_name)
+    backend, block_size = make_backend(backend_name, "cpu")
     assert isinstance(backend, LSEAttentionBackend)
     scale = D**-0.5
     full_k = [torch.randn(c + n, HKV, D, generator=gen) for c, n in seqs]
@@ -57,11 +58,11 @@ def _run(backend_name: str, seqs: list[tuple[int, int]], dcp: int, seed: int = 0
     for rank in range(dcp):
         free = list(range(NUM_BLOCKS))
         rng.shuffle(free)
-        cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, HKV, D, generator=gen)  # garbage
+        cache = torch.randn(2, NUM_BLOCKS, block_size, HKV, D, generator=gen)  # garbage
         tables, slots = [], []
         for b, (cached, new) in enumerate(seqs):
             num_local = len(range(rank, cached + new, dcp))
-            table = [free.pop() for _ in range(max(1, -(-num_local // BLOCK_SIZE)))]
+            table = [free.pop() for _ in range(max(1, -(-num_local // block_size)))]
             tables.append(table)
             for t in range(cached + new):
                 if t % dcp != rank:
@@ -69,7 +70,7 @@ def _run(backend_name: str, seqs: list[tuple[int, int]], dcp: int, seed: int = 0
                         slots.append(-1)
                     continue
                 j = t // dcp
-                slot = table[j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE
+                slot = table[j // block_size] * block_size + j % block_size
                 if t < cached:  # the cached prefix of the stripe is already here
                     cache.view(2, -1, HKV, D)[0, slot] = full_k[b][t]
                     cache.view(2, -1, HKV, D)[1, slot] = full_v[b][t]
@@ -100,7 +101,7 @@ def _run(backend_name: str, seqs: list[tuple[int, int]], dcp: int, seed: int = 0
         for t in range(len(full_k[b])):  # every token sits only in its rank's stripe
             rank, j = t % dcp, t // dcp
             table = all_tables[rank][b]
-            blk, off = table[j // BLOCK_SIZE], j % BLOCK_SIZE
+            blk, off = table[j // block_size], j % block_size
             assert torch.equal(caches[rank][0, blk, off], full_k[b][t])
             assert torch.equal(caches[rank][1, blk, off], full_v[b][t])
 

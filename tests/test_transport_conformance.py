@@ -1,7 +1,8 @@
 """Conformance suite run against every registered transport (STYLE 12).
 
 "local" writes between two transports on one LocalFabric; "mooncake" writes over tcp from
-this process into a probe process (transfer.probe) on 127.0.0.1. Every write is checked
+this process into a probe process (transfer.probe) on 127.0.0.1; "cuda_ipc" (marked gpu)
+writes from this process's GPU memory into a probe process's exported GPU buffer. Every write is checked
 byte for byte, including the bytes around it, and every failure must be a TransferError
 within a bounded time, never a hang.
 """
@@ -80,7 +81,7 @@ class Pair:
 
 
 def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.numpy().data).hexdigest()
+    return hashlib.sha256(t.cpu().numpy().data).hexdigest()
 
 
 def _fill_sha(nbytes: int) -> str:
@@ -93,7 +94,12 @@ def bounded(fn: Callable[[], Any], timeout_s: float = BOUND_S) -> Any:
         return pool.submit(fn).result(timeout=timeout_s)
 
 
-@pytest.fixture(scope="module", params=transport_names())
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(n, marks=pytest.mark.gpu) if n == "cuda_ipc" else n for n in transport_names()
+    ],
+)
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     name = request.param
     peer: Any
@@ -107,11 +113,19 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
         peer = ProbeProcess(config, BUF_BYTES)
         sender = create_transport(config)
         dead = "127.0.0.1:1"
+    elif name == "cuda_ipc":
+        config = TransportConfig(name="cuda_ipc", host="127.0.0.1")
+        with ProbeProcess(config, 4096, device="cuda") as gone:
+            dead = gone.peer  # a well-formed address of a process that has exited
+        peer = ProbeProcess(config, BUF_BYTES, device="cuda")
+        sender = create_transport(config)
     else:
         raise AssertionError(f"transport {name!r} has no conformance harness: add one here")
     source = torch.randint(
         0, 256, (BUF_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
     )
+    if name == "cuda_ipc":
+        source = source.cuda()
     sender.register_buffer(source.data_ptr(), BUF_BYTES)
     try:
         yield Pair(name, sender, peer, source, dead)
@@ -162,7 +176,7 @@ def test_unknown_peer_raises(pair: Pair) -> None:
 
 
 def test_unregistered_local_raises(pair: Pair) -> None:
-    stray = torch.ones(100, dtype=torch.uint8)
+    stray = torch.ones(100, dtype=torch.uint8, device=pair.source.device)
     with pytest.raises(TransferError, match="not inside a buffer registered"):
         pair.sender.write(pair.peer.peer, stray.data_ptr(), pair.peer.buffer_addr, 100)
 
@@ -187,6 +201,9 @@ def test_writes_work_after_a_failure(pair: Pair) -> None:
 def test_addresses_are_loopback(pair: Pair) -> None:
     if pair.name == "local":
         assert pair.peer.peer.startswith("local:")
+        return
+    if pair.name == "cuda_ipc":
+        assert pair.peer.peer.startswith("cuda_ipc:127.0.0.1:")
         return
     assert pair.peer.bind_address == "127.0.0.1"  # MC_TCP_BIND_ADDRESS in the receiver
     assert pair.peer.peer.startswith("127.0.0.1:")

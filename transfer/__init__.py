@@ -8,9 +8,11 @@
     those ring bytes only then (transfer/ring.py)
 
 Layer 2: imports protocol and torch only. Importing the package registers every transport
-("local", "mooncake"); Mooncake itself is imported only when a mooncake transport is made.
+("local", "mooncake", "cuda_ipc"); Mooncake itself is imported only when a mooncake
+transport is made, CUDA is touched only when a cuda_ipc transport is made.
 """
 
+from transfer.cuda_ipc import CudaIpcTransport
 from transfer.errors import (
     LandingError,
     PackLayoutError,
@@ -34,12 +36,14 @@ from transfer.transport import (
     WriteStats,
     create_transport,
     expected_num_ops,
+    handoff_transport_config,
     transport_names,
 )
 
 __all__ = [
     "FULL",
     "MAX_OP_BYTES",
+    "CudaIpcTransport",
     "FlowCoverage",
     "HandoffFaults",
     "HandoffSender",
@@ -62,6 +66,7 @@ __all__ = [
     "create_transport",
     "expected_num_ops",
     "gather",
+    "handoff_transport_config",
     "packed_nbytes",
     "packed_view",
     "rank_landing_bytes",

@@ -50,7 +50,8 @@ class LandingRegion:
 
 
 class LandingArena:
-    """Owns one host buffer (pinned when CUDA is present), registered with `transport`,
+    """Owns one buffer (pinned host memory, or device memory on `device` for GPU to GPU
+    transports such as cuda_ipc), registered with `transport`,
     and the first-fit free list that hands its bytes out as per-request regions.
     All methods are thread-safe."""
 
@@ -59,19 +60,24 @@ class LandingArena:
         total_bytes: int,
         transport: Transport | None = None,
         max_region_bytes: int | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         if total_bytes <= 0 or total_bytes % ALIGN_BYTES:
             raise LandingError(f"landing size {total_bytes} must be a positive multiple of 4 KiB")
         cap = max_region_bytes or landing_region_max(total_bytes)
         self.max_region_bytes = max(ALIGN_BYTES, min(cap, total_bytes) // ALIGN_BYTES * ALIGN_BYTES)
         """The largest region handed out: a prompt whose KV is larger streams through it."""
+        on_gpu = torch.device(device).type == "cuda"
         self.buffer = torch.empty(
-            total_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+            total_bytes,
+            dtype=torch.uint8,
+            device=device,
+            pin_memory=not on_gpu and torch.cuda.is_available(),
         )
         self.base_addr = self.buffer.data_ptr()
         self.transport = transport
         if transport is not None:
-            transport.register_buffer(self.base_addr, total_bytes)
+            transport.register_tensor(self.buffer)
         self._total = total_bytes
         self._cond = threading.Condition()
         self._free: list[tuple[int, int]] = [(0, total_bytes)]  # (offset, size) by offset
@@ -242,5 +248,7 @@ def scatter_segments(
         skipped = shard.num_tokens(seg.token_start, start)
         if skipped:
             src = src[:, :, skipped:]
-        src = src.to(kv_caches[0].device)  # host landing -> pages (blocking: reused next)
+        # host landing -> pages: a blocking copy (the ring bytes are reused next); a landing
+        # on the pages' GPU is read in place (LandingWorker waits for the scatter's event)
+        src = src.to(kv_caches[0].device)
         scatter(src, kv_caches[l0:l1], block_table, start, seg.token_end, shard)

@@ -4,6 +4,7 @@ The transport conformance suite and the handoff benchmark use it as "the other p
 it is also a manual check that a transport works between two processes:
 
     python -m transfer.probe --transport mooncake --host 127.0.0.1 --nbytes 1048576
+    python -m transfer.probe --transport cuda_ipc --device cuda:0 --nbytes 1048576
 
     child -> {"probe": "ready", "peer", "buffer_addr", "nbytes", "bind_address"}
     parent -> {"op": "fill", "value": 171}                      child -> {"probe": "ok"}
@@ -40,7 +41,13 @@ class ProbeProcess:
     log file. Every request is bounded by timeout_s; a dead or silent child raises
     TransferError with the tail of its log."""
 
-    def __init__(self, config: TransportConfig, nbytes: int, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        config: TransportConfig,
+        nbytes: int,
+        timeout_s: float = 60.0,
+        device: str = "cpu",
+    ) -> None:
         self.timeout_s = timeout_s
         # Closed in close(): the log outlives this call, it is read when the child fails.
         self._log = tempfile.NamedTemporaryFile(prefix="kvserve-probe-", suffix=".log")  # noqa: SIM115
@@ -48,6 +55,7 @@ class ProbeProcess:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         cmd = [sys.executable, "-m", "transfer.probe", "--transport", config.name]
         cmd += ["--host", config.host, "--protocol", config.protocol, "--nbytes", str(nbytes)]
+        cmd += ["--device", device]
         self._proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env
         )
@@ -123,8 +131,8 @@ class ProbeProcess:
 def _serve(args: argparse.Namespace) -> None:
     config = TransportConfig(name=args.transport, host=args.host, protocol=args.protocol)
     transport = create_transport(config)
-    buffer = torch.zeros(args.nbytes, dtype=torch.uint8)
-    transport.register_buffer(buffer.data_ptr(), args.nbytes)
+    buffer = torch.zeros(args.nbytes, dtype=torch.uint8, device=args.device)
+    transport.register_tensor(buffer)  # a GPU buffer is exported (cuda_ipc)
 
     def reply(**fields: Any) -> None:
         sys.stdout.write(json.dumps({"probe": "ok", **fields}) + "\n")
@@ -141,9 +149,11 @@ def _serve(args: argparse.Namespace) -> None:
         msg = json.loads(line)
         if msg["op"] == "fill":
             buffer.fill_(msg["value"])
+            if buffer.is_cuda:
+                torch.cuda.synchronize(buffer.device)
             reply()
         elif msg["op"] == "sha256":
-            view = buffer[msg["offset"] : msg["offset"] + msg["nbytes"]].numpy()
+            view = buffer[msg["offset"] : msg["offset"] + msg["nbytes"]].cpu().numpy()
             reply(sha256=hashlib.sha256(view.data).hexdigest())
         elif msg["op"] == "close":
             break
@@ -159,6 +169,7 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--protocol", default="tcp")
     parser.add_argument("--nbytes", type=int, required=True)
+    parser.add_argument("--device", default="cpu", help="where the landing buffer lives")
     _serve(parser.parse_args())
 
 

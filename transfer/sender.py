@@ -84,7 +84,7 @@ class HandoffSender:
         self.staging = torch.empty(
             self.slot_bytes * num_slots, dtype=torch.uint8, device=self.device, pin_memory=pin
         )
-        transport.register_buffer(self.staging.data_ptr(), self.staging.numel())
+        transport.register_tensor(self.staging)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._lock = threading.Condition()
         self._flows: dict[str, Flow] = {}

@@ -1,5 +1,5 @@
 """The Transport interface: one-sided writes from a local registered buffer into a peer's
-registered buffer, registered by name ("mooncake", "local").
+registered buffer, registered by name ("mooncake", "cuda_ipc", "local").
 
 A write of `nbytes` is split into ops of at most MAX_OP_BYTES, submitted as one batch:
 
@@ -65,7 +65,8 @@ class TransportConfig:
     """Settings of one process's transport (the same definition the cluster config reads)."""
 
     name: str = "mooncake"
-    """Registered transport: "mooncake" (between processes and hosts) or "local"."""
+    """Registered transport: "mooncake" (between processes and hosts), "cuda_ipc" (GPU to
+    GPU between processes of one host) or "local" (one process)."""
     host: str = "127.0.0.1"
     """Address this process advertises and binds; the cluster interface, never 0.0.0.0.
     Mooncake's MC_TCP_BIND_ADDRESS is set from it."""
@@ -143,6 +144,12 @@ class Transport(abc.ABC):
         self._register(ptr, nbytes)
         self._regions[ptr] = nbytes
 
+    def register_tensor(self, tensor: Any) -> None:
+        """Register a contiguous tensor's bytes (landing arenas and staging buffers do
+        this). The default registers its range; a transport that must hold the allocation
+        itself (cuda_ipc exports it to peers) overrides it."""
+        self.register_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
     def unregister_buffer(self, ptr: int) -> None:
         if self._regions.pop(ptr, None) is None:
             raise TransferError(f"buffer {ptr:#x} is not registered with {self.name}")
@@ -196,6 +203,18 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def _write_batch(self, peer: str, ops: Sequence[WriteOp]) -> None:
         """Move every op or raise TransferError; ops are validated locally already."""
+
+
+HANDOFF_PROTOCOLS = ("tcp", "rdma", "cuda_ipc")
+"""Values of cluster.yaml's transfer.protocol."""
+
+
+def handoff_transport_config(protocol: str, host: str) -> TransportConfig:
+    """The transport a handoff over cluster.yaml's `transfer.protocol` uses: "cuda_ipc"
+    (instances on GPUs of one host, GPU to GPU) or Mooncake over "tcp" / "rdma"."""
+    if protocol == "cuda_ipc":
+        return TransportConfig(name="cuda_ipc", host=host)
+    return TransportConfig(name="mooncake", host=host, protocol=protocol)
 
 
 def expected_num_ops(nbytes: int) -> int:

@@ -36,8 +36,12 @@ class AttentionMetadata:
     seq_lens: list[int]
     """B total KV lengths after this step (host list)."""
     block_tables: torch.Tensor
-    """[B, max_blocks] int64 on the device, padded with 0."""
+    """[B, max_blocks] int32 or int64 on the device, padded with 0 (or any block id)."""
     backend_state: dict[str, Any] = field(default_factory=dict)
+    seq_lens_tensor: torch.Tensor | None = None
+    """[B] int32 on the device, equal to seq_lens, when the model runner keeps one (a
+    static buffer under CUDA graphs): backends that build masks on the device read it
+    instead of uploading seq_lens."""
     dcp_size: int = 1
     dcp_rank: int = 0
     """Decode context parallel (DESIGN §6): this rank's cache holds only the tokens
@@ -66,6 +70,11 @@ class AttentionBackend(ABC):
     """
 
     name: str = ""
+    graph_safe_decode: bool = False
+    """True when a pure-decode step reads only meta's tensors (block_tables,
+    seq_lens_tensor, slot_mapping) on the device, never host values of seq_lens, and makes
+    no host sync: such a step can be captured once in a CUDA graph and replayed on new
+    values of those tensors (engine/cuda_graphs.py)."""
 
     @abstractmethod
     def forward(
@@ -141,7 +150,7 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
 def get_backend(name: str) -> AttentionBackend:
     """Instantiate a registered backend; an unknown name lists the known ones."""
     # Import for registration side effects of the built-in backends.
-    from engine.attention import torch_lse, torch_ref  # noqa: F401
+    from engine.attention import flex, torch_lse, torch_ref  # noqa: F401
 
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")

@@ -1,4 +1,5 @@
-"""The Llama family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over a flat batch.
+"""The Llama family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) and its
+mixture-of-experts relatives (Qwen3-MoE, Glm4Moe) over a flat batch.
 
 One step runs T new tokens of many sequences as one [T, H] matrix (vLLM style): every
 projection is one matmul over all T rows, and only attention looks at sequences, through
@@ -8,7 +9,10 @@ Differences inside the family are config flags, not subclasses:
   * GQA: num_kv_heads <= num_heads;
   * attention_bias (Qwen2): bias on q/k/v;
   * qk_norm (Qwen3): per-head RMSNorm of q and k before RoPE;
-  * tie_word_embeddings (SmolLM2, small Qwens): lm_head reuses the embedding matrix.
+  * tie_word_embeddings (SmolLM2, small Qwens): lm_head reuses the embedding matrix;
+  * partial_rotary_factor (Glm4Moe): RoPE rotates only the leading dims of each head;
+  * moe (Qwen3-MoE, Glm4Moe): the MLP of the config's sparse layers is a SparseMoeBlock
+    (engine/models/moe.py), the other layers keep the dense SwiGLU.
 
 Parameters are fused at load time: q|k|v into one [(Hq + 2 Hkv) D, H] matrix and
 gate|up into one [2 I, H] matrix, so a layer is 4 matmuls. Checkpoint names are
@@ -28,6 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.models.moe import SparseMoeBlock
+from engine.models.params import assign as _assign
+from engine.models.params import meta_param as _param
 from engine.rope import RotaryEmbedding, apply_rotary
 from modelinfo.config import ModelConfig
 from protocol.errors import ModelLoadError
@@ -40,30 +47,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
-    """A placeholder on the meta device (no memory); load_weights replaces it."""
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
-
-
-def _assign(
-    module: nn.Module, attr: str, tensor: torch.Tensor, device: torch.device, what: str
-) -> None:
-    """Replace placeholder `module.attr` by `tensor` in its dtype on `device`. Zero-copy when
-    the tensor already matches: copying 0.5 GB twice dominated start-up on small CPUs."""
-    placeholder = getattr(module, attr)
-    if tuple(tensor.shape) != tuple(placeholder.shape):
-        raise ModelLoadError(
-            f"weight {what} has shape {tuple(tensor.shape)}, the config implies "
-            f"{tuple(placeholder.shape)}; the weights do not belong to this config"
-        )
-    value = tensor.to(device=device, dtype=placeholder.dtype)
-    setattr(module, attr, nn.Parameter(value, requires_grad=False))
-
-
 class LlamaDecoderLayer(nn.Module):
-    """Owns one decoder layer's (fused) weights: attention with RoPE and a SwiGLU MLP."""
+    """Owns one decoder layer's (fused) weights: attention with RoPE and a SwiGLU MLP, or
+    a mixture-of-experts MLP on the config's sparse layers."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        layer: int = 0,
+        device: torch.device | None = None,
+    ) -> None:
         super().__init__()
         self.cfg, self.backend = cfg, backend
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -76,8 +71,14 @@ class LlamaDecoderLayer(nn.Module):
         self.qk_norm_weight = _param((hq + hkv, d), dtype) if cfg.qk_norm else None
         self.o_weight = _param((h, hq * d), dtype)
         self.post_norm = _param((h,), dtype)
-        self.gate_up_weight = _param((2 * inter, h), dtype)
-        self.down_weight = _param((h, inter), dtype)
+        self.moe: SparseMoeBlock | None = None
+        self.gate_up_weight: nn.Parameter | None = None
+        self.down_weight: nn.Parameter | None = None
+        if cfg.is_sparse_layer(layer):
+            self.moe = SparseMoeBlock(cfg, dtype, device or torch.device("cpu"))
+        else:
+            self.gate_up_weight = _param((2 * inter, h), dtype)
+            self.down_weight = _param((h, inter), dtype)
 
     def forward(
         self,
@@ -101,6 +102,9 @@ class LlamaDecoderLayer(nn.Module):
         x = x + F.linear(attn.reshape(num_tokens, hq * d), self.o_weight)
 
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
+        if self.moe is not None:
+            return x + self.moe(h)
+        assert self.gate_up_weight is not None and self.down_weight is not None
         gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)  # [T, I] each
         return x + F.linear(F.silu(gate) * up, self.down_weight)
 
@@ -133,9 +137,12 @@ class LlamaDecoderLayer(nn.Module):
             "qkv_weight": cat([f"{att}{p}_proj.weight" for p in "qkv"]),
             "o_weight": cat([f"{att}o_proj.weight"]),
             "post_norm": cat(["post_attention_layernorm.weight"]),
-            "gate_up_weight": cat(["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
-            "down_weight": cat(["mlp.down_proj.weight"]),
         }
+        if self.moe is not None:
+            self.moe.load(weights, prefix + "mlp.", device, missing)
+        else:
+            sources["gate_up_weight"] = cat(["mlp.gate_proj.weight", "mlp.up_proj.weight"])
+            sources["down_weight"] = cat(["mlp.down_proj.weight"])
         if self.qkv_bias is not None:
             sources["qkv_bias"] = cat([f"{att}{p}_proj.bias" for p in "qkv"])
         if self.qk_norm_weight is not None:
@@ -175,12 +182,13 @@ class LlamaForCausalLM(nn.Module):
         h, vocab = config.hidden_size, config.vocab_size
         self.embed_tokens = _param((vocab, h), dtype) if self.is_first else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, dtype) for _ in range(layer_end - layer_start)
+            LlamaDecoderLayer(config, backend, dtype, i, self.device)
+            for i in range(layer_start, layer_end)
         )
         self.norm = _param((h,), dtype) if self.is_last else None
         self.lm_head = _param((vocab, h), dtype) if self.is_last else None
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.rope_theta, config.rope_scaling, self.device
+            config.rotary_dim, config.rope_theta, config.rope_scaling, self.device
         )
 
     @property

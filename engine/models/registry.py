@@ -16,8 +16,11 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Glm4MoeForCausalLM": LlamaForCausalLM,
 }
-"""Hugging Face architecture names (config.json `architectures[0]`) kvserve runs."""
+"""Hugging Face architecture names (config.json `architectures[0]`) kvserve runs; the same
+set as modelinfo.config.SUPPORTED_ARCHITECTURES (which `kvserve check` reads, torch-free)."""
 
 
 def supported_architectures() -> list[str]:

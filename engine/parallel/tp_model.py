@@ -11,6 +11,7 @@ Per layer, on rank r with shard s (group g, dcp rank d):
     keep the owned query heads [q_head_start, q_head_end)    -> [T, Hq_own, D]
     x += all_reduce(attn_own @ W_o[:, owned heads])          row parallel
     x += all_reduce(silu(x W_gate[i0:i1]) * x W_up[i0:i1] @ W_down[:, i0:i1])
+    MoE layers: x += all_reduce(SparseMoeBlock shard(x))     (see "Mixture of experts")
 
 The embedding and final norm are replicated; only the driver (rank 0) loads lm_head and
 computes logits. Weights are sliced from the full HF-named tensors at load.
@@ -31,6 +32,7 @@ from engine.attention.base import (
     merge_partials,
 )
 from engine.models.llama import rms_norm
+from engine.models.moe import SparseMoeBlock
 from engine.parallel.comm import ParallelContext, all_gather, all_reduce_
 from engine.rope import RotaryEmbedding, apply_rotary
 from modelinfo.config import ModelConfig
@@ -56,12 +58,15 @@ class TPDecoderLayer(nn.Module):
         ctx: ParallelContext,
         backend: AttentionBackend,
         lse_backend: LSEAttentionBackend | None,
+        layer: int = 0,
     ) -> None:
         super().__init__()
         self.cfg, self.shard, self.ctx = cfg, shard, ctx
         self.backend, self.lse_backend = backend, lse_backend
         self.scale = cfg.head_dim**-0.5
         self.weights: dict[str, torch.Tensor] = {}
+        self.layer = layer
+        self.moe: SparseMoeBlock | None = None
 
     def load(self, weights: Mapping[str, torch.Tensor], prefix: str, dtype, device) -> None:  # type: ignore[no-untyped-def]
         """Slice this rank's part out of the HF tensors under `prefix`."""
@@ -86,14 +91,17 @@ class TPDecoderLayer(nn.Module):
             ),
             "o_weight": _cols(get(att + "o_proj.weight"), s.q_head_start * d, s.q_head_end * d),
             "post_norm": get("post_attention_layernorm.weight"),
-            "gate_up_weight": torch.cat(
+        }
+        if cfg.is_sparse_layer(self.layer):
+            self.moe = _load_moe_shard(cfg, s, weights, prefix, dtype, device)
+        else:
+            parts["gate_up_weight"] = torch.cat(
                 [
                     _rows(get("mlp.gate_proj.weight"), i0, i1),
                     _rows(get("mlp.up_proj.weight"), i0, i1),
                 ]
-            ),
-            "down_weight": _cols(get("mlp.down_proj.weight"), i0, i1),
-        }
+            )
+            parts["down_weight"] = _cols(get("mlp.down_proj.weight"), i0, i1)
         if cfg.attention_bias:
             parts["qkv_bias"] = torch.cat(
                 [
@@ -140,8 +148,38 @@ class TPDecoderLayer(nn.Module):
         own = attn[:, own0 : own0 + s.q_head_end - s.q_head_start].reshape(num_tokens, -1)
         x = x + all_reduce_(F.linear(own, w["o_weight"]))
         h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
+        if self.moe is not None:
+            return x + all_reduce_(self.moe(h))
         gate, up = F.linear(h, w["gate_up_weight"]).chunk(2, dim=-1)
         return x + all_reduce_(F.linear(F.silu(gate) * up, w["down_weight"]))
+
+
+# --- Mixture of experts ---------------------------------------------------------------
+# Experts are sharded like the dense MLP: rank r of TP size P holds the slice
+# split_range(I, P, r) of EVERY routed expert's intermediate dim (and of the shared
+# expert's), the router whole. All ranks see the same x, route identically, and each
+# returns a partial sum of the experts' down projections that the layer all-reduces, one
+# collective as for the dense MLP. Chosen over whole experts per rank (expert parallel)
+# because it needs no token exchange, balances the work whatever the routing, and is exact.
+
+
+def _load_moe_shard(
+    cfg: ModelConfig,
+    shard: DecodeRankShard,
+    weights: Mapping[str, torch.Tensor],
+    prefix: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> SparseMoeBlock:
+    """This rank's slice of layer `prefix`'s mixture of experts, loaded."""
+    block = SparseMoeBlock(cfg, dtype, device, tp_rank=shard.rank, tp_size=shard.tp_size)
+    missing: list[str] = []
+    with torch.no_grad():
+        block.load(weights, prefix + "mlp.", device, missing)
+    if missing:
+        raise ModelLoadError(f"the checkpoint lacks tensor {missing[0]}")
+    block.eval()
+    return block
 
 
 class TPLlamaModel(nn.Module):
@@ -162,11 +200,11 @@ class TPLlamaModel(nn.Module):
         self.config, self.shard, self.ctx, self.dtype = config, shard, ctx, dtype
         self.device = ctx.device
         self.layers = [
-            TPDecoderLayer(config, shard, ctx, backend, lse_backend)
-            for _ in range(config.num_layers)
+            TPDecoderLayer(config, shard, ctx, backend, lse_backend, i)
+            for i in range(config.num_layers)
         ]
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.rope_theta, config.rope_scaling, self.device
+            config.rotary_dim, config.rope_theta, config.rope_scaling, self.device
         )
         self.embed_tokens = torch.empty(0)
         self.norm = torch.empty(0)

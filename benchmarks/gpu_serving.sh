@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Agentic serving on ONE GPU: prefill + decode on GPU 0 (cuda_ipc handoff), the KV pool in
+# host DRAM, a random-weight Llama-3-8B-shaped bf16 model built offline.
+#
+#   benchmarks/gpu_serving.sh prepare        # here, with a package index: fills .gpu-serving/
+#   benchmarks/gpu_serving.sh run OUT_DIR    # on the GPU machine (carry .gpu-serving/)
+#
+# prepare: cp312 wheels of what the GPU machine lacks (docs: fastapi's stack, uvicorn,
+#   httptools, msgspec, gguf, the Mooncake Transfer Engine for the pool) and the Debian
+#   packages of libibverbs / librdmacm Mooncake links against, into .gpu-serving/ (ignored
+#   by git via .git/info/exclude; ~52 MB, under the 64 MiB a GPU call carries).
+# run: installs them under /tmp, builds the model (benchmarks/random_model.py), writes a copy
+#   of deploy/examples/single-gpu.yaml with the model's folder, `kvserve check`, `kvserve up`,
+#   then
+#     kvserve bench agentic --url http://127.0.0.1:8000 --synthetic --sessions 32 --turns 10
+#       --max-context 60000 --seed 0 --duration 180 --time-scale 0.1 --vocab-size 49000
+#       --gpus 1 --out OUT_DIR/agentic
+#   and prints the report plus the handoff (prefill kvserve_handoff_*, decode scatter) and
+#   pool restore (kvserve_pool_restore_*) figures scraped from the instances' /metrics.
+#   Takes ~6 min (model build ~30 s, two 16 GB weight loads, 180 s of load, drain).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+CARRY="$ROOT/.gpu-serving"
+PY="${PYTHON:-python3}"
+
+WHEELS=(fastapi starlette pydantic pydantic-core annotated-types typing-inspection
+  typing-extensions opentelemetry-api importlib-metadata uvicorn httptools msgspec gguf
+  mooncake-transfer-engine-non-cuda==0.3.13.post1)
+DEBS=(libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200)
+
+prepare() {
+  mkdir -p "$CARRY/wheels" "$CARRY/debs"
+  local exclude
+  exclude="$(git -C "$ROOT" rev-parse --path-format=absolute --git-path info/exclude)"
+  mkdir -p "$(dirname "$exclude")"
+  grep -qx '/.gpu-serving/' "$exclude" 2>/dev/null || echo '/.gpu-serving/' >>"$exclude"
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
+    -d "$CARRY/wheels" "${WHEELS[@]}"
+  (cd "$CARRY/debs" && apt-get download "${DEBS[@]}")
+  du -sh "$CARRY"
+}
+
+metric_lines() { # URL PATTERN: the /metrics lines of a component matching PATTERN
+  "$PY" - "$1" "$2" <<'EOF'
+import re, sys, httpx
+text = httpx.get(sys.argv[1] + "/metrics", timeout=10, trust_env=False).text
+for line in text.splitlines():
+    if re.match(sys.argv[2], line) and not line.endswith(" 0.0") and "_created" not in line:
+        print("   ", line)
+EOF
+}
+
+run() {
+  local out="$1"
+  mkdir -p "$out"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/gpu-serving-site "$CARRY"/wheels/*.whl
+  mkdir -p /tmp/gpu-serving-root
+  for f in "$CARRY"/debs/*.deb; do dpkg -x "$f" /tmp/gpu-serving-root; done
+  export LD_LIBRARY_PATH="/tmp/gpu-serving-root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+  export PYTHONPATH="$ROOT:/tmp/gpu-serving-site${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONUNBUFFERED=1
+  cd "$ROOT"
+
+  local model=/tmp/llama-3-8b-random
+  "$PY" -m benchmarks.random_model "$model"
+  "$PY" - "$model" "$out/single-gpu.yaml" <<'EOF'
+import sys, yaml
+cfg = yaml.safe_load(open("deploy/examples/single-gpu.yaml"))
+cfg["model"] = sys.argv[1]
+cfg["cache"]["weights_cache_dir"] = "/tmp/kvserve-weights"
+yaml.safe_dump(cfg, open(sys.argv[2], "w"), sort_keys=False)
+EOF
+  local config="$out/single-gpu.yaml" state=/tmp/gpu-serving-state
+  "$PY" -m kvserve.cli check -c "$config" | tee "$out/check.txt"
+  "$PY" -m kvserve.cli up -c "$config" --detach --state-dir "$state"
+  trap '"$PY" -m kvserve.cli down -c "$config" --state-dir "$state" || true' EXIT
+
+  "$PY" -m kvserve.cli bench agentic --url http://127.0.0.1:8000 --synthetic --sessions 32 \
+    --turns 10 --max-context 60000 --seed 0 --duration 180 --time-scale 0.1 \
+    --vocab-size 49000 --gpus 1 --out "$out/agentic" 2>&1 | tee "$out/agentic.log"
+
+  echo "== handoff (prefill-0 sends, decode-0 scatters; cuda_ipc)"
+  metric_lines http://127.0.0.1:8100 'kvserve_handoff_(bytes|ops|seconds_(sum|count))'
+  metric_lines http://127.0.0.1:8200 'kvserve_(handoff_flows_total|decode_scatter_seconds_(sum|count)|landing_wait_seconds_(sum|count))'
+  echo "== pool restore (prefill-0)"
+  metric_lines http://127.0.0.1:8100 'kvserve_pool_(load_bytes|restored_tokens|restore_seconds_(sum|count)|restore_wait_seconds_(sum|count))'
+}
+
+case "${1:-}" in
+  prepare) prepare ;;
+  run) run "${2:?usage: gpu_serving.sh run OUT_DIR}" ;;
+  *) echo "usage: $0 prepare | run OUT_DIR" >&2; exit 2 ;;
+esac

@@ -1,0 +1,48 @@
+"""Top-k expert choice of the mixture-of-experts families, as transformers computes it.
+
+    softmax (Qwen3-MoE):  p = softmax(logits) over all E experts (float32)
+                          ids = top-k(p); w = p[ids] (/ sum w if norm_topk_prob)
+    sigmoid (Glm4Moe):    s = sigmoid(logits) (float32); c = s + e_score_correction_bias
+                          groups: E experts in G groups, a group scores the sum of its
+                          best two c; only the topk_group best groups stay eligible
+                          ids = top-k(c) over eligible experts; w = s[ids] (not c)
+                          (/ (sum w + 1e-20) if norm_topk_prob) x routed_scaling_factor
+
+The correction bias only steers the choice (load balancing); the weights are the plain
+sigmoid scores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from modelinfo.config import MoeConfig
+
+
+def route(
+    logits: torch.Tensor,  # [T, E] router logits
+    moe: MoeConfig,
+    score_bias: torch.Tensor | None,  # [E] float32, sigmoid scoring only
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (weights [T, K] float32, expert ids [T, K] int64) for every token."""
+    if moe.scoring == "softmax":
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, moe.top_k, dim=-1)
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        # transformers rounds the weights to the logits' dtype before the experts use them.
+        return weights.to(logits.dtype).float(), ids
+    scores = logits.float().sigmoid()
+    choice = scores if score_bias is None else scores + score_bias
+    if moe.num_groups > 1 and moe.topk_groups < moe.num_groups:
+        num_tokens = choice.shape[0]
+        grouped = choice.view(num_tokens, moe.num_groups, -1)  # [T, G, E/G]
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        best = torch.topk(group_scores, k=moe.topk_groups, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(num_tokens, -1)
+    ids = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, ids

@@ -1,0 +1,132 @@
+"""The GPU engine path on CUDA (pytest -m gpu on the lent GPU machine): the "flex"
+attention backend, decode CUDA graphs, device block tables and sampling on the device.
+
+Tiny random float32 models: the flex engine (graphs on and off) gives the same greedy
+tokens as the torch reference backend, through prefix hits, chunked prefill, mixed
+batches and preemption; every sampling parameter works on CUDA. The backend's kernel
+conformance runs in tests/test_attention_backends.py (its cuda cases)."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from protocol.sampling import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 49152) for _ in range(n)]
+
+
+def _engine(path: Path, cache: str, **kw) -> LLMEngine:
+    config = EngineConfig(device="cuda", cache_dir=cache, max_num_seqs=8, **kw)
+    return LLMEngine.from_spec(str(path), config)
+
+
+def _runner(eng: LLMEngine) -> ModelRunner:
+    assert isinstance(eng.runner, ModelRunner)
+    return eng.runner
+
+
+def _workload(eng: LLMEngine) -> list[list[int]]:
+    """Prefix hit, then a mixed batch of varied lengths (chunked by the step budget)."""
+    shared = _prompt(200, 1)
+    outs = [eng.generate([[*shared, 5]], GREEDY)[0].token_ids]
+    hit = eng.generate([shared + _prompt(20, 2)], GREEDY)[0]
+    assert hit.num_cached_tokens == 192
+    outs.append(hit.token_ids)
+    prompts = [_prompt(n, 10 + n) for n in (1, 17, 64, 150, 33)]
+    outs += [o.token_ids for o in eng.generate(prompts, GREEDY)]
+    return outs
+
+
+def test_flex_with_and_without_graphs_equals_torch(tiny_llama_dir, weights_cache_dir):
+    ref = _workload(_engine(tiny_llama_dir, weights_cache_dir, max_num_batched_tokens=37))
+    graphs = _engine(
+        tiny_llama_dir, weights_cache_dir, max_num_batched_tokens=37, attention_backend="flex"
+    )
+    assert _runner(graphs).graphs is not None
+    assert _workload(graphs) == ref
+    eager = _engine(
+        tiny_llama_dir,
+        weights_cache_dir,
+        max_num_batched_tokens=37,
+        attention_backend="flex",
+        cuda_graphs=False,
+    )
+    assert _runner(eager).graphs is None
+    assert _workload(eager) == ref
+
+
+def test_flex_preemption_equals_cold(tiny_llama_dir, weights_cache_dir):
+    cold = _engine(tiny_llama_dir, weights_cache_dir, enable_prefix_caching=False)
+    tight = _engine(
+        tiny_llama_dir,
+        weights_cache_dir,
+        num_blocks=12,
+        max_num_batched_tokens=64,
+        attention_backend="flex",
+    )
+    prompts = [_prompt(60 + 10 * i, 40 + i) for i in range(6)]
+    outs = tight.generate(prompts, GREEDY)
+    assert tight.counters.preemptions > 0
+    for q, o in zip(prompts, outs, strict=True):
+        assert o.token_ids == cold.generate([q], GREEDY)[0].token_ids
+
+
+def test_steady_decode_uploads_one_block_id_per_new_block(tiny_llama_dir, weights_cache_dir):
+    eng = _engine(tiny_llama_dir, weights_cache_dir, attention_backend="flex")
+    tables = _runner(eng).tables
+    prompts = [_prompt(300, 7 + i) for i in range(4)]
+    long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    eng.generate(prompts, long)
+    # 4 x ceil(364 / 16) = 92 block ids, uploaded once each (the whole 19-block prompt
+    # tables on the first step, then one per 16 decode steps), not 4 x ~21 per step.
+    assert tables.uploaded_entries <= 4 * 23
+
+
+@pytest.mark.parametrize("backend", ["torch", "flex"])
+def test_every_sampling_parameter_on_cuda(backend, tiny_llama_dir, weights_cache_dir):
+    eng = _engine(tiny_llama_dir, weights_cache_dir, attention_backend=backend)
+    prompt = _prompt(40, 3)
+    greedy = eng.generate([prompt], GREEDY)[0].token_ids
+
+    def run(**kw) -> tuple[list[int], list[float | None]]:
+        params = SamplingParams(max_tokens=12, ignore_eos=True, **kw)
+        out = eng.generate([prompt], params)[0]
+        return out.token_ids, out.logprobs
+
+    tokens, _ = run(temperature=1.0)  # unseeded: the shared generator on the device
+    assert len(tokens) == 12
+    assert run(temperature=0.8, top_k=1)[0] == greedy  # top-k 1 is greedy
+    assert run(temperature=0.8, top_p=1e-6)[0] == greedy  # a nucleus of one token
+    seeded = run(temperature=1.0, seed=123, top_k=50, top_p=0.9)
+    assert seeded == run(temperature=1.0, seed=123, top_k=50, top_p=0.9)  # reproducible
+    assert run(temperature=1.0, seed=124)[0] != run(temperature=1.0, seed=123)[0]
+    tokens, logprobs = run(temperature=0.0, logprobs=True)
+    assert tokens == greedy
+    assert all(lp is not None and -50 < lp <= 0 and math.isfinite(lp) for lp in logprobs)
+    # A batch mixing all of them samples each row by its own parameters.
+    params = [
+        SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0),
+        SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.7, seed=5, logprobs=True),
+        SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.2, top_k=3),
+    ]
+    outs = [eng.generate([prompt], p)[0] for p in params]
+    batch = eng.generate([prompt] * 3, params)
+    assert batch[0].token_ids == greedy
+    assert batch[1].token_ids == outs[1].token_ids  # seeded: independent of the batch
