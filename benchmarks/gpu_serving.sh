@@ -25,7 +25,7 @@ PY="${PYTHON:-python3}"
 
 WHEELS=(fastapi starlette pydantic pydantic-core annotated-types typing-inspection
   typing-extensions opentelemetry-api importlib-metadata uvicorn httptools msgspec gguf
-  mooncake-transfer-engine-non-cuda==0.3.13.post1)
+  "llguidance>=1.0,<2" mooncake-transfer-engine-non-cuda==0.3.13.post1)
 DEBS=(libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200)
 
 prepare() {
