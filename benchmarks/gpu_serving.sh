@@ -77,12 +77,15 @@ EOF
   local config="$out/single-gpu.yaml" state=/tmp/gpu-serving-state
   "$PY" -m kvserve.cli check -c "$config" | tee "$out/check.txt"
   "$PY" -m kvserve.cli up -c "$config" --detach --state-dir "$state"
-  trap '"$PY" -m kvserve.cli down -c "$config" --state-dir "$state" || true' EXIT
+  # Expanded now: the trap runs after run() returned, when its locals are gone.
+  trap "\"$PY\" -m kvserve.cli down -c \"$config\" --state-dir \"$state\" || true" EXIT
 
   "$PY" -m kvserve.cli bench agentic --url http://127.0.0.1:8000 --synthetic --sessions 32 \
     --turns 10 --max-context 60000 --seed 0 --duration 180 --time-scale 0.1 \
     --vocab-size 49000 --gpus 1 --out "$out/agentic" 2>&1 | tee "$out/agentic.log"
 
+  echo "== report"
+  cat "$out/agentic/report.json"
   echo "== handoff (prefill-0 sends, decode-0 scatters; cuda_ipc)"
   metric_lines http://127.0.0.1:8100 'kvserve_handoff_(bytes|ops|seconds_(sum|count))'
   metric_lines http://127.0.0.1:8200 'kvserve_(handoff_flows_total|decode_scatter_seconds_(sum|count)|landing_wait_seconds_(sum|count))'
