@@ -15,6 +15,8 @@ left out). The grammar engine's mask alone is timed too, and xgrammar's for the 
 schema and tokens when it is installed (the measurement that chose llguidance).
 
     python -m benchmarks.constrained_decoding [--batch 16] [--steps 200] [--device cpu] [--threads 1]
+        [--model builtin:smollm2-135m-instruct]   (an HF folder with SmolLM2's tokenizer and
+                                                   config works too: no weights are read)
 """
 
 from __future__ import annotations
@@ -152,10 +154,13 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (1: steadier on a shared box)"
     )
+    parser.add_argument(
+        "--model", default="builtin:smollm2-135m-instruct", help="tokenizer + vocabulary source"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    info = load_model_info("builtin:smollm2-135m-instruct")
+    info = load_model_info(args.model)
     vocab = info.config.vocab_size
     eos = tuple(info.eos_token_ids)
     compiler = GrammarCompiler(info.tokenizer, vocab, eos)

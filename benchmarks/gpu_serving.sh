@@ -25,7 +25,7 @@ PY="${PYTHON:-python3}"
 
 WHEELS=(fastapi starlette pydantic pydantic-core annotated-types typing-inspection
   typing-extensions opentelemetry-api importlib-metadata uvicorn httptools msgspec gguf
-  "llguidance>=1.0,<2" mooncake-transfer-engine-non-cuda==0.3.13.post1)
+  "llguidance>=1.9,<2" mooncake-transfer-engine-non-cuda==0.3.13.post1)
 DEBS=(libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200)
 
 prepare() {
@@ -35,7 +35,8 @@ prepare() {
   mkdir -p "$(dirname "$exclude")"
   grep -qx '/.gpu-serving/' "$exclude" 2>/dev/null || echo '/.gpu-serving/' >>"$exclude"
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 \
+    --implementation cp --platform manylinux_2_35_x86_64 --platform manylinux_2_31_x86_64 \
+    --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
     -d "$CARRY/wheels" "${WHEELS[@]}"
