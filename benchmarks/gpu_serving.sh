@@ -25,13 +25,15 @@ PY="${PYTHON:-python3}"
 
 WHEELS=(fastapi starlette pydantic pydantic-core annotated-types typing-inspection
   typing-extensions opentelemetry-api importlib-metadata uvicorn httptools msgspec gguf
-  mooncake-transfer-engine-non-cuda==0.3.13.post1)
+  "llguidance>=1.0,<2" mooncake-transfer-engine-non-cuda==0.3.13.post1)
 DEBS=(libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200)
 
 prepare() {
   mkdir -p "$CARRY/wheels" "$CARRY/debs"
-  grep -qx '/.gpu-serving/' "$ROOT/.git/info/exclude" 2>/dev/null ||
-    echo '/.gpu-serving/' >>"$ROOT/.git/info/exclude"
+  local exclude
+  exclude="$(git -C "$ROOT" rev-parse --path-format=absolute --git-path info/exclude)"
+  mkdir -p "$(dirname "$exclude")"
+  grep -qx '/.gpu-serving/' "$exclude" 2>/dev/null || echo '/.gpu-serving/' >>"$exclude"
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -75,12 +77,15 @@ EOF
   local config="$out/single-gpu.yaml" state=/tmp/gpu-serving-state
   "$PY" -m kvserve.cli check -c "$config" | tee "$out/check.txt"
   "$PY" -m kvserve.cli up -c "$config" --detach --state-dir "$state"
-  trap '"$PY" -m kvserve.cli down -c "$config" --state-dir "$state" || true' EXIT
+  # Expanded now: the trap runs after run() returned, when its locals are gone.
+  trap "\"$PY\" -m kvserve.cli down -c \"$config\" --state-dir \"$state\" || true" EXIT
 
   "$PY" -m kvserve.cli bench agentic --url http://127.0.0.1:8000 --synthetic --sessions 32 \
     --turns 10 --max-context 60000 --seed 0 --duration 180 --time-scale 0.1 \
     --vocab-size 49000 --gpus 1 --out "$out/agentic" 2>&1 | tee "$out/agentic.log"
 
+  echo "== report"
+  cat "$out/agentic/report.json"
   echo "== handoff (prefill-0 sends, decode-0 scatters; cuda_ipc)"
   metric_lines http://127.0.0.1:8100 'kvserve_handoff_(bytes|ops|seconds_(sum|count))'
   metric_lines http://127.0.0.1:8200 'kvserve_(handoff_flows_total|decode_scatter_seconds_(sum|count)|landing_wait_seconds_(sum|count))'

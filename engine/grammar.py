@@ -152,25 +152,31 @@ def fill_bitmasks(
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set logits[i, t] = -inf where bit t of bitmask[i] is 0; in place, on logits' device.
+def unpack_bitmask(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[N, W] int32 (CPU) -> [N, 32 W] bool on `device`: True = allowed.
 
-    Token ids at or above 32 x words (a vocabulary padded past the tokenizer's) are masked.
     On the CPU numpy unpacks the bits (one C loop; torch's shift-and-mask over [N, V] is
     ~10x slower); on an accelerator the int32 words travel (V / 8 bytes a row) and are
-    expanded there.
-    """
-    vocab = logits.shape[1]
-    if logits.device.type == "cpu":
+    expanded there by shifts."""
+    if device.type == "cpu":
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
-        allowed = torch.from_numpy(bits).bool()
-    else:
-        device = logits.device
-        shifts = _BIT_SHIFTS.get(device)
-        if shifts is None:
-            shifts = _BIT_SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
-        mask = bitmask.to(device, non_blocking=True)
-        allowed = ((mask.unsqueeze(-1) >> shifts) & 1).view(mask.shape[0], -1).bool()
+        return torch.from_numpy(bits).bool()
+    return unpack_bitmask_torch(bitmask.to(device, non_blocking=True))
+
+
+def unpack_bitmask_torch(mask: torch.Tensor) -> torch.Tensor:
+    """unpack_bitmask's device path, with torch ops only (on mask's device)."""
+    shifts = _BIT_SHIFTS.get(mask.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[mask.device] = torch.arange(32, dtype=torch.int32, device=mask.device)
+    return ((mask.unsqueeze(-1) >> shifts) & 1).view(mask.shape[0], -1).bool()
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set logits[i, t] = -inf where bit t of bitmask[i] is 0; in place, on logits' device.
+    Token ids at or above 32 x words (a vocabulary padded past the tokenizer's) are masked."""
+    vocab = logits.shape[1]
+    allowed = unpack_bitmask(bitmask, logits.device)
     if allowed.shape[1] >= vocab:
         logits.masked_fill_(~allowed[:, :vocab], float("-inf"))
     else:

@@ -348,4 +348,6 @@ def _threshold_in_sorted(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> tor
     higher-ranked tokens hold less than top_p (the top token has 0 above it: kept)."""
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     num_kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)
-    return sorted_probs.gather(1, num_kept - 1)
+    # A top_p below float32's smallest value (5e-324 is a valid float64) arrives as 0:
+    # nothing has less mass above it, yet the top token is always kept.
+    return sorted_probs.gather(1, num_kept.clamp_(min=1) - 1)

@@ -89,14 +89,19 @@ def engine_config(
     max_batched_tokens: int = 2048,
 ) -> EngineConfig:
     """The EngineConfig of one engine process (or one rank / stage of an instance)."""
+    name = torch_device(device)
+    backend = cluster.attention_backend
+    if backend == "auto":
+        backend = "torch" if name == "cpu" else "flex"
     return EngineConfig(
+        attention_backend=backend,
         block_size=cluster.cache.block_size,
         chunk_size=cluster.cache.chunk_size,
         kv_cache_bytes=kv_cache_bytes,
         max_num_batched_tokens=max_batched_tokens,
         max_num_seqs=max_num_seqs,
         dtype=cluster.dtype,
-        device=torch_device(device),
+        device=name,
         cache_dir=cluster.cache.weights_cache_dir,
     )
 

@@ -119,6 +119,20 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         """How many leading dims of each q/k head RoPE rotates (as transformers computes it)."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def mlp_params_per_layer(self) -> int:
+        """MLP parameters of a layer, averaged over the layers, every expert counted (what
+        memory budgets need; 3 x hidden x intermediate for a dense model)."""
+        h, dense = self.hidden_size, 3 * self.hidden_size * self.intermediate_size
+        if self.moe is None:
+            return dense
+        m = self.moe
+        sparse = m.num_experts * (3 * h * m.intermediate_size + h)  # experts + router row
+        sparse += 3 * h * m.shared_intermediate_size
+        num_sparse = len(m.sparse_layers)
+        total = num_sparse * sparse + (self.num_layers - num_sparse) * dense
+        return -(-total // self.num_layers)  # rounded up
+
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the mixture of experts."""
         return self.moe is not None and layer in self.moe.sparse_layers

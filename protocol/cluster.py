@@ -39,6 +39,7 @@ from protocol.config_errors import ConfigError
 Dtype = Literal["float32", "bfloat16", "float16"]
 Protocol = Literal["tcp", "rdma"]
 HandoffProtocol = Literal["tcp", "rdma", "cuda_ipc"]
+AttentionBackendName = Literal["auto", "torch", "flex"]
 RoutingPolicy = Literal["round_robin", "random", "session", "kv_aware"]
 ToolParserName = Literal["hermes", "llama3_json", "mistral"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -291,6 +292,10 @@ class ClusterConfig(_Section, frozen=True, kw_only=True):
     every node)."""
     dtype: Dtype = "bfloat16"
     """Weight and activation dtype (float32 for CPU correctness runs)."""
+    attention_backend: AttentionBackendName = "auto"
+    """Attention kernels of every engine process: "flex" (paged FlexAttention decode and
+    flash prefill, CUDA only, with decode CUDA graphs), "torch" (the reference backend,
+    CPU and CUDA), or "auto": flex on GPUs, torch on CPUs."""
     log_level: LogLevel = "info"
     cache: CacheConfig = CacheConfig()
     nodes: tuple[NodeConfig, ...]

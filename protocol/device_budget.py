@@ -64,6 +64,10 @@ class ModelBytes(Protocol):
     def head_dim(self) -> int: ...
     @property
     def tie_word_embeddings(self) -> bool: ...
+    @property
+    def mlp_params_per_layer(self) -> int:
+        """Every expert counted for a mixture of experts; 3 x hidden x intermediate else."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -91,8 +95,7 @@ def handoff_staging_bytes(protocol: str) -> int:
 
 def _layer_params(m: ModelBytes) -> int:
     attn = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
-    mlp = 3 * m.hidden_size * m.intermediate_size
-    return attn + mlp + 2 * m.hidden_size
+    return attn + m.mlp_params_per_layer + 2 * m.hidden_size
 
 
 def _embed_params(m: ModelBytes) -> int:

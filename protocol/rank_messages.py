@@ -48,6 +48,10 @@ class SampleRow(msgspec.Struct, frozen=True, array_like=True):
     params: SamplingParams
     num_output_tokens: int
     eos_token_ids: tuple[int, ...]
+    prompt_token_ids: tuple[int, ...] = ()
+    """Only when params.repetition_penalty != 1 (the penalty reads the prompt)."""
+    output_token_ids: tuple[int, ...] = ()
+    """Only when penalties or a grammar read them (len == num_output_tokens then)."""
 
 
 class RankStep(msgspec.Struct, frozen=True, tag="rank_step"):
@@ -88,6 +92,8 @@ class StageResult(msgspec.Struct, frozen=True, tag="stage_result"):
     logprobs: list[float | None]
     reports: list[bytes]
     """Connector reports, one per stage, stage order."""
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    """Per sampled row, (token id, logprob) alternatives when its params ask for them."""
 
 
 # -- worker-level payloads ------------------------------------------------------------------

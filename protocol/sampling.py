@@ -26,6 +26,10 @@ class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True):
         return (self.kind, self.text)
 
 
+MIN_REPETITION_PENALTY = 1e-4
+"""Smallest repetition_penalty: a logit divided by less could overflow float32."""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """What to generate and when to stop, with OpenAI semantics.
 
@@ -86,8 +90,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0:
+            raise ValueError(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 2], got "
+                f"{self.repetition_penalty}"
+            )
         if len(self.logit_bias) > 300:
             raise ValueError("logit_bias may hold at most 300 tokens")
         for token_id, bias in self.logit_bias:

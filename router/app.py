@@ -33,6 +33,7 @@ from router.errors import APIError, InvalidRequest, NotFound
 from router.health import HealthMonitor
 from router.instances import Instance, InstanceRegistry
 from router.metrics import RouterMetrics
+from router.openapi import install_openapi
 from router.policies import make_policy
 from router.preprocess import Preprocessor
 from router.relay import RelayServices
@@ -109,6 +110,7 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
             await client.aclose()
 
     app = FastAPI(title="kvserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_openapi(app)
     app.state.serving = ctx
     app.state.registry = registry
     app.state.metrics = metrics

@@ -183,7 +183,10 @@ def test_four_8100_token_prompts_at_once(local: Cluster):
         results = list(pool.map(lambda s: _complete(local, _prompt(8100, 10 + s), 64), range(4)))
     assert [r["status"] for r in results] == [200] * 4, results
     assert all(r["body"]["usage"]["completion_tokens"] == 64 for r in results)
-    assert wait_until(lambda: _free(local), timeout_s=5)
+    assert wait_until(lambda: _free(local), timeout_s=5), (
+        local.status(local.decode_url),
+        local.status(local.prefill_url),
+    )
 
 
 def _stream(c: Cluster, prompt: list[int], max_tokens: int):  # type: ignore[no-untyped-def]

@@ -14,7 +14,13 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
-from engine.grammar import GrammarCompiler, apply_bitmask, fill_bitmasks
+from engine.grammar import (
+    GrammarCompiler,
+    apply_bitmask,
+    fill_bitmasks,
+    unpack_bitmask,
+    unpack_bitmask_torch,
+)
 from engine.logits_process import apply_penalties
 from engine.sampler import Sampler, SamplingState
 from modelinfo.info import load_model_info
@@ -112,6 +118,17 @@ def test_bitmask_masks_exactly_the_disallowed_tokens() -> None:
     allowed = torch.isfinite(masked[0]).nonzero().flatten().tolist()
     assert allowed == [1, 3, 63]
     assert torch.equal(masked[1], logits[1])
+
+
+def test_device_unpack_path_equals_numpy_path() -> None:
+    """The accelerator path (torch shifts) and the CPU path (numpy) agree bit for bit,
+    the sign bit included (checked here on the CPU: the ops are the same on a device)."""
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 7), dtype=torch.int32)
+    bitmask[0, 0] = -1
+    bitmask[1, 3] = -(2**31)
+    want = unpack_bitmask(bitmask, torch.device("cpu"))
+    assert torch.equal(unpack_bitmask_torch(bitmask), want)
+    assert want.shape == (5, 224) and want[0, :32].all() and want[1, 127] and not want[1, 96]
 
 
 @pytest.fixture(scope="module")

@@ -396,3 +396,33 @@ def test_tiny_moe_on_cuda(arch: str, tmp_path: Path) -> None:
     grouped = blocks[0](h)
     blocks[0].impl = "loop"
     torch.testing.assert_close(grouped, blocks[0](h), rtol=2e-2, atol=2e-2)
+
+
+def test_lazy_weights_read_what_load_weights_reads(tmp_path: Path) -> None:
+    """Decode TP ranks read the checkpoint tensor by tensor (open_weights); same tensors."""
+    from engine.weights.cache import open_weights
+
+    make_tiny_moe(tmp_path, "glm4_moe")
+    config = _config(tmp_path)
+    eager = load_weights("hf", tmp_path, config)
+    lazy = open_weights("hf", tmp_path, config)
+    assert sorted(lazy) == sorted(eager) and len(lazy) == len(eager)
+    for name, tensor in eager.items():
+        assert torch.equal(lazy[name], tensor), name
+    assert "model.layers.9.mlp.gate.weight" not in lazy
+    with pytest.raises(KeyError):
+        lazy["model.layers.9.mlp.gate.weight"]
+    stage = open_weights("hf", tmp_path, config, want=lambda n: ".layers.1." in n)
+    assert stage and all(".layers.1." in n for n in stage)
+
+
+def test_memory_budgets_count_every_expert() -> None:
+    """GPU budgets (protocol/device_budget.py) count the experts: GLM-4.5-Air's weights
+    come to its published ~106B parameters, Qwen3-30B-A3B's to ~30.5B."""
+    for cfg, low, high in ((GLM_45_AIR, 105e9, 108e9), (QWEN3_30B_A3B, 30e9, 31e9)):
+        m = model_config_from_hf(cfg)
+        attn = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+        total = m.num_layers * (attn + m.mlp_params_per_layer) + 2 * m.vocab_size * m.hidden_size
+        assert low < total < high, total
+    dense = model_config_from_hf({**QWEN3_30B_A3B, "architectures": ["Qwen3ForCausalLM"]})
+    assert dense.mlp_params_per_layer == 3 * 2048 * 6144

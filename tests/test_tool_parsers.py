@@ -123,3 +123,22 @@ def test_forced_grammar_accepts_its_call(parser: str) -> None:
         llguidance.LLMatcher.grammar_from_lark(grammar)
     )
     assert not error, messages
+
+
+def test_cluster_yaml_router_tool_parser_reaches_the_router() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from protocol.cluster import parse_cluster
+    from protocol.config_errors import ConfigError
+    from router.config import settings_from_cluster
+
+    local = Path(__file__).resolve().parent.parent / "deploy" / "examples" / "local.yaml"
+    raw = yaml.safe_load(local.read_text())
+    assert settings_from_cluster(parse_cluster(raw)).tool_parser is None
+    raw["router"]["tool_parser"] = "mistral"
+    assert settings_from_cluster(parse_cluster(raw)).tool_parser == "mistral"
+    raw["router"]["tool_parser"] = "xml"
+    with pytest.raises(ConfigError, match="tool_parser"):
+        parse_cluster(raw)

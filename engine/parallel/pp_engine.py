@@ -33,9 +33,7 @@ from engine.parallel.pp_runner import PipelineExecutor, build_stage
 from engine.parallel.step_inputs import build_batch
 from engine.request import Request
 from modelinfo.info import ModelInfo
-from protocol.errors import InvalidRequestError
 from protocol.rank_messages import SampleRow, StepBatch
-from protocol.sampling import SamplingParams
 
 
 @dataclass
@@ -67,19 +65,6 @@ class PipelinedEngine(LLMEngine):
         """Steps still on the ring count: their results must be collected, in order."""
         return super().has_unfinished() or bool(self._in_flight)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """The last stage samples from SampleRow alone: no prompt tokens, grammar state or
-        top alternatives travel around the ring yet, so requests needing them are refused
-        rather than sampled without them."""
-        super().validate(prompt_token_ids, params)
-        for name, used in (
-            ("response_format / tool_choice (a grammar)", params.grammar is not None),
-            ("repetition_penalty", params.repetition_penalty != 1.0),
-            ("top_logprobs", params.top_logprobs > 0),
-        ):
-            if used:
-                raise InvalidRequestError(f"{name} is not supported on a pipelined prefill yet")
-
     def step(self) -> list[RequestOutput]:
         issued = len(self._in_flight) < self.depth and self._issue()
         if self._in_flight and (len(self._in_flight) >= self.depth or not issued):
@@ -92,10 +77,7 @@ class PipelinedEngine(LLMEngine):
             return self._issue_poll(plan.kv_meta)
         batch, rows = build_batch(plan.scheduled, self.kv)
         sampling = [s.request for s in plan.scheduled if s.samples]
-        samples = [
-            SampleRow(row, r.params, r.num_output_tokens, tuple(r.eos_token_ids))
-            for row, r in zip(rows, sampling, strict=True)
-        ]
+        samples = [_sample_row(row, r) for row, r in zip(rows, sampling, strict=True)]
         for s in plan.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(s.request)
@@ -123,13 +105,14 @@ class PipelinedEngine(LLMEngine):
         assert result.step_id == flight.step_id, "the ring returns steps in order"
         self.apply_reports(result.reports)
         outputs = []
-        for (req, epoch), token, logprob in zip(
-            flight.sampling, result.token_ids, result.logprobs, strict=True
+        tops = result.top_logprobs or [None] * len(result.token_ids)
+        for (req, epoch), token, logprob, top in zip(
+            flight.sampling, result.token_ids, result.logprobs, tops, strict=True
         ):
             self.scheduler.paused.discard(req.request_id)
             live = self._requests.get(req.request_id) is req and not req.status.finished
             if live and req.num_preemptions == epoch:
-                outputs.append(self._append_token(req, token, logprob))
+                outputs.append(self._append_token(req, token, logprob, top))
         return outputs
 
     def abort_all(self) -> int:
@@ -157,3 +140,18 @@ def build_pp_engine(
     stage = build_stage(info, config, ctx, layer_split)
     executor = PipelineExecutor(stage, ctx, layer_split, depth or len(layer_split))
     return PipelinedEngine(info, config, executor)
+
+
+def _sample_row(row: int, r: Request) -> SampleRow:
+    """What the last stage needs to sample r's row as LLMEngine would: the token lists
+    travel only when a penalty or grammar reads them."""
+    p = r.params
+    reads_output = p.grammar is not None or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    return SampleRow(
+        row,
+        p,
+        r.num_output_tokens,
+        tuple(r.eos_token_ids),
+        tuple(r.prompt_token_ids) if p.repetition_penalty != 1.0 else (),
+        tuple(r.output_token_ids) if reads_output or p.repetition_penalty != 1.0 else (),
+    )

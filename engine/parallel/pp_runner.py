@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from engine.attention.base import AttentionMetadata, get_backend
 from engine.config import EngineConfig
+from engine.grammar import GrammarCompiler
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnectorWorker, NoConnectorWorker, WorkerPlace
 from engine.llm_engine import torch_dtype
@@ -41,7 +42,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import build_model
 from engine.parallel.comm import Outbox, ParallelContext, recv_bytes
 from engine.parallel.step_inputs import batch_tensors
-from engine.sampler import Sampler, SamplingState
+from engine.sampler import Sampler, SamplerOutput, SamplingState
 from engine.scheduler import ScheduledRequest
 from engine.weights.cache import load_weights
 from modelinfo.info import ModelInfo
@@ -74,6 +75,8 @@ class PPStage:
     layout: KVLayout
     num_blocks: int
     kv_caches: list[torch.Tensor]
+    info: ModelInfo | None = None
+    """The model's metadata: the last stage compiles grammars with its tokenizer."""
 
     @property
     def is_last(self) -> bool:
@@ -155,7 +158,9 @@ def build_stage(
     num_blocks = stage_num_blocks(config, info, layer_split)
     shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
     caches = [torch.zeros(shape, dtype=dtype, device=ctx.device) for _ in range(end - start)]
-    return PPStage(ctx.rank, len(layer_split), (start, end), model, layout, num_blocks, caches)
+    return PPStage(
+        ctx.rank, len(layer_split), (start, end), model, layout, num_blocks, caches, info
+    )
 
 
 class PipelineExecutor:
@@ -231,6 +236,7 @@ def _serve(stage: PPStage, ctx: ParallelContext, worker: KVConnectorWorker, dept
     prev = ctx.rank - 1
     out = Outbox(0 if stage.is_last else ctx.rank + 1)
     sampler = Sampler()
+    grammars: GrammarCompiler | None = None
     hidden_size = stage.model.config.hidden_size
     while True:
         msg = _step_decoder.decode(recv_bytes(prev, ctx.cpu_group))
@@ -250,8 +256,18 @@ def _serve(stage: PPStage, ctx: ParallelContext, worker: KVConnectorWorker, dept
         hidden, report = stage.run(worker, msg.kv_meta, positions, meta, hidden=hidden)
         reports = [*msg.reports, report]
         if stage.is_last:
-            tokens, logprobs = _sample(stage, sampler, hidden, msg.samples, ctx.device)
-            out.send(encode(StageResult(msg.step_id, tokens, logprobs, reports)), ctx.cpu_group)
+            if grammars is None and any(s.params.grammar for s in msg.samples):
+                assert stage.info is not None, "the last stage needs the tokenizer for grammars"
+                info = stage.info
+                grammars = GrammarCompiler(
+                    info.tokenizer, info.config.vocab_size, info.eos_token_ids
+                )
+            result = _sample(stage, sampler, hidden, msg.samples, ctx.device, grammars)
+            tops = result.top_logprobs if any(result.top_logprobs) else None
+            out.send(
+                encode(StageResult(msg.step_id, result.token_ids, result.logprobs, reports, tops)),
+                ctx.cpu_group,
+            )
         else:
             forward = msgspec.structs.replace(msg, reports=reports)
             out.send(encode(forward), ctx.cpu_group, hidden, None)
@@ -264,11 +280,39 @@ def _sample(
     hidden: torch.Tensor | None,
     samples: list[SampleRow],
     device: torch.device,
-) -> tuple[list[int], list[float | None]]:
+    grammars: GrammarCompiler | None,
+) -> SamplerOutput:
     if not samples or hidden is None:
-        return [], []
+        return SamplerOutput([], [], [])
     idx = torch.tensor([s.row for s in samples], dtype=torch.long, device=device)
     logits = stage.model.compute_logits(hidden.index_select(0, idx))
-    states = [SamplingState(s.params, s.num_output_tokens, None, s.eos_token_ids) for s in samples]
-    result = sampler.sample(logits, states)
-    return list(result.token_ids), list(result.logprobs)
+    return sample_rows(sampler, logits, samples, grammars)
+
+
+def sample_rows(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    samples: list[SampleRow],
+    grammars: GrammarCompiler | None,
+) -> SamplerOutput:
+    """Sample a step's rows as LLMEngine does, from what SampleRow carries. A row under a
+    grammar gets a fresh state synced to its output tokens (none for a prefill's first
+    token; the compiled grammar itself is cached by the compiler)."""
+    states = []
+    for s in samples:
+        grammar = None
+        if s.params.grammar is not None:
+            assert grammars is not None, "a grammar row needs the stage's GrammarCompiler"
+            grammar = grammars.new_state(s.params.grammar)
+        states.append(
+            SamplingState(
+                s.params,
+                s.num_output_tokens,
+                None,
+                s.eos_token_ids,
+                s.prompt_token_ids,
+                s.output_token_ids,
+                grammar,
+            )
+        )
+    return sampler.sample(logits, states)

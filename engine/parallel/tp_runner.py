@@ -35,7 +35,7 @@ from engine.parallel.comm import ParallelContext, broadcast_bytes, recv_bytes, s
 from engine.parallel.step_inputs import batch_tensors, build_batch
 from engine.parallel.tp_model import TPLlamaModel
 from engine.scheduler import ScheduledRequest
-from engine.weights.cache import load_weights
+from engine.weights.cache import open_weights
 from modelinfo.info import ModelInfo
 from protocol.kv_layout import KVLayout
 from protocol.parallel import DecodeRankShard, decode_rank_shards
@@ -85,7 +85,9 @@ def build_tp_rank(
     model = TPLlamaModel(
         mc, shard, ctx, dtype=dtype, backend=get_backend(config.attention_backend), lse_backend=lse
     )
-    model.load_weights(load_weights(info.source.kind, info.source.path, mc, config.cache_dir))
+    # Read tensor by tensor: a rank keeps only its slice of each (a MoE checkpoint whole in
+    # host memory per rank would not fit).
+    model.load_weights(open_weights(info.source.kind, info.source.path, mc, config.cache_dir))
     layout = KVLayout(
         num_layers=mc.num_layers,
         num_kv_heads=shard.num_kv_heads,

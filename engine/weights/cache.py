@@ -28,7 +28,13 @@ import torch
 from tqdm import tqdm
 
 from engine.weights.gguf_file import QT, check_gguf_tensors, gguf_to_hf_name, iter_hf_tensors
-from engine.weights.hf_folder import NameFilter, load_hf_folder, load_safetensors
+from engine.weights.hf_folder import (
+    NameFilter,
+    load_hf_folder,
+    load_safetensors,
+    safetensors_files,
+)
+from engine.weights.lazy import LazyWeights
 from modelinfo.config import ModelConfig
 from modelinfo.gguf_config import GGUFHeader, read_gguf_header
 from protocol.errors import ModelLoadError
@@ -59,6 +65,24 @@ def load_weights(
     if source_kind == "gguf":
         folder = Path(cache_dir if cache_dir is not None else DEFAULT_CACHE_DIR).expanduser()
         return load_safetensors(cached_gguf_conversion(Path(path), config, folder), want)
+    raise ValueError(f"unknown weight source kind {source_kind!r}; valid: 'hf', 'gguf'")
+
+
+def open_weights(
+    source_kind: SourceKind | str,
+    path: str | os.PathLike[str],
+    config: ModelConfig,
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    want: NameFilter | None = None,
+) -> LazyWeights:
+    """As load_weights, but each tensor is read when accessed (engine/weights/lazy.py): for
+    loaders that keep only a slice of every tensor (decode TP ranks)."""
+    if source_kind == "hf":
+        return LazyWeights(safetensors_files(Path(path)), want)
+    if source_kind == "gguf":
+        folder = Path(cache_dir if cache_dir is not None else DEFAULT_CACHE_DIR).expanduser()
+        return LazyWeights([cached_gguf_conversion(Path(path), config, folder)], want)
     raise ValueError(f"unknown weight source kind {source_kind!r}; valid: 'hf', 'gguf'")
 
 
