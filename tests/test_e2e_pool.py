@@ -319,16 +319,27 @@ def _failure_reasons(c: PoolCluster) -> dict[str, float]:
 
 def test_faults_store_then_master_every_request_succeeds(shared: PoolCluster, reference):
     sessions = [Session(10 + i, reference) for i in range(3)]
-    for s in sessions:
-        s.turn(shared, 0)  # history saved across both stores
+    chunk = shared.cfg["cache"]["chunk_size"]
+    first = [s.turn(shared, 0)[2] for s in sessions]  # history saved across both stores
     shared.reset()
     fails = _failures(shared)
     store0 = shared.cfg["pool"]["stores"][0]["metrics_port"]
     old = _kill(shared, "pool-store-0")
-    for s in sessions:  # reads of objects on the dead store fail: recomputed, same output
-        s.turn(shared, 1)
+    restored, saved = [], []
+    for s, ids0 in zip(sessions, first, strict=True):  # the dead store's objects: recomputed
+        _, details, ids1 = s.turn(shared, 1)
+        restored.append(details["pool_tokens"])
+        common = next(
+            (i for i, (a, b) in enumerate(zip(ids0, ids1, strict=False)) if a != b), len(ids0)
+        )
+        saved.append(min(common, len(ids1) - 1) // chunk * chunk)  # restorable whole chunks
     reasons = _failure_reasons(shared)
-    assert _failures(shared) > fails, f"the dead store left no trace in the metrics: {reasons}"
+    # Either a read of the dead store failed (counted), or the master had already dropped
+    # its objects and the lookup missed them (a shorter restore): both leave a trace.
+    missed = any(r < h for r, h in zip(restored, saved, strict=True))
+    assert _failures(shared) > fails or missed, (
+        f"the dead store left no trace: failures {reasons}, restored {restored} of {saved}"
+    )
     print("after the store kill:", reasons)
     _wait_restarted(shared, "pool-store-0", old, f"http://127.0.0.1:{store0}/health")
 
