@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 import msgspec
 import yaml
 
-from protocol.cluster_checks import check_cluster, translate_validation_error
+from protocol.cluster_checks import check_cluster
 from protocol.cluster_types import (
     ByteSize,
     Device,
@@ -35,6 +35,7 @@ from protocol.cluster_types import (
     device_name,
 )
 from protocol.config_errors import ConfigError
+from protocol.config_paths import translate_validation_error
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Protocol = Literal["tcp", "rdma"]
