@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 _CALL_HEAD = re.compile(
@@ -42,15 +43,17 @@ class ParsedOutput:
     calls: list[ParsedCall] = field(default_factory=list)
 
 
-class ToolParser:
+class ToolParser(ABC):
     """Parses one format; stateless (one instance serves every request)."""
 
     name = ""
     needs_special_tokens = False
     """The format's marker is a special token: detokenize without skipping specials."""
 
+    @abstractmethod
     def parse(self, text: str, final: bool) -> ParsedOutput:
-        raise NotImplementedError
+        """Content and calls of `text`, the whole output so far (the prefix contract of
+        the module docstring)."""
 
 
 def _hold_partial(text: str, markers: tuple[str, ...]) -> str:

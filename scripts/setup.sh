@@ -26,6 +26,7 @@ ldconfig -p | grep -q 'libibverbs.so.1' || missing+=(libibverbs1)
 ldconfig -p | grep -q 'librdmacm.so.1' || missing+=(librdmacm1)
 command -v prometheus >/dev/null || missing+=(prometheus)
 command -v python3 >/dev/null || missing+=(python3)
+command -v cc >/dev/null || missing+=(gcc)  # builds the bind-narrowing library (kvserve/bind_narrowing.py)
 if [ ${#missing[@]} -gt 0 ]; then
   apt_install "${missing[@]}"
 fi
