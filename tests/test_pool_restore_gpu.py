@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -28,6 +29,7 @@ from prefill_worker.pool_connector import PoolScheduler, PoolWorker
 from protocol.ids import BlockHash, RequestId
 from protocol.kv_layout import KVLayout
 from protocol.namespace import KVNamespace
+from protocol.pool_messages import PoolWorkerReport
 from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -35,15 +37,23 @@ pytestmark = pytest.mark.gpu
 CHUNK, BS, L, H, D = 256, 16, 32, 8, 128
 NUM_CHUNKS = 32
 SAVE_CHUNKS = 4
+POOL_BYTES = 2 * NUM_CHUNKS * (CHUNK * L * 2 * H * D * 2 + 4096)
 LAYOUT = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, block_size=BS, dtype="bfloat16")
 NS = KVNamespace(
     weights_fingerprint="w8b", kv_dtype="bfloat16", block_size=BS, layer_split=(L,), rope="r"
 )
 
 
+_report_decoder = msgspec.msgpack.Decoder(PoolWorkerReport)
+
+
 def _connector(kv: list[torch.Tensor]) -> tuple[PoolScheduler, PoolWorker]:
     counters = StageCounters()
-    backend = create_backend("local", BackendConfig("127.0.0.1", "restore-gpu"))
+    # The local pool holds every saved object: at its default 1 GiB the 32nd 32 MiB chunk
+    # (+ its header) evicted the first, and the restore found nothing to load.
+    backend = create_backend(
+        "local", BackendConfig("127.0.0.1", f"restore-gpu?capacity={POOL_BYTES}")
+    )
     client = PoolClient(
         backend,
         NS,
@@ -56,6 +66,13 @@ def _connector(kv: list[torch.Tensor]) -> tuple[PoolScheduler, PoolWorker]:
     worker = PoolWorker(client, counters)
     worker.register_kv_caches(kv, WorkerPlace(0, L))
     return PoolScheduler(client, PoolMetrics(CollectorRegistry(), "gpu"), BS), worker
+
+
+def _report_saved(sched: PoolScheduler, worker: PoolWorker) -> int:
+    """Hand the worker's report to the scheduler side; the chunks it reports stored."""
+    report = worker.get_finished()
+    sched.update_from_workers([report])
+    return len(_report_decoder.decode(report).saved) if report else 0
 
 
 def _poll(sched: PoolScheduler, worker: PoolWorker, rid: str, timeout_s: float) -> int | None:
@@ -90,13 +107,19 @@ def test_worker_restore_on_the_gpu_is_exact_and_near_pinned_h2d():
         blocks_a = list(range(nblk - 1, -1, -1))[: len(prompt) // BS + 1]
         sched_a, worker_a = a
         step = SAVE_CHUNKS * CHUNK  # as prefill steps save: a bounded queue per step
+        saved = 0
         for start in range(0, req.num_prompt_tokens, step):
             end = min(start + step, req.num_prompt_tokens)
             meta = sched_a.build_step_meta([StepKV(req, start, end, blocks_a)])  # type: ignore[arg-type]
             worker_a.start_loads(meta)
             worker_a.start_saves(meta)
             assert worker_a.drain_saves(120)
-            sched_a.update_from_workers([worker_a.get_finished()])
+            saved += _report_saved(sched_a, worker_a)
+        deadline = time.monotonic() + 10  # the last batch is reported after its slots free
+        while saved < NUM_CHUNKS and time.monotonic() < deadline:
+            saved += _report_saved(sched_a, worker_a)
+            time.sleep(0.01)
+        assert saved == NUM_CHUNKS, f"only {saved} of {NUM_CHUNKS} chunks were stored"
 
         sched_b, worker_b = b
         read_s = [0.0]
