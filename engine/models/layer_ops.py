@@ -14,7 +14,9 @@ cuBLAS for the matmuls:
 EAGER runs them as written (the CPU path and the float32 reference: token-identical to
 transformers); `compiled()` gives the fused versions (CUDA engines with decode graphs,
 EngineConfig.compile_layers). One compiled function serves every layer (weights are
-arguments, not attributes: no recompile per layer) and every batch size (dynamic=True).
+arguments, not attributes: no recompile per layer) and every batch size: the first call
+compiles for its T, the second (another T) for a symbolic T (torch.compile's automatic
+dynamic shapes; weight shapes stay static, so reductions keep their fixed-size kernels).
 """
 
 from __future__ import annotations
@@ -97,12 +99,13 @@ _COMPILED: LayerOps | None = None
 
 def compiled() -> LayerOps:
     """The torch.compile'd LayerOps (built once per process; inductor compiles on first
-    call, per distinct dtype / None-ness of the optional weights, with symbolic T)."""
+    call, again per distinct dtype / None-ness of the optional weights, and once more
+    with a symbolic T when T changes)."""
     global _COMPILED
     if _COMPILED is None:
 
         def fuse(fn: Any) -> Any:
-            return torch.compile(fn, dynamic=True, fullgraph=True)
+            return torch.compile(fn, fullgraph=True)
 
         _COMPILED = LayerOps(fuse(attn_in), fuse(attn_out), fuse(mlp), fused=True)
     return _COMPILED
