@@ -80,17 +80,18 @@ class _DeviceCopy:
 
 @dataclass
 class _Staged:
-    """A group of load slots' payloads on their way to the device (CUDA): the H2D copies,
-    their payload sums and the sums' copy back to pinned host memory run on the copy
-    stream; `copied` follows them."""
+    """A group of load slots' payloads on their way to the device (CUDA): the H2D copies
+    run on the copy stream (`copied` follows them), their payload sums and the sums' copy
+    back to pinned host memory on the unpack stream (`summed`)."""
 
     group: range
     """Indices into the window's keys and slots."""
     payloads: torch.Tensor
     """[len(group), payload bytes] uint8 in one of the two staging buffers."""
     sums: torch.Tensor
-    """[len(group), 2] int64 payload sums, pinned host memory (valid once `copied`)."""
+    """[len(group), 2] int64 payload sums, pinned host memory (valid once `summed`)."""
     copied: torch.cuda.Event
+    summed: torch.cuda.Event
 
 
 @dataclass
@@ -452,11 +453,13 @@ class PoolWorker(KVConnectorWorker):
         spec = self.client.specs[stage]
         bpc = self.blocks_per_chunk
         bs = self.chunk_size // bpc
+        assert self._stream is not None
         staged = self._stage_group(stage, slots, groups[0], 0)
+        self._sum_group(staged)
         for gi in range(len(groups)):
             last = gi + 1 == len(groups)
             nxt = None if last else self._stage_group(stage, slots, groups[gi + 1], gi + 1)
-            staged.copied.synchronize()
+            staged.summed.synchronize()
             got = checksums_of_sums(staged.sums)
             want = [self.client.stored_checksum(slots[j]) for j in staged.group]
             ok = [a == b for a, b in zip(got, want, strict=True)]
@@ -466,9 +469,7 @@ class PoolWorker(KVConnectorWorker):
             )
             payloads = staged.payloads.view(getattr(torch, spec.dtype))
             payloads = payloads.view(len(staged.group), *spec.shape)
-            assert self._stream is not None and self._copy_stream is not None
             with torch.cuda.stream(self._stream):
-                self._stream.wait_event(staged.copied)
                 k0 = 0
                 j0 = staged.group.start
                 b0, b1 = self._chunk_blocks(job, first + j0)
@@ -487,12 +488,13 @@ class PoolWorker(KVConnectorWorker):
                 return staged.group.start + good
             if nxt is None:
                 break
+            self._sum_group(nxt)  # behind this group's unpacks on the unpack stream
             staged = nxt
         return n
 
     def _stage_group(self, stage: int, slots: list[int], group: range, k: int) -> _Staged:
-        """Queue group's H2D copies into staging buffer k % 2 (once the unpacks that read it
-        last are done), their payload sums and the sums' D2H copy, on the copy stream."""
+        """Queue group's H2D copies into staging buffer k % 2 on the copy stream, once the
+        unpacks that read that buffer last are done."""
         assert self._copy_stream is not None
         nbytes = self.client.specs[stage].payload_bytes
         buf = self.client.buffer
@@ -512,11 +514,21 @@ class PoolWorker(KVConnectorWorker):
             for i, j in enumerate(group):
                 off = slots[j] * buf.slot_bytes + HEADER_BYTES
                 payloads[i].copy_(buf.tensor[off : off + nbytes], non_blocking=True)
-            sums = torch.empty(len(group), 2, dtype=torch.int64, pin_memory=True)
-            sums.copy_(payload_sums_t(payloads), non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
-        return _Staged(group, payloads, sums, copied)
+        sums = torch.empty(len(group), 2, dtype=torch.int64, pin_memory=True)
+        return _Staged(group, payloads, sums, copied, copied)
+
+    def _sum_group(self, staged: _Staged) -> None:
+        """On the unpack stream, once the group's copies are done: its payload sums and
+        their copy to pinned host memory (`summed` follows). The copy stream only copies,
+        so the DMA engine moves the next group meanwhile."""
+        assert self._stream is not None
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(staged.copied)
+            staged.sums.copy_(payload_sums_t(staged.payloads), non_blocking=True)
+            staged.summed = torch.cuda.Event()
+            staged.summed.record()
 
     def _unpack_stream(self) -> contextlib.AbstractContextManager[object]:
         if self._stream is None:

@@ -6,8 +6,8 @@ second worker restores them into other pages: the objects land in the client's p
 once-registered buffer (client.read), are copied to the GPU, checksummed there, compared
 with their headers and unpacked into the pages (prefill_worker/pool_worker.py). The pages
 must equal the saved ones bit for bit. The device part of the restore (everything after
-client.read) is timed and printed next to a pinned host -> device copy of the same bytes
-in the same run.
+client.read; best of 3 after a warm-up restore) is timed and printed next to a pinned
+host -> device copy of the same bytes in the same run.
 """
 
 from __future__ import annotations
@@ -134,16 +134,22 @@ def test_worker_restore_on_the_gpu_is_exact_and_near_pinned_h2d():
 
         worker_b.client.read = timed_read  # type: ignore[method-assign]
         blocks_b = list(range(4, 4 + n // BS))
-        req.num_computed_tokens = 0
-        sched_b.update_state_after_alloc(req, blocks_b, n)  # type: ignore[arg-type]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        worker_b.start_loads(sched_b.build_step_meta([]))
-        loaded = _poll(sched_b, worker_b, "r0", 120)
-        total_s = time.perf_counter() - t0
-        assert loaded == n
-        for ka, kb in zip(kv_a, kv_b, strict=True):
-            assert torch.equal(kb[:, blocks_b], ka[:, blocks_a[: n // BS]])
+        runs = []  # (total s, client.read s); the first run is a warm-up (allocations)
+        for _ in range(4):
+            for k in kv_b:
+                k.zero_()
+            read_s[0] = 0.0
+            req.num_computed_tokens = 0
+            sched_b.update_state_after_alloc(req, blocks_b, n)  # type: ignore[arg-type]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            worker_b.start_loads(sched_b.build_step_meta([]))
+            loaded = _poll(sched_b, worker_b, "r0", 120)
+            runs.append((time.perf_counter() - t0, read_s[0]))
+            assert loaded == n
+            for ka, kb in zip(kv_a, kv_b, strict=True):
+                assert torch.equal(kb[:, blocks_b], ka[:, blocks_a[: n // BS]])
+        total_s, read = min(runs[1:], key=lambda r: r[0] - r[1])
 
         nbytes = n * LAYOUT.bytes_per_token
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -154,13 +160,14 @@ def test_worker_restore_on_the_gpu_is_exact_and_near_pinned_h2d():
         dev.copy_(host, non_blocking=True)
         torch.cuda.synchronize()
         h2d = nbytes / (time.perf_counter() - t) / 1e9
-        device_s = total_s - read_s[0]
+        device_s = total_s - read
         dev_gbs = nbytes / device_s / 1e9
         print(
             f"\nworker restore of {nbytes / 1e9:.2f} GB: total {total_s * 1e3:.0f} ms "
-            f"(client.read {read_s[0] * 1e3:.0f} ms, host memcpy of the local backend); device "
+            f"(client.read {read * 1e3:.0f} ms, host memcpy of the local backend); device "
             f"part {device_s * 1e3:.0f} ms = {dev_gbs:.1f} GB/s = {dev_gbs / h2d:.0%} of pinned "
-            f"H2D {h2d:.1f} GB/s"
+            f"H2D {h2d:.1f} GB/s (best of 3 after a warm-up; first run {runs[0][0] * 1e3:.0f} ms "
+            f"with {runs[0][1] * 1e3:.0f} ms of read)"
         )
         assert dev_gbs > 0.5 * h2d, "the worker's device restore is far below pinned H2D"
     finally:
