@@ -21,6 +21,7 @@ from engine.models.registry import build_model
 from engine.weights.cache import load_weights
 from modelinfo.config import ModelConfig, model_config_from_hf
 from modelinfo.gguf_config import model_config_from_gguf
+from protocol.kv_layout import kv_kind_parts
 
 BLOCK_SIZE = 16
 
@@ -35,7 +36,8 @@ class PagedRunner:
         self.model = model
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
-        shape = (2, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+        parts = kv_kind_parts(cfg.kv_kind)  # K and V, or one MLA latent
+        shape = (parts, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
         dev, dtype = model.device, model.dtype
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=dev) for _ in range(model.num_local_layers)
