@@ -1,7 +1,7 @@
 """The model path (engine.weights -> registry -> LlamaForCausalLM -> torch attention over a
 paged cache) against Hugging Face transformers in float32: logits and greedy tokens.
 
-Tiny random models cover every architecture and feature (GQA, llama3 RoPE scaling, qkv
+Tiny random models cover every architecture and feature (GQA, llama3 and yarn RoPE scaling, qkv
 bias, Qwen3 q/k norm, tied and untied embeddings); the SmolLM2 GGUF covers dequantization
 and llama.cpp's q/k permutation on a real model.
 """
@@ -131,7 +131,12 @@ TINY = {
         ),
     ),
     "mistral": dict(rope_theta=1e6, sliding_window=None),
-    "qwen2": dict(rope_theta=1e6, tie_word_embeddings=True),  # qkv bias, tied
+    # qkv bias, tied; YaRN (its attention factor on cos/sin) over a short original context
+    "qwen2": dict(
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024),
+    ),
     "qwen3": dict(rope_theta=1e6, head_dim=32),  # q/k norm, head_dim != hidden / heads
 }
 
