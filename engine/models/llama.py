@@ -11,10 +11,11 @@ Differences inside the family are config flags, not subclasses:
   * qk_norm (Qwen3): per-head RMSNorm of q and k before RoPE;
   * tie_word_embeddings (SmolLM2, small Qwens): lm_head reuses the embedding matrix;
   * partial_rotary_factor (Glm4Moe): RoPE rotates only the leading dims of each head;
-  * moe (Qwen3-MoE, Glm4Moe, DeepSeek): the MLP of the config's sparse layers is a
-    SparseMoeBlock (engine/models/moe.py), the other layers keep the dense SwiGLU;
-  * mla (DeepSeek-V2/V3): attention is multi-head latent attention (engine/models/mla.py)
-    over a one-part latent cache, o_proj reads Hq x v_head_dim.
+  * moe (Qwen3-MoE, Glm4Moe): the MLP of the config's sparse layers is a SparseMoeBlock
+    (engine/models/moe.py), the other layers keep the dense SwiGLU;
+  * mla (DeepSeek-V2/V3): attention is multi-head latent attention, a different layer
+    (MlaDecoderLayer, engine/models/mla_layer.py) over a one-part latent cache; embedding,
+    stages, final norm and lm_head are this module's.
 
 Parameters are fused at load time: q|k|v into one [(Hq + 2 Hkv) D, H] matrix and
 gate|up into one [2 I, H] matrix, so a layer is 4 matmuls. Checkpoint names are
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.models.mla import MlaAttention
+from engine.models.mla_layer import MlaDecoderLayer
 from engine.models.moe import SparseMoeBlock
 from engine.models.params import assign as _assign
 from engine.models.params import meta_param as _param
@@ -68,26 +69,11 @@ class LlamaDecoderLayer(nn.Module):
         h, inter = cfg.hidden_size, cfg.intermediate_size
         self.scale = d**-0.5
         self.input_norm = _param((h,), dtype)
-        self.mla: MlaAttention | None = None
-        self.qkv_weight: nn.Parameter | None = None
-        self.qkv_bias: nn.Parameter | None = None
-        self.qk_norm_weight: nn.Parameter | None = None
-        self.o_bias: nn.Parameter | None = None
-        if cfg.mla is not None:
-            if not backend.supports_mla:
-                raise ModelLoadError(
-                    f"attention backend {backend.name!r} does not run MLA models "
-                    f"({cfg.architecture}); use torch or torch_lse"
-                )
-            self.mla = MlaAttention(cfg, dtype)
-            self.o_weight = _param((h, hq * cfg.mla.v_head_dim), dtype)
-            self.o_bias = _param((h,), dtype) if cfg.attention_bias else None
-        else:
-            self.qkv_weight = _param(((hq + 2 * hkv) * d, h), dtype)
-            self.qkv_bias = _param(((hq + 2 * hkv) * d,), dtype) if cfg.attention_bias else None
-            # q_norm's row repeated over the Hq query heads, then k_norm's over the Hkv heads.
-            self.qk_norm_weight = _param((hq + hkv, d), dtype) if cfg.qk_norm else None
-            self.o_weight = _param((h, hq * d), dtype)
+        self.qkv_weight = _param(((hq + 2 * hkv) * d, h), dtype)
+        self.qkv_bias = _param(((hq + 2 * hkv) * d,), dtype) if cfg.attention_bias else None
+        # q_norm's row repeated over the Hq query heads, then k_norm's over the Hkv heads.
+        self.qk_norm_weight = _param((hq + hkv, d), dtype) if cfg.qk_norm else None
+        self.o_weight = _param((h, hq * d), dtype)
         self.post_norm = _param((h,), dtype)
         self.moe: SparseMoeBlock | None = None
         self.gate_up_weight: nn.Parameter | None = None
@@ -103,36 +89,13 @@ class LlamaDecoderLayer(nn.Module):
         x: torch.Tensor,  # [T, H] residual stream
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,  # [T, 1, D]
-        kv_cache: torch.Tensor,  # [P, num_blocks, block_size, Hkv, D] (kv_layout.py)
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         cfg = self.cfg
-        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        if self.mla is not None:
-            attn = self.mla(h, cos, sin, kv_cache, meta, self.backend)  # [T, Hq Dv]
-        else:
-            attn = self._attention(h, cos, sin, kv_cache, meta)
-        x = x + F.linear(attn, self.o_weight, self.o_bias)
-
-        h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
-        if self.moe is not None:
-            return x + self.moe(h)
-        assert self.gate_up_weight is not None and self.down_weight is not None
-        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)  # [T, I] each
-        return x + F.linear(F.silu(gate) * up, self.down_weight)
-
-    def _attention(
-        self,
-        h: torch.Tensor,  # [T, H] normed
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, Hq D], before o_proj
-        cfg = self.cfg
-        num_tokens = h.shape[0]
+        num_tokens = x.shape[0]
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        assert self.qkv_weight is not None
+        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
         qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [T, (Hq+2Hkv) D]
         qk = qkv[:, : (hq + hkv) * d].view(num_tokens, hq + hkv, d)  # [T, Hq+Hkv, D]
         v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)  # [T, Hkv, D]
@@ -140,7 +103,14 @@ class LlamaDecoderLayer(nn.Module):
             qk = rms_norm(qk, self.qk_norm_weight, cfg.rms_norm_eps)
         qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass
         attn = self.backend.forward(qk[:, :hq], qk[:, hq:], v, kv_cache, meta, self.scale)
-        return attn.reshape(num_tokens, hq * d)
+        x = x + F.linear(attn.reshape(num_tokens, hq * d), self.o_weight)
+
+        h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
+        if self.moe is not None:
+            return x + self.moe(h)
+        assert self.gate_up_weight is not None and self.down_weight is not None
+        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)  # [T, I] each
+        return x + F.linear(F.silu(gate) * up, self.down_weight)
 
     def load(
         self,
@@ -168,15 +138,10 @@ class LlamaDecoderLayer(nn.Module):
         att = "self_attn."
         sources = {
             "input_norm": cat(["input_layernorm.weight"]),
+            "qkv_weight": cat([f"{att}{p}_proj.weight" for p in "qkv"]),
             "o_weight": cat([f"{att}o_proj.weight"]),
             "post_norm": cat(["post_attention_layernorm.weight"]),
         }
-        if self.mla is not None:
-            self.mla.load(weights, prefix + att, device, missing)
-            if self.o_bias is not None:
-                sources["o_bias"] = cat([f"{att}o_proj.bias"])
-        else:
-            sources["qkv_weight"] = cat([f"{att}{p}_proj.weight" for p in "qkv"])
         if self.moe is not None:
             self.moe.load(weights, prefix + "mlp.", device, missing)
         else:
@@ -220,9 +185,9 @@ class LlamaForCausalLM(nn.Module):
         self.is_first, self.is_last = layer_start == 0, layer_end == config.num_layers
         h, vocab = config.hidden_size, config.vocab_size
         self.embed_tokens = _param((vocab, h), dtype) if self.is_first else None
+        layer_cls = LlamaDecoderLayer if config.mla is None else MlaDecoderLayer
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, dtype, i, self.device)
-            for i in range(layer_start, layer_end)
+            layer_cls(config, backend, dtype, i, self.device) for i in range(layer_start, layer_end)
         )
         self.norm = _param((h,), dtype) if self.is_last else None
         self.lm_head = _param((vocab, h), dtype) if self.is_last else None
@@ -286,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             take("embed_tokens", "model.embed_tokens.weight")
             for i, layer in enumerate(self.layers):
-                assert isinstance(layer, LlamaDecoderLayer)
+                assert isinstance(layer, (LlamaDecoderLayer, MlaDecoderLayer))
                 prefix = f"model.layers.{self.layer_start + i}."
                 layer.load(weights, prefix, self.device, missing)
             take("norm", "model.norm.weight")

@@ -41,7 +41,9 @@ from modelinfo.config import ModelConfig
 from protocol.errors import ModelLoadError
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """[..., D] -> [..., D] in float32, cast back before the weight, as HF does (the Llama
+    layer's copy is in engine/models/llama.py, which imports this package: importing it back would be circular)."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -91,12 +93,12 @@ class MlaAttention(nn.Module):
             q = F.linear(h, self.q_weight)
         else:
             assert self.q_a_norm is not None
-            q_low = _rms_norm(F.linear(h, self.q_a, self.q_a_bias), self.q_a_norm, eps)
+            q_low = rms_norm(F.linear(h, self.q_a, self.q_a_bias), self.q_a_norm, eps)
             q = F.linear(q_low, self.q_weight)
         q = q.view(num_tokens, self.num_heads, m.qk_head_dim)
         q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim :]
         ckv = F.linear(h, self.kv_a, self.kv_a_bias)  # [T, L + R]
-        c = _rms_norm(ckv[:, : m.kv_lora_rank], self.kv_a_norm, eps)
+        c = rms_norm(ckv[:, : m.kv_lora_rank], self.kv_a_norm, eps)
         k_pe = ckv[:, None, m.kv_lora_rank :]  # [T, 1, R]
         rope = apply_rotary_interleaved if m.rope_interleave else apply_rotary
         q_pe, k_pe = rope(q_pe, cos, sin), rope(k_pe, cos, sin)
