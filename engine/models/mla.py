@@ -42,8 +42,8 @@ from protocol.errors import ModelLoadError
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """[..., D] -> [..., D] in float32, cast back before the weight, as HF does (the Llama
-    layer's copy is in engine/models/llama.py, which imports this package: importing it back would be circular)."""
+    """[..., D] -> [..., D] in float32, cast back before the weight, as HF does (a copy of
+    engine/models/llama.py's, which imports this module: importing it would be circular)."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
