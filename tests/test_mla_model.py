@@ -10,7 +10,9 @@ tests share.
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 import random
 import shutil
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from test_model_vs_transformers import PagedRunner, assert_logits_close, hf_greedy
 
 from engine.attention.base import get_backend
@@ -25,7 +28,9 @@ from engine.models.moe_router import route
 from engine.models.registry import build_model
 from engine.rope import attention_factor, compute_inv_freq
 from engine.weights.cache import load_weights
+from kvserve.launcher import check
 from modelinfo.config import model_config_from_hf
+from protocol.cluster_types import format_bytes
 from protocol.errors import ModelLoadError
 from protocol.kv_layout import KVLayout
 
@@ -291,7 +296,7 @@ def test_hub_config_parses_and_kv_bytes_are_the_latent() -> None:
     assert (c.num_kv_heads, c.head_dim, c.rotary_dim) == (1, 576, 64)
     assert c.mla.q_lora_rank is None and c.mla.v_head_dim == 128
     assert c.rope_scaling.kind == "yarn" and c.rope_scaling.factor == 40
-    m = 0.1 * 0.707 * __import__("math").log(40) + 1.0
+    m = 0.1 * 0.707 * math.log(40) + 1.0
     assert c.mla.softmax_scale == pytest.approx(192**-0.5 * m * m)
     assert c.moe is not None and c.moe.scoring == "softmax" and not c.moe.norm_topk_prob
     assert c.moe.sparse_layers == tuple(range(1, 27))
@@ -328,3 +333,27 @@ def test_missing_latent_weight_is_named(tmp_path: Path) -> None:
         build_model(
             config, dtype=torch.float32, device="cpu", backend=get_backend("torch"), weights=weights
         )
+
+
+def test_kvserve_check_counts_the_latent(tmp_path: Path) -> None:
+    """`kvserve check` on DeepSeek-V2-Lite's config with decode TP 2 x DCP 2: the layouts
+    line names the latent, and a rank's landing need is its stripe of the whole latent
+    (27 layers x 576 x 4 bytes in float32 per token), not 2 x heads x head_dim."""
+    repo = Path(__file__).resolve().parents[1]
+    example = yaml.safe_load((repo / "deploy/examples/local.yaml").read_text())
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"")  # only config.json is read
+    (folder / "config.json").write_text(json.dumps(DEEPSEEK_V2_LITE))
+    example["model"] = str(folder)
+    example["decode"][0].update(
+        tensor_parallel=2, decode_context_parallel=2, devices=["cpu"] * 2, landing_memory="8GiB"
+    )
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(example))
+    out = io.StringIO()
+    assert check(path, out) == 0
+    text = out.getvalue()
+    assert "27 layers, 16 query heads over an MLA latent of 576 per token" in text
+    per_rank = 163840 // 2 * 27 * 576 * 4
+    assert f"is {format_bytes(per_rank)} per rank" in text, text
