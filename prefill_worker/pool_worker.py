@@ -227,9 +227,9 @@ class PoolWorker(KVConnectorWorker):
         for stage in self.stages:
             spec = self.client.specs[stage.index]
             dst = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=dev)
-            _, _, bs, h, d = self.kv_caches[0].shape
+            parts, _, bs, h, d = self.kv_caches[0].shape
             for layer, kv in enumerate(self._layers(stage)):
-                torch.index_select(kv, 1, idx, out=dst[layer].view(2, len(blocks), bs, h, d))
+                torch.index_select(kv, 1, idx, out=dst[layer].view(parts, len(blocks), bs, h, d))
             temps.append(dst)
         ready = torch.cuda.Event()
         ready.record()
