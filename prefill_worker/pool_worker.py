@@ -355,6 +355,8 @@ class PoolWorker(KVConnectorWorker):
                 except Exception:  # a failed load is a miss, never a dead worker
                     log.exception("pool load of %s failed", rid)
                     self.counters.failure("load", "error")
+                finally:  # nothing may still write the blocks once the load is reported
+                    self._sync_unpacks()
             with self._lock:
                 self._done.append(PoolLoadDone(rid, num_tokens))
                 self._in_flight.discard(rid)
@@ -384,7 +386,10 @@ class PoolWorker(KVConnectorWorker):
             window_ok = len(wkeys)
             for i, stage in enumerate(self.stages):
                 t = time.perf_counter()
-                self._sync_unpacks()  # the slots are about to be overwritten
+                # The slots are about to be overwritten: their H2D copies must be done. The
+                # previous window's last unpacks may still run (they read the device
+                # staging, not the slots): they overlap this read.
+                self._sync_copies()
                 slots = load_slots[i * window : i * window + len(wkeys)]
                 on_device = self._stream is not None
                 n = self.client.read(stage.index, wkeys, slots, verify_payload=not on_device)
@@ -395,7 +400,6 @@ class PoolWorker(KVConnectorWorker):
                     n = self._unpack_on_device(job, stage.index, wkeys, slots, n, first, layers)
                 else:
                     n = self._unpack_on_host(job, stage.index, slots, n, first, layers)
-                self._sync_unpacks()
                 window_ok = n
                 stage_s[i] += time.perf_counter() - t
                 if n == 0:
@@ -534,6 +538,11 @@ class PoolWorker(KVConnectorWorker):
         if self._stream is None:
             return contextlib.nullcontext()
         return torch.cuda.stream(self._stream)
+
+    def _sync_copies(self) -> None:
+        """Wait for the H2D copies out of the load slots (CUDA)."""
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
 
     def _sync_unpacks(self) -> None:
         """Wait for the copies out of the load slots and the unpacks (CUDA)."""
