@@ -283,6 +283,18 @@ class RouterConfig(_Section, frozen=True, kw_only=True):
 Instance = PrefillConfig | DecodeConfig
 
 
+class AuthConfig(_Section, frozen=True, kw_only=True):
+    """Where the cluster secret comes from (protocol/internal_auth.py): every internal
+    call carries it and landing capabilities are keyed by it. Neither set: `kvserve up`
+    creates a random one per run in the run directory (one host only); a cluster
+    spanning several hosts must name one that every host shares."""
+
+    secret_file: str | None = None
+    """A file holding the secret (one line, at least 32 characters, mode 0600)."""
+    secret_env: str | None = None
+    """An environment variable holding the secret, set on every host."""
+
+
 class ClusterConfig(_Section, frozen=True, kw_only=True):
     """A whole deployment: model, nodes, pool, instances, router. Valid once built."""
 
@@ -304,6 +316,7 @@ class ClusterConfig(_Section, frozen=True, kw_only=True):
     prefill: tuple[PrefillConfig, ...]
     decode: tuple[DecodeConfig, ...]
     router: RouterConfig = RouterConfig()
+    auth: AuthConfig = AuthConfig()
 
     def __post_init__(self) -> None:
         check_cluster(self)
