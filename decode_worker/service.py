@@ -207,11 +207,19 @@ class DecodeService:
                 items = [await queue.get()]
                 while not queue.empty():
                     items.append(queue.get_nowait())
-                failure = next((i for i in items if isinstance(i, BaseException)), None)
+                failure = next(
+                    (
+                        str(i) if isinstance(i, BaseException) else i.error
+                        for i in items
+                        if isinstance(i, BaseException) or i.error is not None
+                    ),
+                    None,
+                )
                 if failure is not None:
                     finished = True
                     self.metrics.outcome("failed")
-                    yield encode_line(ErrorEvent(request_id=rid, status=500, message=str(failure)))
+                    message = f"request {rid} failed in decode instance {self.name}: {failure}"
+                    yield encode_line(ErrorEvent(request_id=rid, status=500, message=message))
                     return
                 outs = [i for i in items if isinstance(i, RequestOutput)]
                 tokens = [t for o in outs for t in o.new_token_ids]

@@ -59,6 +59,7 @@ def start_ranks(
         device=inst.devices[0],
         kv_cache_bytes=int(inst.kv_cache_memory),
         max_num_seqs=inst.max_num_seqs,
+        faults=inst.engine_faults,
     )
     children = None
     if tp == 1:

@@ -13,9 +13,17 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine.config import EngineConfig
+from engine.faults import EngineFaults
 from engine.llm_engine import LLMEngine
 from modelinfo.info import ModelInfo, load_model_info
-from protocol.cluster import ClusterConfig, DecodeConfig, NodeConfig, PrefillConfig, load_cluster
+from protocol.cluster import (
+    ClusterConfig,
+    DecodeConfig,
+    EngineFaultsConfig,
+    NodeConfig,
+    PrefillConfig,
+    load_cluster,
+)
 from protocol.cluster_checks import check_model_layouts
 from protocol.config_errors import ConfigError
 from protocol.internal_auth import SECRET_ENV, secret_from_env, secret_problem
@@ -104,8 +112,10 @@ def engine_config(
     kv_cache_bytes: int,
     max_num_seqs: int,
     max_batched_tokens: int = 2048,
+    faults: EngineFaultsConfig | None = None,
 ) -> EngineConfig:
-    """The EngineConfig of one engine process (or one rank / stage of an instance)."""
+    """The EngineConfig of one engine process (or one rank / stage of an instance);
+    `faults`: the instance's test-only engine_faults."""
     name = torch_device(device)
     backend = cluster.attention_backend
     if backend == "auto":
@@ -120,6 +130,9 @@ def engine_config(
         dtype=cluster.dtype,
         device=name,
         cache_dir=cluster.cache.weights_cache_dir,
+        faults=None
+        if faults is None
+        else EngineFaults(fail_seed=faults.fail_seed, place=faults.place),
     )
 
 

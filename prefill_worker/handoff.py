@@ -126,6 +126,15 @@ class HandoffScheduler(KVConnectorScheduler):
             return b""
         return msgspec.msgpack.encode(HandoffMeta(opens, sends, cancels))
 
+    def without_requests(self, meta: bytes, request_ids: set[str]) -> bytes:
+        """Drops their sends; their flows stay open (a request's blocks are released only
+        when every stage closed its flow) until the abort that follows cancels them."""
+        if not meta:
+            return meta
+        m = _meta.decode(meta)
+        sends = [s for s in m.sends if s.request_id not in request_ids]
+        return msgspec.msgpack.encode(HandoffMeta(m.opens, sends, m.cancels))
+
     def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
         update = ConnectorUpdate()
         for stage, payload in enumerate(reports):

@@ -169,8 +169,10 @@ class PrefillService:
         finished = False
         try:
             out = await queue.get()
-            if isinstance(out, BaseException):
-                yield encode_line(ErrorEvent(request_id=rid, status=500, message=str(out)))
+            if isinstance(out, BaseException) or out.error is not None:
+                why = str(out) if isinstance(out, BaseException) else out.error
+                message = f"request {rid} failed in prefill instance {self.name}: {why}"
+                yield encode_line(ErrorEvent(request_id=rid, status=500, message=message))
                 finished = True
                 self.metrics.outcome("failed")
                 return

@@ -152,6 +152,7 @@ def start_stages(
         kv_cache_bytes=int(inst.kv_cache_memory),
         max_num_seqs=inst.max_num_seqs,
         max_batched_tokens=inst.max_batched_tokens,
+        faults=inst.engine_faults,
     )
     sender = handoff_worker(inst, transport, secret)
     pp = inst.pipeline_parallel
@@ -228,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_bytes=int(inst.kv_cache_memory),
         max_num_seqs=inst.max_num_seqs,
         max_batched_tokens=inst.max_batched_tokens,
+        faults=inst.engine_faults,
     )
     pp = inst.pipeline_parallel
     ctx = init_parallel(args.stage, pp, config.device, args.init_method)
