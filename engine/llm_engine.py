@@ -419,8 +419,8 @@ class LLMEngine:
         return self.runner.execute(list(scheduled), self.kv)
 
     def fail_request(self, req: Request, error: str) -> RequestOutput:
-        """End `req` alone with `error` (its step failed because of it): its KV is freed
-        and, never having been computed, never cached."""
+        """End `req` alone with `error` (its step failed because of it) and free its KV
+        (a forward culprit's blocks of the step were never cached: their KV is invalid)."""
         log.warning("request %s failed alone: %s", req.request_id, error)
         self._requests.pop(req.request_id, None)
         self._texts.pop(req.request_id, None)
