@@ -8,6 +8,8 @@ read) runs. The comparison is constant-time (hmac.compare_digest).
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -21,7 +23,11 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+log = logging.getLogger(__name__)
+
 _HEADER = AUTH_HEADER.encode()
+LOG_INTERVAL_S = 60.0
+"""Refusals are logged at most this often (a scan must not flood the log)."""
 _UNAUTHORIZED = msgspec.json.encode(
     {
         "error": {
@@ -45,6 +51,8 @@ class InternalAuth:
         self.secret = secret
         self.num_refused = 0
         """Requests answered 401 (for tests and logs)."""
+        self._logged_at = -LOG_INTERVAL_S
+        self._logged_count = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -55,6 +63,19 @@ class InternalAuth:
             await self.app(scope, receive, send)
             return
         self.num_refused += 1
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_INTERVAL_S:
+            client = scope.get("client") or ("?", 0)
+            log.warning(
+                "refused %s %s from %s:%s without the cluster secret (%d refused since the "
+                "last warning)",
+                scope.get("method"),
+                scope["path"],
+                client[0],
+                client[1],
+                self.num_refused - self._logged_count,
+            )
+            self._logged_at, self._logged_count = now, self.num_refused
         await send(
             {
                 "type": "http.response.start",

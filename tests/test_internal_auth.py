@@ -117,7 +117,7 @@ def _app() -> TestClient:
     return TestClient(app)
 
 
-def test_internal_routes_need_the_secret_health_and_metrics_do_not():
+def test_internal_routes_need_the_secret_health_and_metrics_do_not(caplog):
     client = _app()
     for method, path in (("GET", "/status"), ("POST", "/prefill"), ("GET", "/nowhere")):
         r = client.request(method, path)
@@ -131,6 +131,9 @@ def test_internal_routes_need_the_secret_health_and_metrics_do_not():
     assert client.get("/status", headers=auth_headers(SECRET)).status_code == 200
     assert client.get("/health").status_code == 200
     assert client.get("/metrics").status_code == 200
+    # refusals are logged, but not one line each (a scan must not flood the log)
+    refused = [r for r in caplog.records if "without the cluster secret" in r.getMessage()]
+    assert len(refused) == 1 and "GET /status" in refused[0].getMessage()
 
 
 # -- cluster.yaml and the launcher ----------------------------------------------------------
