@@ -32,12 +32,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.models.cpu_gemm import linear
 from engine.models.moe import SparseMoeBlock
 from engine.models.params import assign as _assign
 from engine.models.params import meta_param as _param
 from engine.rope import RotaryEmbedding, apply_rotary
 from modelinfo.config import ModelConfig
 from protocol.errors import ModelLoadError
+
+LINEAR_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight", "lm_head")
+"""The weights `linear` multiplies by (packed once on CPU in bf16: engine/models/cpu_gemm.py)."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,21 +96,21 @@ class LlamaDecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [T, (Hq+2Hkv) D]
+        qkv = linear(h, self.qkv_weight, self.qkv_bias)  # [T, (Hq+2Hkv) D]
         qk = qkv[:, : (hq + hkv) * d].view(num_tokens, hq + hkv, d)  # [T, Hq+Hkv, D]
         v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)  # [T, Hkv, D]
         if self.qk_norm_weight is not None:
             qk = rms_norm(qk, self.qk_norm_weight, cfg.rms_norm_eps)
         qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass
         attn = self.backend.forward(qk[:, :hq], qk[:, hq:], v, kv_cache, meta, self.scale)
-        x = x + F.linear(attn.reshape(num_tokens, hq * d), self.o_weight)
+        x = x + linear(attn.reshape(num_tokens, hq * d), self.o_weight)
 
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         if self.moe is not None:
             return x + self.moe(h)
         assert self.gate_up_weight is not None and self.down_weight is not None
-        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)  # [T, I] each
-        return x + F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = linear(h, self.gate_up_weight).chunk(2, dim=-1)  # [T, I] each
+        return x + linear(F.silu(gate) * up, self.down_weight)
 
     def load(
         self,
@@ -227,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, H] (final-normed rows to sample from) -> logits [N, V] in float32."""
         if self.lm_head is None:
             raise ValueError("compute_logits runs on the last pipeline stage only")
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Take HF-named tensors into this module's parameters, cast to its dtype and moved
