@@ -37,7 +37,7 @@ def test_packed_linear_is_bit_identical(rows: int, bias: bool) -> None:
             self.qkv_weight = torch.nn.Parameter(w.clone(), requires_grad=False)
 
     m = Holder()
-    assert pack_linear_weights(m, ("qkv_weight",)) == 1
+    assert pack_linear_weights(m, ("qkv_weight",), (Holder,)) == 1
     assert hasattr(m.qkv_weight, "_packed")
     assert torch.equal(linear(x, m.qkv_weight, b), F.linear(x, w, b))
 

@@ -36,13 +36,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def pack_linear_weights(model: nn.Module, names: tuple[str, ...], rows_hint: int = 1) -> int:
-    """Attach a packed copy to every 2-D weight held under one of `names` by any module of
-    `model` (attributes, so a tied lm_head is found under its own name); returns how many
-    were packed. `rows_hint` is the row count oneDNN tunes the layout for (any count stays
+def pack_linear_weights(
+    model: nn.Module,
+    names: tuple[str, ...],
+    modules: tuple[type[nn.Module], ...],
+    rows_hint: int = 1,
+) -> int:
+    """Attach a packed copy to every 2-D weight held under one of `names` by a module of
+    `model` of one of the `modules` types (the ones that multiply through `linear`;
+    attributes, so a tied lm_head is found under its own name); returns how many were
+    packed. `rows_hint` is the row count oneDNN tunes the layout for (any count stays
     correct)."""
     n = 0
     for module in model.modules():
+        if not isinstance(module, modules):
+            continue
         for name in names:
             w = getattr(module, name, None)
             if isinstance(w, torch.Tensor) and w.dim() == 2 and not hasattr(w, "_packed"):

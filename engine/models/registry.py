@@ -8,7 +8,7 @@ import torch
 
 from engine.attention.base import AttentionBackend
 from engine.models.cpu_gemm import pack_linear_weights, packing_available
-from engine.models.llama import LINEAR_WEIGHTS, LlamaForCausalLM
+from engine.models.llama import LINEAR_WEIGHTS, LlamaDecoderLayer, LlamaForCausalLM
 from modelinfo.config import ModelConfig
 from protocol.errors import UnsupportedArchitectureError
 
@@ -19,6 +19,8 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Glm4MoeForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": LlamaForCausalLM,
+    "DeepseekV3ForCausalLM": LlamaForCausalLM,
 }
 """Hugging Face architecture names (config.json `architectures[0]`) kvserve runs; the same
 set as modelinfo.config.SUPPORTED_ARCHITECTURES (which `kvserve check` reads, torch-free)."""
@@ -66,5 +68,5 @@ def build_model(
     for p in model.parameters():
         p.requires_grad_(False)
     if packing_available(torch.device(device), dtype):
-        pack_linear_weights(model, LINEAR_WEIGHTS)
+        pack_linear_weights(model, LINEAR_WEIGHTS, (LlamaDecoderLayer, LlamaForCausalLM))
     return model
