@@ -21,6 +21,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
 from engine.models.llama import LINEAR_WEIGHTS
 from protocol.sampling import SamplingParams
 
@@ -28,7 +29,9 @@ MODEL = "builtin:smollm2-135m-instruct"
 
 
 def _unpack(eng: LLMEngine) -> None:
-    for module in eng.runner.model.modules():
+    runner = eng.runner
+    assert isinstance(runner, ModelRunner)  # one process, the whole model
+    for module in runner.model.modules():
         for name in LINEAR_WEIGHTS:
             w = getattr(module, name, None)
             if isinstance(w, torch.Tensor) and hasattr(w, "_packed"):
@@ -102,7 +105,9 @@ def main() -> int:
         f"context {args.context}, {args.new} new tokens behind it, {args.steps} decode steps; "
         f"1 torch thread, process CPU clock, best of {args.reps}"
     )
-    print("| dtype | prefill behind prefix tok/s | cold prefill tok/s | decode b1 ms | decode b2 ms |")
+    print(
+        "| dtype | prefill behind prefix tok/s | cold prefill tok/s | decode b1 ms | decode b2 ms |"
+    )
     print("|---|---:|---:|---:|---:|")
     for label, b in rows:
         print(
