@@ -84,7 +84,7 @@ def convert_gguf(out: Path) -> Path:
 
     gguf = Path(resolve_model(f"builtin:{SERVED}").path)
     where, name = str(gguf.parent), gguf.name
-    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
     config = AutoConfig.from_pretrained(where, gguf_file=name)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
