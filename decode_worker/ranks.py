@@ -126,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     from engine.parallel.procs import die_with_parent
     from engine.parallel.tp_runner import build_tp_rank, serve_rank
     from enginehost.startup import (
-        cpu_threads_per_engine,
         engine_config,
         set_cpu_threads,
         setup_logging,
@@ -141,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     node = cluster.node(inst.node)
     setup_logging(cluster.log_level, f"{inst.name}.rank{args.rank}")
     device = inst.devices[args.rank]
-    set_cpu_threads(device, cpu_threads_per_engine(cluster, inst.node))
+    set_cpu_threads(cluster, inst, args.rank)
     config = engine_config(
         cluster,
         device=device,

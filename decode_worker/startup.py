@@ -16,7 +16,7 @@ from engine.llm_engine import LLMEngine
 from engine.parallel.comm import init_parallel, recv_bytes
 from engine.parallel.procs import ChildProcesses, rendezvous
 from engine.parallel.tp_runner import build_tp_engine
-from enginehost.startup import cpu_threads_per_engine, engine_config, set_cpu_threads
+from enginehost.startup import engine_config, set_cpu_threads
 from modelinfo.info import ModelInfo
 from protocol.cluster import ClusterConfig, DecodeConfig
 from protocol.parallel import decode_rank_shards
@@ -53,7 +53,7 @@ def start_ranks(
     tp, dcp = inst.tensor_parallel, inst.decode_context_parallel
     mc = info.config
     shards = decode_rank_shards(mc.num_heads, mc.num_kv_heads, tp, dcp)
-    set_cpu_threads(inst.devices[0], cpu_threads_per_engine(cluster, inst.node))
+    set_cpu_threads(cluster, inst, 0)
     config = engine_config(
         cluster,
         device=inst.devices[0],

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
-import torch
 import uvicorn
 from fastapi import FastAPI
 
 from engine.config import EngineConfig
 from engine.faults import EngineFaults
 from engine.llm_engine import LLMEngine
+from enginehost.cpu_plan import setup_cpu_engine
 from modelinfo.info import ModelInfo, load_model_info
 from protocol.cluster import (
     ClusterConfig,
@@ -94,15 +93,13 @@ def torch_device(device: object) -> str:
     return "cpu" if str(device) == "cpu" else f"cuda:{device}"
 
 
-def cpu_threads_per_engine(cluster: ClusterConfig, node: str) -> int:
-    """Split this host's cores evenly among the engine processes the cluster puts on it.
-
-    Every torch CPU engine defaults to one thread per core; several of them on one host
-    oversubscribe the cores, and OpenMP's spinning barriers then make each step many
-    times slower than with fewer threads."""
-    n = sum(i.pipeline_parallel for i in cluster.prefill if i.node == node)
-    n += sum(i.tensor_parallel for i in cluster.decode if i.node == node)
-    return max(1, (os.cpu_count() or 1) // max(1, n))
+def set_cpu_threads(
+    cluster: ClusterConfig, inst: PrefillConfig | DecodeConfig, index: int = 0
+) -> None:
+    """Pin and size the thread pools of stage / rank `index` of `inst` when it runs on
+    the CPU (enginehost/cpu_plan.py); a GPU process keeps torch's defaults."""
+    if str(inst.devices[index]) == "cpu":
+        setup_cpu_engine(cluster, inst.node, inst.name, index)
 
 
 def engine_config(
@@ -136,11 +133,6 @@ def engine_config(
     )
 
 
-def set_cpu_threads(device: object, cpu_threads: int | None) -> None:
-    if cpu_threads is not None and str(device) == "cpu":
-        torch.set_num_threads(cpu_threads)
-
-
 def build_engine(
     cluster: ClusterConfig,
     *,
@@ -148,9 +140,7 @@ def build_engine(
     kv_cache_bytes: int,
     max_num_seqs: int,
     max_batched_tokens: int = 2048,
-    cpu_threads: int | None = None,
 ) -> LLMEngine:
-    set_cpu_threads(device, cpu_threads)
     config = engine_config(
         cluster,
         device=device,

@@ -29,7 +29,7 @@ from engine.parallel.comm import init_parallel
 from engine.parallel.pp_engine import build_pp_engine
 from engine.parallel.procs import ChildProcesses, rendezvous
 from enginehost.kv_events import KVReporter
-from enginehost.startup import cpu_threads_per_engine, engine_config, set_cpu_threads
+from enginehost.startup import engine_config, set_cpu_threads
 from kvpool.stats import StageCounters
 from modelinfo.info import ModelInfo
 from prefill_worker.handoff import HandoffScheduler, HandoffWorker
@@ -146,7 +146,7 @@ def start_stages(
 ) -> PrefillStages:
     """Stage 0's engine: the whole model here (PP 1), or a pipeline over spawned stages
     (they inherit the cluster secret `secret` in their environment)."""
-    set_cpu_threads(inst.devices[0], cpu_threads_per_engine(cluster, inst.node))
+    set_cpu_threads(cluster, inst, 0)
     config = engine_config(
         cluster,
         device=inst.devices[0],
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     node = cluster.node(inst.node)
     setup_logging(cluster.log_level, f"{inst.name}.stage{args.stage}")
     device = inst.devices[args.stage]
-    set_cpu_threads(device, cpu_threads_per_engine(cluster, inst.node))
+    set_cpu_threads(cluster, inst, args.stage)
     config = engine_config(
         cluster,
         device=device,

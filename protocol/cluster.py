@@ -324,6 +324,10 @@ class ClusterConfig(_Section, frozen=True, kw_only=True):
     """Attention kernels of every engine process: "flex" (paged FlexAttention decode and
     flash prefill, CUDA only, with decode CUDA graphs), "torch" (the reference backend,
     CPU and CUDA), or "auto": flex on GPUs, torch on CPUs."""
+    cpu_pinning: bool = True
+    """CPU engine processes of a node each pinned to their own slice of its CPUs, with
+    one torch thread per CPU of the slice (enginehost/cpu_plan.py); false: not pinned,
+    cpus // processes threads each."""
     log_level: LogLevel = "info"
     cache: CacheConfig = CacheConfig()
     nodes: tuple[NodeConfig, ...]

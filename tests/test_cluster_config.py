@@ -48,7 +48,7 @@ def test_every_example_validates(path: Path) -> None:
 def test_local_example() -> None:
     c = load_cluster(LOCAL)
     assert c.model == "builtin:smollm2-135m-instruct"
-    assert c.dtype == "float32"
+    assert c.dtype == "bfloat16" and c.cpu_pinning  # the fast CPU path
     assert [n.host for n in c.nodes] == ["127.0.0.1"]
     assert len(c.prefill) == 1 and len(c.decode) == 1
     assert c.prefill[0].device_names == ("cpu",)

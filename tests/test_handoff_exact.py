@@ -4,7 +4,7 @@ transport into a decode landing ring; a decode engine whose receiver connector k
 request waiting inside the engine, scatters every landed piece into the pages it reserved
 and starts it once prefill's first token is in. The KV decode holds must be
 byte-identical to prefill's, every write ceil(bytes / 8 MiB) ops, and decoding must
-continue exactly as the single-process engine."""
+continue exactly as the single-process engine, in float32 and in bfloat16."""
 
 from __future__ import annotations
 
@@ -28,17 +28,14 @@ from transfer import MAX_OP_BYTES, LandingArena, TransportConfig, create_transpo
 MODEL = "builtin:smollm2-135m-instruct"
 
 
-@pytest.fixture(scope="module")
-def engines(weights_cache_dir: str):
-    prefill = LLMEngine.from_spec(
-        MODEL,
-        EngineConfig(
-            cache_dir=weights_cache_dir, max_num_batched_tokens=256, kv_cache_bytes=128 * 1024**2
-        ),
-    )
-    decode = LLMEngine.from_spec(
-        MODEL, EngineConfig(cache_dir=weights_cache_dir, kv_cache_bytes=128 * 1024**2)
-    )
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def engines(request: pytest.FixtureRequest, weights_cache_dir: str):
+    """float32 (the exactness reference) and bfloat16 (the fast CPU dtype): the handoff
+    moves bytes, so either must land byte-identical."""
+    kw = {"cache_dir": weights_cache_dir, "kv_cache_bytes": 128 * 1024**2, "dtype": request.param}
+    prefill = LLMEngine.from_spec(MODEL, EngineConfig(max_num_batched_tokens=256, **kw))
+    decode = LLMEngine.from_spec(MODEL, EngineConfig(**kw))
+    assert decode.runner.kv_caches[0].dtype == getattr(torch, request.param)
     return prefill, decode
 
 

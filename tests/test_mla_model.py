@@ -350,6 +350,7 @@ def test_kvserve_check_counts_the_latent(tmp_path: Path) -> None:
     (folder / "model.safetensors").write_bytes(b"")  # only config.json is read
     (folder / "config.json").write_text(json.dumps(DEEPSEEK_V2_LITE))
     example["model"] = str(folder)
+    example["dtype"] = "float32"  # the example runs bf16; the byte count below is float32's
     example["decode"][0].update(
         tensor_parallel=2, decode_context_parallel=2, devices=["cpu"] * 2, landing_memory="8GiB"
     )

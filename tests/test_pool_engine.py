@@ -15,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 from conftest import make_tiny_model
 from pool_harness import Pool, start_pool
 from prometheus_client import CollectorRegistry
@@ -26,7 +27,7 @@ from kvpool.client import PoolClient
 from kvpool.metrics import PoolMetrics
 from kvpool.stats import StageCounters
 from prefill_worker.pool_connector import PoolScheduler, PoolWorker
-from protocol.hashing import chunk_keys
+from protocol.hashing import chunk_keys, hash_chain, namespace_seed
 from protocol.ids import ChunkKey
 from protocol.sampling import SamplingParams
 
@@ -187,6 +188,37 @@ def test_other_weights_or_kv_dtype_never_restore(
     finally:
         e1.close()
         e2.close()
+
+
+def _prefix_kv(e: LLMEngine, prompt: list[int], num_blocks: int) -> torch.Tensor:
+    """[L, 2, num_blocks, bs, H, D]: the cached KV of the prompt's first blocks, found
+    through the engine's own prefix cache (the prompt's block hash chain)."""
+    hashes = hash_chain(prompt, 16, namespace_seed(e.namespace.key()))
+    ids = [e.kv.pool.lookup(h) for h in hashes[:num_blocks]]
+    assert None not in ids
+    idx = torch.tensor(ids)
+    return torch.stack([c.index_select(1, idx) for c in e.runner.kv_caches])
+
+
+def test_bfloat16_kv_restores_bitwise(tiny_llama_dir: Path, weights_cache_dir: str, pool: Pool):
+    """bf16 KV (the fast CPU dtype) goes through the pool byte for byte: what b restores
+    is exactly what a computed and saved, and b's tokens are a cold bf16 run's."""
+    a, b, cold = (
+        _engine(tiny_llama_dir, weights_cache_dir, pool if i < 2 else None, dtype="bfloat16")
+        for i in range(3)
+    )
+    try:
+        p = _prompt(11, 700)
+        first = _run(a, p)
+        assert a.runner.kv_caches[0].dtype == torch.bfloat16
+        got = _run(b, p)
+        assert got.num_pool_tokens == 2 * CHUNK and got.num_cached_tokens == 0
+        assert got.token_ids == first.token_ids == _run(cold, p).token_ids
+        blocks = 2 * CHUNK // 16
+        assert torch.equal(_prefix_kv(b, p, blocks), _prefix_kv(a, p, blocks))
+    finally:
+        for e in (a, b, cold):
+            e.close()
 
 
 def _pin_filler(pool: Pool, nbytes: int) -> None:

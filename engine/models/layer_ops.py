@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.models.cpu_gemm import linear
 from engine.rope import apply_rotary
 
 
@@ -37,49 +38,54 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def attn_in(
-    x: torch.Tensor,  # [T, H]
-    norm_w: torch.Tensor,
-    qkv_w: torch.Tensor,
-    qkv_b: torch.Tensor | None,
-    qk_norm_w: torch.Tensor | None,
-    cos: torch.Tensor,  # [T, 1, R]
-    sin: torch.Tensor,
-    eps: float,
-    hq: int,
-    hkv: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k, v [T, Hkv, D]
-    num_tokens = x.shape[0]
-    d = qkv_w.shape[0] // (hq + 2 * hkv)
-    h = rms_norm(x, norm_w, eps)
-    qkv = F.linear(h, qkv_w, qkv_b)  # [T, (Hq+2Hkv) D]
-    qk = qkv[:, : (hq + hkv) * d].view(num_tokens, hq + hkv, d)  # [T, Hq+Hkv, D]
-    v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)  # [T, Hkv, D]
-    if qk_norm_w is not None:
-        qk = rms_norm(qk, qk_norm_w, eps)
-    qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass
-    return qk[:, :hq], qk[:, hq:], v
+def glue(lin: Any) -> tuple[Any, Any, Any]:
+    """attn_in, attn_out and mlp multiplying through `lin`: cpu_gemm.linear for EAGER (a
+    weight's packed copy on CPU, else F.linear), F.linear for the compiled versions (CUDA
+    weights are never packed, and the packed-copy lookup is not something to trace)."""
 
+    def attn_in(
+        x: torch.Tensor,  # [T, H]
+        norm_w: torch.Tensor,
+        qkv_w: torch.Tensor,
+        qkv_b: torch.Tensor | None,
+        qk_norm_w: torch.Tensor | None,
+        cos: torch.Tensor,  # [T, 1, R]
+        sin: torch.Tensor,
+        eps: float,
+        hq: int,
+        hkv: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k, v [T, Hkv, D]
+        num_tokens = x.shape[0]
+        d = qkv_w.shape[0] // (hq + 2 * hkv)
+        h = rms_norm(x, norm_w, eps)
+        qkv = lin(h, qkv_w, qkv_b)  # [T, (Hq+2Hkv) D]
+        qk = qkv[:, : (hq + hkv) * d].view(num_tokens, hq + hkv, d)  # [T, Hq+Hkv, D]
+        v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)  # [T, Hkv, D]
+        if qk_norm_w is not None:
+            qk = rms_norm(qk, qk_norm_w, eps)
+        qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass
+        return qk[:, :hq], qk[:, hq:], v
 
-def attn_out(
-    x: torch.Tensor,  # [T, H] residual stream
-    attn: torch.Tensor,  # [T, Hq, D]
-    o_w: torch.Tensor,
-    norm_w: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # new residual x, normed h [T, H]
-    x = x + F.linear(attn.reshape(x.shape[0], -1), o_w)
-    return x, rms_norm(x, norm_w, eps)
+    def attn_out(
+        x: torch.Tensor,  # [T, H] residual stream
+        attn: torch.Tensor,  # [T, Hq, D]
+        o_w: torch.Tensor,
+        norm_w: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # new residual x, normed h [T, H]
+        x = x + lin(attn.reshape(x.shape[0], -1), o_w)
+        return x, rms_norm(x, norm_w, eps)
 
+    def mlp(
+        x: torch.Tensor,  # [T, H] residual stream
+        h: torch.Tensor,  # [T, H] normed
+        gate_up_w: torch.Tensor,
+        down_w: torch.Tensor,
+    ) -> torch.Tensor:  # [T, H]
+        gate, up = lin(h, gate_up_w).chunk(2, dim=-1)  # [T, I] each
+        return x + lin(F.silu(gate) * up, down_w)
 
-def mlp(
-    x: torch.Tensor,  # [T, H] residual stream
-    h: torch.Tensor,  # [T, H] normed
-    gate_up_w: torch.Tensor,
-    down_w: torch.Tensor,
-) -> torch.Tensor:  # [T, H]
-    gate, up = F.linear(h, gate_up_w).chunk(2, dim=-1)  # [T, I] each
-    return x + F.linear(F.silu(gate) * up, down_w)
+    return attn_in, attn_out, mlp
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,7 @@ class LayerOps:
     fused: bool = False
 
 
-EAGER = LayerOps(attn_in, attn_out, mlp)
+EAGER = LayerOps(*glue(linear))
 
 _COMPILED: LayerOps | None = None
 
@@ -107,6 +113,7 @@ def compiled() -> LayerOps:
         def fuse(fn: Any) -> Any:
             return torch.compile(fn, fullgraph=True)
 
+        attn_in, attn_out, mlp = glue(F.linear)
         _COMPILED = LayerOps(fuse(attn_in), fuse(attn_out), fuse(mlp), fused=True)
     return _COMPILED
 

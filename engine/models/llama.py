@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.models.cpu_gemm import linear
 from engine.models.layer_ops import EAGER, LayerOps, rms_norm
 from engine.models.mla_layer import MlaDecoderLayer
 from engine.models.moe import SparseMoeBlock
@@ -43,6 +44,9 @@ from engine.models.params import meta_param as _param
 from engine.rope import RotaryEmbedding
 from modelinfo.config import ModelConfig
 from protocol.errors import ModelLoadError
+
+LINEAR_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight", "lm_head")
+"""The weights `linear` multiplies by (packed once on CPU in bf16: engine/models/cpu_gemm.py)."""
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -230,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, H] (final-normed rows to sample from) -> logits [N, V] in float32."""
         if self.lm_head is None:
             raise ValueError("compute_logits runs on the last pipeline stage only")
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Take HF-named tensors into this module's parameters, cast to its dtype and moved

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 import torch
 
 from engine.attention.base import AttentionBackend
-from engine.models.llama import LlamaForCausalLM
+from engine.models.cpu_gemm import pack_linear_weights, packing_available
+from engine.models.llama import LINEAR_WEIGHTS, LlamaDecoderLayer, LlamaForCausalLM
 from modelinfo.config import ModelConfig
 from protocol.errors import UnsupportedArchitectureError
 
@@ -51,7 +52,8 @@ def build_model(
     weights: Mapping[str, torch.Tensor],
 ) -> LlamaForCausalLM:
     """Construct the model for layers [layer_start, layer_end) on `device` in `dtype` and load
-    `weights` (HF names, any dtype; see engine/weights). Returned in eval mode, no grads."""
+    `weights` (HF names, any dtype; see engine/weights). Returned in eval mode, no grads; in
+    bf16 / fp16 on CPU with its projection weights packed for oneDNN (engine/models/cpu_gemm.py)."""
     cls = model_class(config.architecture)
     model = cls(
         config,
@@ -65,4 +67,6 @@ def build_model(
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    if packing_available(torch.device(device), dtype):
+        pack_linear_weights(model, LINEAR_WEIGHTS, (LlamaDecoderLayer, LlamaForCausalLM))
     return model

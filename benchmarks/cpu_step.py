@@ -1,0 +1,121 @@
+"""The CPU engine's step costs by dtype, on the process CPU clock (1 torch thread).
+
+    python -m benchmarks.cpu_step [--context 2048] [--new 256] [--steps 32] [--reps 3]
+
+What an agentic turn costs a CPU engine, without HTTP: prefill of `--new` tokens behind a
+cached `--context`-token prefix (the common case: most of the prompt is reused), a cold
+prefill of `--context` tokens, and one decode step at batch 1 and 2 with `--context`
+tokens of KV each. Rows: float32 (the exactness reference), bfloat16 with plain F.linear
+and bfloat16 with oneDNN-packed projection weights (engine/models/cpu_gemm.py, the
+default in bf16 on CPU). CPU time, not wall time: on a shared machine the neighbours
+change the wall clock by 2-3x but hardly the work; the best of `--reps` counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.models.llama import LINEAR_WEIGHTS
+from protocol.sampling import SamplingParams
+
+MODEL = "builtin:smollm2-135m-instruct"
+
+
+def _unpack(eng: LLMEngine) -> None:
+    runner = eng.runner
+    assert isinstance(runner, ModelRunner)  # one process, the whole model
+    for module in runner.model.modules():
+        for name in LINEAR_WEIGHTS:
+            w = getattr(module, name, None)
+            if isinstance(w, torch.Tensor) and hasattr(w, "_packed"):
+                del w._packed
+
+
+def _cpu(fn) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
+def measure(eng: LLMEngine, args: argparse.Namespace, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    vocab = eng.info.config.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prefix = prompt(args.context)
+    eng.generate([prefix], one)  # the prefix is now cached
+    warm = _cpu(lambda: eng.generate([prefix + prompt(args.new)], one))
+    eng.reset_prefix_cache()
+    cold = _cpu(lambda: eng.generate([prompt(args.context)], one))
+    out = {
+        "prefill_behind_prefix_tok_s": args.new / warm,
+        "prefill_cold_tok_s": args.context / cold,
+    }
+    for batch in (1, 2):
+        params = SamplingParams(max_tokens=args.steps + 2, temperature=0.0, ignore_eos=True)
+        for i in range(batch):
+            eng.add_request(prompt(args.context), params, f"d{seed}-{batch}-{i}")
+        while any(r.num_computed_tokens < r.num_tokens - 1 for r in eng.scheduler.waiting):
+            eng.step()
+        eng.step()
+        eng.step()  # every request decoding now
+        t = _cpu(lambda: [eng.step() for _ in range(args.steps)])
+        out[f"decode_b{batch}_ms"] = 1000 * t / args.steps
+        while eng.has_unfinished():
+            eng.step()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu_step", description=__doc__)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    for label, dtype, packed in (
+        ("float32", "float32", False),
+        ("bfloat16 F.linear", "bfloat16", False),
+        ("bfloat16 packed", "bfloat16", True),
+    ):
+        eng = LLMEngine.from_spec(MODEL, EngineConfig(dtype=dtype, kv_cache_bytes=1024**3))
+        if not packed:
+            _unpack(eng)
+        best: dict[str, float] = {}
+        for rep in range(args.reps):
+            eng.reset_prefix_cache()
+            for k, v in measure(eng, args, rep).items():
+                better = max if k.endswith("tok_s") else min
+                best[k] = better(best.get(k, v), v)
+        rows.append((label, best))
+        eng.close()
+    print(
+        f"context {args.context}, {args.new} new tokens behind it, {args.steps} decode steps; "
+        f"1 torch thread, process CPU clock, best of {args.reps}"
+    )
+    print(
+        "| dtype | prefill behind prefix tok/s | cold prefill tok/s | decode b1 ms | decode b2 ms |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for label, b in rows:
+        print(
+            f"| {label} | {b['prefill_behind_prefix_tok_s']:,.0f} | {b['prefill_cold_tok_s']:,.0f} "
+            f"| {b['decode_b1_ms']:.1f} | {b['decode_b2_ms']:.1f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""Which CPUs and how many threads each CPU engine process of a node gets.
+
+Every torch CPU engine defaults to one OpenMP thread per core plus an inter-op pool of
+as many; a prefill and a decode process on one small host then oversubscribe the cores,
+OpenMP's spinning barriers make each step many times slower, and the kernel migrates
+threads between cores (cold caches). The plan gives the node's engine processes
+disjoint slices of the CPUs this process may run on, in a fixed order (prefill
+instances' stages, then decode instances' ranks, as cluster.yaml lists them):
+
+    2 CPUs, prefill-0 + decode-0        prefill-0 -> {0}, decode-0 -> {1}
+    8 CPUs, prefill (PP 2) + decode     stage 0 -> {0,1}, stage 1 -> {2,3}, decode -> {4..7}
+
+with one torch thread per CPU of its slice and one inter-op thread. With more engine
+processes than CPUs, or `cpu_pinning: false`, no process is pinned and each gets
+cpus // processes threads (at least one). The router and the pool's Mooncake services
+are not pinned: they are mostly idle and take whichever core is free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from protocol.cluster import ClusterConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CpuSlot:
+    """One engine process's share: its CPUs (None: not pinned) and torch threads."""
+
+    cpus: tuple[int, ...] | None
+    threads: int
+
+
+def engine_processes(cluster: ClusterConfig, node: str) -> list[tuple[str, int]]:
+    """(instance name, stage or rank) of every CPU engine process on `node`, in plan order."""
+    procs = [
+        (p.name, s)
+        for p in cluster.prefill
+        if p.node == node
+        for s, d in enumerate(p.devices)
+        if str(d) == "cpu"
+    ]
+    procs += [
+        (d.name, r)
+        for d in cluster.decode
+        if d.node == node
+        for r, dev in enumerate(d.devices)
+        if str(dev) == "cpu"
+    ]
+    return procs
+
+
+def available_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def plan_slot(
+    cluster: ClusterConfig, node: str, name: str, index: int, cpus: list[int] | None = None
+) -> CpuSlot:
+    """The slot of process (`name`, stage / rank `index`) on `node`."""
+    cpus = available_cpus() if cpus is None else cpus
+    procs = engine_processes(cluster, node)
+    n = max(1, len(procs))
+    if (name, index) not in procs or not cluster.cpu_pinning or len(cpus) < n:
+        return CpuSlot(None, max(1, len(cpus) // n))
+    i = procs.index((name, index))
+    per = len(cpus) // n
+    extra = len(cpus) % n  # the first `extra` processes take one CPU more
+    start = i * per + min(i, extra)
+    mine = tuple(cpus[start : start + per + (i < extra)])
+    return CpuSlot(mine, len(mine))
+
+
+def apply_slot(slot: CpuSlot) -> None:
+    """Pin this process (all its threads created from now on inherit the mask) and size
+    torch's pools. Call before the engine is built: the OpenMP pool starts on the first
+    parallel op."""
+    if slot.cpus is not None:
+        try:
+            os.sched_setaffinity(0, slot.cpus)
+        except (AttributeError, OSError) as e:  # not Linux, or a CPU outside our cpuset
+            log.warning("cannot pin to CPUs %s: %s", list(slot.cpus), e)
+    torch.set_num_threads(slot.threads)
+    # the engine thread launches ops one at a time; RuntimeError: inter-op work already
+    # ran (the pool exists), keep it
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+    log.info("CPU engine: %d thread(s), CPUs %s", slot.threads, slot.cpus or "not pinned")
+
+
+def setup_cpu_engine(cluster: ClusterConfig, node: str, name: str, index: int) -> None:
+    """plan_slot + apply_slot for this process."""
+    apply_slot(plan_slot(cluster, node, name, index))
