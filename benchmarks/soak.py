@@ -229,7 +229,15 @@ async def soak(args: argparse.Namespace, url: str, run: RunDir) -> dict[str, Any
         errors["outside"] += part["outside"]
         errors["inside"] += part["inside"]
     ok = [r for _, rs in runs for r in rs if r.error is None]
+    last_window = max((f.window_end_s for f in faults), default=0.0)
+    after = [
+        r
+        for origin, rs in runs
+        for r in rs
+        if r.error is None and origin + r.sent_at_s > last_window
+    ]
     return {
+        "completed_after_last_fault": len(after),
         "faults": faults,
         "errors": errors,
         "completed_requests": len(ok),
@@ -240,7 +248,7 @@ async def soak(args: argparse.Namespace, url: str, run: RunDir) -> dict[str, Any
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.soak",
         description=__doc__,
@@ -261,7 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-output", type=int, default=24)
     p.add_argument("--time-scale", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole soak (cluster up, load and faults, cluster down, leftover check); the
+    summary written to OUT/soak.json."""
     warmup = args.warmup if args.warmup is not None else 0.2 * args.duration
     window = args.window if args.window is not None else max(3 * args.sample, 0.05 * args.duration)
 
@@ -306,10 +319,17 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(out / "samples.csv", samples)
     write_json(out / "soak.json", summary)
     plot(out / "soak.png", samples, result["faults"], warmup)
-    brief = {k: summary[k] for k in ("completed_requests", "max_abs_drift", "pass")}
+    summary["samples"] = samples  # for callers; samples.csv has them on disk
+    keys = ("completed_requests", "completed_after_last_fault", "max_abs_drift", "pass")
+    brief = {k: summary[k] for k in keys}
     brief["errors"] = {k: v for k, v in result["errors"].items() if k.startswith("err")}
     print(yaml.safe_dump(brief, sort_keys=False), flush=True)
     print(f"[soak] {out}/soak.json, samples.csv, soak.png", flush=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    summary = run(parse_args(argv))
     return 0 if all(summary["pass"].values()) else 1
 
 
