@@ -167,6 +167,7 @@ class LLMEngine:
             head_dim=mc.head_dim,
             block_size=config.block_size,
             dtype=config.dtype,
+            kind=mc.kv_kind,
         )
         self.runner: ModelExecutor = runner if runner is not None else self._local_runner()
         self.namespace = kv_namespace(info, config, self.runner.layer_split)

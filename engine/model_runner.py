@@ -74,14 +74,9 @@ class ModelRunner:
         use_graphs = cuda_graphs and device.type == "cuda" and backend.graph_safe_decode
         # One extra block past those the scheduler hands out: CUDA-graph padding rows
         # write their K/V there.
-        shape = (
-            2,
-            num_blocks + use_graphs,
-            layout.block_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-        )
-        # kv_caches[i]: [2, num_blocks(+1), block_size, Hkv, D], layer i of this model.
+        shape = layout.cache_shape(num_blocks + use_graphs)
+        # kv_caches[i]: [P, num_blocks(+1), block_size, Hkv, D], layer i of this model
+        # (P = 2 for K and V, 1 for an MLA latent; protocol/kv_layout.py).
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)
         ]

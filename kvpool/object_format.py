@@ -1,7 +1,7 @@
 """The pool object: one (256-token chunk, prefill stage), header + packed KV payload.
 
     offset 0                                   128                         128 + payload
-    | header (HEADER_BYTES, little endian)     | payload: [L_s, 2, n, H, D] of dtype |
+    | header (HEADER_BYTES, little endian)     | payload: [L_s, P, n, H, D] of dtype |
 
     header: magic "KVSP" | format version | header size | namespace hash (16 B)
             | chunk key (16 B) | stage | number of stages | layer range [start, end)
@@ -65,13 +65,15 @@ class ObjectSpec:
     dtype: str
     num_kv_heads: int
     head_dim: int
+    num_parts: int = 2
+    """Cache parts per layer (protocol/kv_layout.py): 2 (K, V) or 1 (an MLA latent)."""
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
-        """[L_s, 2, n, H, D] of the payload."""
+        """[L_s, P, n, H, D] of the payload (P = num_parts; the header stores it)."""
         return (
             self.layer_end - self.layer_start,
-            2,
+            self.num_parts,
             self.num_tokens,
             self.num_kv_heads,
             self.head_dim,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 from protocol.cluster_types import device_name
 from protocol.config_errors import ConfigError
 from protocol.device_budget import shared_devices
+from protocol.kv_layout import kv_kind_parts
 from protocol.parallel import (
     decode_rank_shards,
     head_layout_error,
@@ -217,9 +218,11 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 def rank_kv_bytes_per_token(
     c: ClusterConfig, model: ModelShape, head_dim: int, tp: int, dcp: int
 ) -> int:
-    """KV bytes of one token (all layers, K and V) on a decode rank holding the most heads."""
+    """KV bytes of one token (all layers; K and V, or the MLA latent, which every rank
+    holds whole) on a decode rank holding the most heads."""
     shard = decode_rank_shards(model.num_heads, model.num_kv_heads, tp, dcp)[0]
-    return model.num_layers * 2 * shard.num_kv_heads * head_dim * DTYPE_BYTES[c.dtype]
+    parts = kv_kind_parts(getattr(model, "kv_kind", "mha"))
+    return model.num_layers * parts * shard.num_kv_heads * head_dim * DTYPE_BYTES[c.dtype]
 
 
 def _check_gpu_sharing(c: ClusterConfig) -> None:
