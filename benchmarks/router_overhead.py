@@ -44,6 +44,7 @@ from typing import Any
 
 import httpx
 import msgspec
+import psutil
 
 from benchmarks.cpu_peer import cpu_model
 from benchmarks.router_peers import PEERS
@@ -174,11 +175,19 @@ def _pct(samples: list[float], q: float) -> float:
     return 1e3 * samples[min(len(samples) - 1, int(len(samples) * q))]
 
 
+def _cpu_s(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
 async def measure(
-    fn: Call, concurrency: int, seconds: float, count: int | None
+    fn: Call, concurrency: int, seconds: float, count: int | None, pid: int | None = None
 ) -> dict[str, float]:
     """`concurrency` closed loops for `seconds` (or `count` requests in all) after a 1 s
-    warm-up; latency percentiles (ms) and req/s."""
+    warm-up; latency percentiles (ms), req/s and, with `pid`, that process's CPU time per
+    request (user + system, all threads: what the router costs, whatever else runs)."""
     warm_end = time.perf_counter() + 1.0
     while time.perf_counter() < warm_end:
         await asyncio.gather(*(fn() for _ in range(concurrency)))
@@ -191,15 +200,17 @@ async def measure(
             await fn()
             samples.append(time.perf_counter() - t)
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_s(pid)
     await asyncio.gather(*(loop() for _ in range(concurrency)))
     wall = time.perf_counter() - start
+    cpu = _cpu_s(pid) - cpu
     samples.sort()
     return {
         "p50_ms": _pct(samples, 0.5),
         "p99_ms": _pct(samples, 0.99),
         "req_per_s": len(samples) / wall,
         "requests": len(samples),
+        "cpu_us_per_req": 1e6 * cpu / len(samples),
     }
 
 
@@ -295,9 +306,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 routed: Call = functools.partial(client.via_router, url[name], stream)
                 row: dict[str, Any] = {"system": name, "stream": stream}
-                for label, fn in (("direct", direct), ("router", routed)):
-                    row[f"{label}_seq"] = await measure(fn, 1, 60.0, args.sequential)
-                    row[f"{label}_load"] = await measure(fn, args.concurrency, args.seconds, None)
+                for label, fn, pid in (
+                    ("direct", direct, None),
+                    ("router", routed, procs[name].pid),
+                ):
+                    row[f"{label}_seq"] = await measure(fn, 1, 60.0, args.sequential, pid)
+                    row[f"{label}_load"] = await measure(
+                        fn, args.concurrency, args.seconds, None, pid
+                    )
                 for phase in ("seq", "load"):
                     r, d = row[f"router_{phase}"], row[f"direct_{phase}"]
                     row[f"added_{phase}_p50_ms"] = r["p50_ms"] - d["p50_ms"]
@@ -318,7 +334,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 TABLE_HEAD = (
     "| router | mode | added p50 / p99, 1 conn (ms) | added p50 / p99 at 64 (ms) "
-    "| req/s at 64 | direct req/s at 64 |\n|---|---|---:|---:|---:|---:|"
+    "| req/s at 64 | direct req/s at 64 | router CPU µs/req at 64 |"
+    "\n|---|---|---:|---:|---:|---:|---:|"
 )
 
 
@@ -327,7 +344,8 @@ def table_row(row: dict[str, Any]) -> str:
         f"| {row['system']} | {'stream' if row['stream'] else 'JSON'} "
         f"| {row['added_seq_p50_ms']:+.2f} / {row['added_seq_p99_ms']:+.2f} "
         f"| {row['added_load_p50_ms']:+.2f} / {row['added_load_p99_ms']:+.2f} "
-        f"| {row['router_load']['req_per_s']:,.0f} | {row['direct_load']['req_per_s']:,.0f} |"
+        f"| {row['router_load']['req_per_s']:,.0f} | {row['direct_load']['req_per_s']:,.0f} "
+        f"| {row['router_load']['cpu_us_per_req']:,.0f} |"
     )
 
 
