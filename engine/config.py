@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.faults import EngineFaults
+
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -35,9 +37,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Capture pure-decode steps in CUDA graphs at start-up, one per batch-size bucket up to
     max_num_seqs (only on CUDA with a graph-safe backend: "flex"). False runs every step
     eagerly (same tokens, more launch overhead)."""
+    compile_layers: bool = True
+    """With CUDA graphs: fuse each decoder layer's element-wise glue (RMSNorm, RoPE, residual
+    adds, SwiGLU) with torch.compile before capture (engine/models/layer_ops.py); falls
+    back to the eager ops if compiling fails. No effect without graphs (CPU)."""
     enable_prefix_caching: bool = True
     cache_dir: str | None = None
     """Where converted weights are cached; None means ~/.cache/kvserve."""
+    faults: EngineFaults | None = None
+    """Injected per-request faults, for tests only (engine/faults.py); None: off."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
