@@ -1,28 +1,39 @@
-"""Router overhead: the same request served through the router vs. straight to the workers.
+"""The router beside its peers: kvserve's router, sglang-router and vllm-router in front of
+the same stand-in workers, and the same work done without a router, in one run.
 
-A pair of instant stand-in workers (raw ASGI, canned answers, one process) speaks
-protocol/messages.py. Two paths are timed in the same run, with the same client (the
-router's own keep-alive HTTP/1.1 pool, router/http1.py: httpx would be the bottleneck):
+Stand-in workers (benchmarks/router_standins.py, one process each for prefill and
+decode) answer after the same delays in every protocol: the first token `--ttft-ms`
+(20) after the call, then the other tokens streamed one per write. For each system and
+mode (streamed SSE or one JSON body):
 
-  direct   the client itself opens decode's stream (DecodeReady, then tokens: the
-           stand-in answers at once) and prefill's (2 HTTP calls)
-  router   the client sends one OpenAI /v1/completions; the router validates, tokenizes,
-           routes, makes the same 2 calls, detokenizes and answers in OpenAI's shape
+  direct   the client makes the worker calls of that system's protocol itself:
+           kvserve: decode's stream (DecodeReady) then prefill, as the router does;
+           sglang: /v1/completions to prefill and decode at once, decode's answer;
+           vllm: prefill's /v1/completions (max_tokens 1), then decode's with its
+           kv_transfer_params
+  router   one OpenAI /v1/completions to the router
 
-so router minus direct is what the router adds. Latency: sequential requests, p50/p99.
-Throughput: `--concurrency` clients for `--seconds`. Correctness first: the router's
-text must equal the canned tokens' text before anything is timed.
+router minus direct is what the router adds. Each pair is measured sequentially
+(`--sequential` requests on one connection: latency) and with `--concurrency` (64)
+connections for `--seconds` (latency under load and req/s). One client (router/http1.py's
+keep-alive pool, uvloop) drives everything; the routers, the workers and the client share
+the machine's cores. Correctness first: each router's text must equal the canned
+tokens' text before anything is timed.
 
-    python -m benchmarks.router_overhead [--requests 500] [--seconds 5] [--concurrency 32]
+    python -m benchmarks.router_overhead [--systems kvserve sglang-router vllm-router]
+        [--concurrency 64] [--seconds 5] [--sequential 300] [--out FILE.json]
+
+sglang-router and vllm-router are installed once into their own virtual environments
+(~/.cache/kvserve/, benchmarks/router_peers.py); not run in CI.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -33,204 +44,177 @@ from typing import Any
 
 import httpx
 import msgspec
+import psutil
 
-from protocol.kv_layout import KVLayout
+from benchmarks.cpu_peer import cpu_model
+from benchmarks.router_peers import PEERS
 from protocol.messages import (
     PROTOCOL_VERSION,
     DecodeReady,
     DecodeRequest,
     FirstToken,
-    LandingInfo,
     PrefillRequest,
-    PromptUsage,
     TokenBatch,
-    encode_line,
 )
 from protocol.sampling import SamplingParams
 from router.http1 import Http1Pool
 
 MODEL = "builtin:smollm2-135m-instruct"
+SERVED = "smollm2-135m-instruct"
 PROMPT = "Write one short sentence about caching."
 OUTPUT_TEXT = " Caching keeps recent work close so the next request is fast."
 NUM_OUTPUT_TOKENS = 12
-_LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=16, dtype="float32")
+SYSTEMS = ("kvserve", "sglang-router", "vllm-router")
+Call = Callable[[], Awaitable[str]]
 
 
-# -- the instant stand-in worker (its own process) ----------------------------------------
+class Client:
+    """Every path of one run over one keep-alive pool."""
 
-
-def worker_app(tokens: list[int]) -> Callable[..., Awaitable[None]]:
-    """Raw ASGI app answering every worker endpoint at once with canned tokens."""
-    landing = LandingInfo(0, "local", "127.0.0.1:0", 0, 1 << 20, _LAYOUT)
-    n_out = len(tokens)
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        path = scope["path"]
-        if path == "/prefill":
-            req = msgspec.json.decode(body, type=PrefillRequest)
-            n = len(req.prompt_token_ids)
-            usage = PromptUsage(n, 0, 0, n)
-            finish = "length" if req.params.max_tokens == 1 else None
-            out = encode_line(FirstToken(req.request_id, tokens[0], None, usage, finish))
-        elif path == "/decode":
-            req_d = msgspec.json.decode(body, type=DecodeRequest)
-            limit = min(n_out, req_d.params.max_tokens)
-            ready = DecodeReady(req_d.request_id, [landing], "http://127.0.0.1:0/kv_notify")
-            out = encode_line(ready) + b"".join(
-                encode_line(
-                    TokenBatch(
-                        req_d.request_id,
-                        [tokens[i]],
-                        [None],
-                        "length" if i == limit - 1 else None,
-                        i + 1,
-                    )
-                )
-                for i in range(1, limit)
-            )
-        else:  # /abort, /health
-            out = b"ok"
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-length", str(len(out)).encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": out})
-
-    return app
-
-
-def serve_workers(prefill_port: int, decode_port: int, tokens: list[int]) -> None:
-    import uvicorn
-
-    async def main() -> None:
-        app = worker_app(tokens)
-        servers = [
-            uvicorn.Server(
-                uvicorn.Config(
-                    app,
-                    host="127.0.0.1",
-                    port=p,
-                    loop="uvloop",
-                    http="httptools",
-                    log_level="warning",
-                    access_log=False,
-                )
-            )
-            for p in (prefill_port, decode_port)
-        ]
-        await asyncio.gather(*(s.serve() for s in servers))
-
-    import uvloop
-
-    uvloop.run(main())
-
-
-def serve_router(port: int, prefill_url: str, decode_url: str) -> None:
-    from router.config import InstanceEndpoint, RouterSettings
-    from router.server import run_router
-
-    settings = RouterSettings(
-        model=MODEL,
-        port=port,
-        prefill=(InstanceEndpoint(name="p0", url=prefill_url),),
-        decode=(InstanceEndpoint(name="d0", url=decode_url),),
-    )
-    run_router(settings, log_level="warning")
-
-
-# -- the client ----------------------------------------------------------------------------
-
-
-class Paths:
-    """The two ways of serving one request, with one shared HTTP client."""
-
-    def __init__(
-        self, client: Http1Pool, router: str, prefill: str, decode: str, prompt_ids: list[int]
-    ) -> None:
-        self.client, self.router, self.prefill, self.decode = client, router, prefill, decode
-        self.prompt_ids = prompt_ids
+    def __init__(self, pool: Http1Pool, prefill: str, decode: str, prompt_ids: list[int]) -> None:
+        self.pool, self.prefill, self.decode, self.prompt_ids = pool, prefill, decode, prompt_ids
         self.params = SamplingParams(max_tokens=NUM_OUTPUT_TOKENS, temperature=0.0)
         self.count = 0
 
-    async def _post(self, url: str, body: bytes) -> bytes:
-        resp = await self.client.post(url, body)
+    async def post(self, url: str, body: bytes) -> bytes:
+        resp = await self.pool.post(url, body)
         try:
             data = await resp.read()
         finally:
             resp.close()
-        assert resp.status == 200, (resp.status, data)
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}: {data[:300]!r}")
         return data
 
-    async def via_router(self) -> str:
-        body = msgspec.json.encode(
-            {
-                "model": "smollm2-135m-instruct",
-                "prompt": PROMPT,
-                "max_tokens": NUM_OUTPUT_TOKENS,
-                "temperature": 0,
-            }
-        )
-        answer = msgspec.json.decode(await self._post(self.router + "/v1/completions", body))
-        return str(answer["choices"][0]["text"])
+    def openai_body(self, stream: bool, **extra: Any) -> dict[str, Any]:
+        return {
+            "model": SERVED,
+            "prompt": PROMPT,
+            "max_tokens": NUM_OUTPUT_TOKENS,
+            "temperature": 0,
+            "stream": stream,
+            **extra,
+        }
 
-    async def direct(self) -> list[int]:
+    async def via_router(self, url: str, stream: bool) -> str:
+        data = await self.post(
+            url + "/v1/completions", json.dumps(self.openai_body(stream)).encode()
+        )
+        return completion_text(data, stream)
+
+    async def direct_kvserve(self) -> str:
+        """decode's stream first (DecodeReady), then prefill; tokens as ids joined."""
         self.count += 1
         rid = f"bench-{self.count}"
         enc = msgspec.json.encode
         decode = DecodeRequest(PROTOCOL_VERSION, rid, self.prompt_ids, self.params)
-        d_lines = (await self._post(self.decode + "/decode", enc(decode))).splitlines()
-        ready = msgspec.json.decode(d_lines[0], type=DecodeReady)
-        prefill = PrefillRequest(
-            PROTOCOL_VERSION, rid, self.prompt_ids, self.params, ready.landing, ready.notify_url
+        resp = await self.pool.post(self.decode + "/decode", enc(decode))
+        try:
+            buf = b""
+            chunks = resp.chunks()
+            async for chunk in chunks:
+                buf += chunk
+                if b"\n" in buf:
+                    break
+            head, _, buf = buf.partition(b"\n")
+            ready = msgspec.json.decode(head, type=DecodeReady)
+            prefill = PrefillRequest(
+                PROTOCOL_VERSION, rid, self.prompt_ids, self.params, ready.landing, ready.notify_url
+            )
+            first = msgspec.json.decode(
+                (await self.post(self.prefill + "/prefill", enc(prefill))).splitlines()[0],
+                type=FirstToken,
+            )
+            async for chunk in chunks:
+                buf += chunk
+        finally:
+            resp.close()
+        ids = [first.token_id]
+        for line in buf.splitlines():
+            ids += msgspec.json.decode(line, type=TokenBatch).token_ids
+        return " ".join(map(str, ids))
+
+    async def direct_sglang(self, stream: bool) -> str:
+        body = self.openai_body(
+            stream, bootstrap_host="127.0.0.1", bootstrap_port=None, bootstrap_room=self.count
         )
-        lines = (await self._post(self.prefill + "/prefill", enc(prefill))).splitlines()
-        first = msgspec.json.decode(lines[0], type=FirstToken)
-        batches = [msgspec.json.decode(line, type=TokenBatch) for line in d_lines[1:]]
-        return [first.token_id] + [t for b in batches for t in b.token_ids]
+        raw = json.dumps(body).encode()
+        _, data = await asyncio.gather(
+            self.post(self.prefill + "/v1/completions", raw),
+            self.post(self.decode + "/v1/completions", raw),
+        )
+        return completion_text(data, stream)
+
+    async def direct_vllm(self, stream: bool) -> str:
+        remote = {"do_remote_decode": True, "do_remote_prefill": False}
+        first = self.openai_body(False, kv_transfer_params=remote)
+        first.update(max_tokens=1, min_tokens=1)
+        answer = json.loads(
+            await self.post(self.prefill + "/v1/completions", json.dumps(first).encode())
+        )
+        body = self.openai_body(stream, kv_transfer_params=answer["kv_transfer_params"])
+        data = await self.post(self.decode + "/v1/completions", json.dumps(body).encode())
+        return completion_text(data, stream)
 
 
-async def _latency(fn: Callable[[], Awaitable[object]], n: int) -> dict[str, float]:
-    for _ in range(min(50, n)):  # warm-up: connections, caches
-        await fn()
-    samples = []
-    for _ in range(n):
-        t = time.perf_counter()
-        await fn()
-        samples.append(time.perf_counter() - t)
-    samples.sort()
-    return {
-        "p50_ms": 1e3 * samples[len(samples) // 2],
-        "p99_ms": 1e3 * samples[min(len(samples) - 1, int(len(samples) * 0.99))],
-        "mean_ms": 1e3 * sum(samples) / len(samples),
-    }
+def completion_text(data: bytes, stream: bool) -> str:
+    if not stream:
+        return str(json.loads(data)["choices"][0]["text"])
+    text = []
+    for line in data.split(b"\n"):
+        if line.startswith(b"data: {"):
+            for choice in json.loads(line[6:]).get("choices") or []:
+                text.append(choice.get("text") or "")
+    return "".join(text)
 
 
-async def _throughput(
-    fn: Callable[[], Awaitable[object]], concurrency: int, seconds: float
-) -> float:
-    done = 0
+# -- load ----------------------------------------------------------------------------------
+
+
+def _pct(samples: list[float], q: float) -> float:
+    return 1e3 * samples[min(len(samples) - 1, int(len(samples) * q))]
+
+
+def _cpu_s(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
+async def measure(
+    fn: Call, concurrency: int, seconds: float, count: int | None, pid: int | None = None
+) -> dict[str, float]:
+    """`concurrency` closed loops for `seconds` (or `count` requests in all) after a 1 s
+    warm-up; latency percentiles (ms), req/s and, with `pid`, that process's CPU time per
+    request (user + system, all threads: what the router costs, whatever else runs)."""
+    warm_end = time.perf_counter() + 1.0
+    while time.perf_counter() < warm_end:
+        await asyncio.gather(*(fn() for _ in range(concurrency)))
+    samples: list[float] = []
     end = time.perf_counter() + seconds
 
     async def loop() -> None:
-        nonlocal done
-        while time.perf_counter() < end:
+        while time.perf_counter() < end and (count is None or len(samples) < count):
+            t = time.perf_counter()
             await fn()
-            done += 1
+            samples.append(time.perf_counter() - t)
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_s(pid)
     await asyncio.gather(*(loop() for _ in range(concurrency)))
-    return done / (time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    cpu = _cpu_s(pid) - cpu
+    samples.sort()
+    return {
+        "p50_ms": _pct(samples, 0.5),
+        "p99_ms": _pct(samples, 0.99),
+        "req_per_s": len(samples) / wall,
+        "requests": len(samples),
+        "cpu_us_per_req": 1e6 * cpu / len(samples),
+    }
+
+
+# -- processes -----------------------------------------------------------------------------
 
 
 def _free_port() -> int:
@@ -239,19 +223,33 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_up(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+def _wait_up(url: str, proc: subprocess.Popen[bytes], path: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"{url} exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/health", trust_env=False).status_code == 200:
+            if httpx.get(url + path, trust_env=False, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"{url} did not come up")
-        time.sleep(0.1)
+        time.sleep(0.2)
+
+
+def serve_router(port: int, prefill_url: str, decode_url: str, workers: int) -> None:
+    from router.config import InstanceEndpoint, RouterSettings
+    from router.server import run_router
+
+    settings = RouterSettings(
+        model=MODEL,
+        served_model_name=SERVED,
+        port=port,
+        prefill=(InstanceEndpoint(name="p0", url=prefill_url),),
+        decode=(InstanceEndpoint(name="d0", url=decode_url),),
+    )
+    run_router(settings, log_level="warning")
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -260,79 +258,128 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_model_info(MODEL).tokenizer
     tokens = tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False)[:NUM_OUTPUT_TOKENS]
     expected = tokenizer.decode(tokens)
-    prefill_port, decode_port, router_port = _free_port(), _free_port(), _free_port()
+    pieces = [
+        tokenizer.decode(tokens[: i + 1])[len(tokenizer.decode(tokens[:i])) :]
+        for i in range(len(tokens))
+    ]
+    ports = {k: _free_port() for k in ("prefill", "decode", *args.systems)}
+    url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     me = [sys.executable, "-m", "benchmarks.router_overhead"]
-    procs = [
-        subprocess.Popen(
-            [*me, "--serve-workers", str(prefill_port), str(decode_port), json.dumps(tokens)],
-            env=env,
-        ),
-        subprocess.Popen(
-            [
-                *me,
-                "--serve-router",
-                str(router_port),
-                f"http://127.0.0.1:{prefill_port}",
-                f"http://127.0.0.1:{decode_port}",
-            ],
-            env=env,
-        ),
-    ]
+    canned = json.dumps({"tokens": tokens, "pieces": pieces, "ttft_s": args.ttft_ms / 1e3})
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    for role in ("prefill", "decode"):
+        procs[role] = subprocess.Popen(
+            [*me, "--serve-worker", role, str(ports[role]), canned], env=env
+        )
     try:
-        _wait_up(f"http://127.0.0.1:{prefill_port}", procs[0])
-        _wait_up(f"http://127.0.0.1:{router_port}", procs[1])
-        client = Http1Pool(connect_timeout_s=5.0)
-        try:
-            paths = Paths(
-                client,
-                f"http://127.0.0.1:{router_port}",
-                f"http://127.0.0.1:{prefill_port}",
-                f"http://127.0.0.1:{decode_port}",
-                tokenizer.encode(PROMPT),
-            )
-            text = await paths.via_router()  # correctness before speed
-            assert text == expected, (text, expected)
-            assert await paths.direct() == tokens
-            result: dict[str, Any] = {"output_tokens": len(tokens)}
-            for name, fn in (("direct", paths.direct), ("router", paths.via_router)):
-                result[name] = await _latency(fn, args.requests)
-                result[name]["max_req_per_s"] = await _throughput(
-                    fn, args.concurrency, args.seconds
+        for role in ("prefill", "decode"):
+            _wait_up(url[role], procs[role], "/health")
+        for name in args.systems:
+            if name == "kvserve":
+                cmd = [*me, "--serve-router", str(ports[name]), url["prefill"], url["decode"]]
+                procs[name] = subprocess.Popen(cmd, env=env)
+            else:
+                peer = PEERS[name]
+                cmd = peer.command(
+                    peer.ensure(), ports[name], _free_port(), url["prefill"], url["decode"]
                 )
-            result["router_overhead_p50_ms"] = (
-                result["router"]["p50_ms"] - result["direct"]["p50_ms"]
-            )
-            return result
-        finally:
-            client.close()
+                procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+        pool = Http1Pool(connect_timeout_s=5.0)
+        client = Client(pool, url["prefill"], url["decode"], tokenizer.encode(PROMPT))
+        for name in args.systems:
+            _wait_up(url[name], procs[name], "/health")
+            for stream in (False, True):  # correctness before speed
+                text = await client.via_router(url[name], stream)
+                assert text == expected, (name, stream, text, expected)
+        assert await client.direct_kvserve() == " ".join(map(str, tokens))
+        result: dict[str, Any] = {"output_tokens": len(tokens), "ttft_ms": args.ttft_ms, "rows": []}
+        for name in args.systems:
+            for stream in (False, True):
+                direct: Call = functools.partial(
+                    {
+                        "kvserve": lambda _s: client.direct_kvserve(),
+                        "sglang-router": client.direct_sglang,
+                        "vllm-router": client.direct_vllm,
+                    }[name],
+                    stream,
+                )
+                routed: Call = functools.partial(client.via_router, url[name], stream)
+                row: dict[str, Any] = {"system": name, "stream": stream}
+                for label, fn, pid in (
+                    ("direct", direct, None),
+                    ("router", routed, procs[name].pid),
+                ):
+                    row[f"{label}_seq"] = await measure(fn, 1, 60.0, args.sequential, pid)
+                    row[f"{label}_load"] = await measure(
+                        fn, args.concurrency, args.seconds, None, pid
+                    )
+                for phase in ("seq", "load"):
+                    r, d = row[f"router_{phase}"], row[f"direct_{phase}"]
+                    row[f"added_{phase}_p50_ms"] = r["p50_ms"] - d["p50_ms"]
+                    row[f"added_{phase}_p99_ms"] = r["p99_ms"] - d["p99_ms"]
+                print(table_row(row), file=sys.stderr, flush=True)
+                result["rows"].append(row)
+        pool.close()
+        return result
     finally:
-        for p in procs:
+        for p in procs.values():
             p.terminate()
-            p.wait(timeout=10)
+        for p in procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+TABLE_HEAD = (
+    "| router | mode | added p50 / p99, 1 conn (ms) | added p50 / p99 at 64 (ms) "
+    "| req/s at 64 | direct req/s at 64 | router CPU µs/req at 64 |"
+    "\n|---|---|---:|---:|---:|---:|---:|"
+)
+
+
+def table_row(row: dict[str, Any]) -> str:
+    return (
+        f"| {row['system']} | {'stream' if row['stream'] else 'JSON'} "
+        f"| {row['added_seq_p50_ms']:+.2f} / {row['added_seq_p99_ms']:+.2f} "
+        f"| {row['added_load_p50_ms']:+.2f} / {row['added_load_p99_ms']:+.2f} "
+        f"| {row['router_load']['req_per_s']:,.0f} | {row['direct_load']['req_per_s']:,.0f} "
+        f"| {row['router_load']['cpu_us_per_req']:,.0f} |"
+    )
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--serve-workers":
-        serve_workers(int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve-worker":
+        from benchmarks.router_standins import serve
+
+        canned = json.loads(sys.argv[4])
+        serve(sys.argv[2], int(sys.argv[3]), canned["tokens"], canned["pieces"], canned["ttft_s"])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-router":
-        serve_router(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+        serve_router(int(sys.argv[2]), sys.argv[3], sys.argv[4], 1)
         return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--requests", type=int, default=500, help="sequential requests per path")
-    parser.add_argument("--seconds", type=float, default=5.0, help="throughput phase per path")
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=5.0, help="load phase per path")
+    parser.add_argument("--sequential", type=int, default=300, help="requests on one connection")
+    parser.add_argument("--ttft-ms", type=float, default=20.0)
+    parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
     import uvloop
 
     result = uvloop.run(run(args))
-    result["machine"] = (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    )
+    result["machine"] = f"{cpu_model()}, {os.cpu_count()} cores"
+    result["command"] = " ".join(["python -m benchmarks.router_overhead", *sys.argv[1:]])
     print(json.dumps(result, indent=2))
+    print(TABLE_HEAD)
+    for row in result["rows"]:
+        print(table_row(row))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,10 @@ min_tokens delayed the check) no longer counts: emitted text is never taken back
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
+
+import tokenizers
+from tokenizers.decoders import DecodeStream
 
 from protocol.sampling import SamplingParams
 
@@ -82,10 +85,22 @@ class IncrementalDetokenizer:
         self._tokens: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
+        self._stream, self._backend = _decode_stream(tokenizer, self._tokens, skip_special_tokens)
 
     def append(self, token_id: int) -> str:
         """Adds one output token; returns the text that is complete now (maybe "")."""
         self._tokens.append(token_id)
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self._backend, token_id)
+            except Exception:  # a decode the stream cannot follow: the window from now on
+                self._stream = None
+            else:
+                if text is None:
+                    return ""
+                self._prefix_offset = self._read_offset
+                self._read_offset = len(self._tokens)
+                return str(text)
         prefix_text, new_text = self._decode_window()
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
             return ""
@@ -110,6 +125,23 @@ class IncrementalDetokenizer:
         prefix_text = self._tokenizer.decode(window[:read], skip_special_tokens=skip)
         new_text = self._tokenizer.decode(window, skip_special_tokens=skip)
         return prefix_text, new_text
+
+
+def _decode_stream(
+    tokenizer: TokenDecoder, context: list[int], skip_special_tokens: bool
+) -> tuple[Any, Any]:
+    """tokenizers' DecodeStream over `tokenizer`'s backend, primed with `context`, or
+    (None, None) to decode windows here. The stream runs the same window rule (emit when
+    the text grew and does not end in U+FFFD, then slide) in Rust, at about 60% of the
+    cost of two decode() calls per token from Python. A context that ends inside a
+    character would leave the stream's window on the prompt: windows here then."""
+    backend = getattr(tokenizer, "backend", tokenizer)
+    if not isinstance(backend, tokenizers.Tokenizer):
+        return None, None
+    stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+    if context and stream.step(backend, context) is None:
+        return None, None
+    return stream, backend
 
 
 class StopChecker:

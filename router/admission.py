@@ -118,6 +118,21 @@ class AdmissionGate:
         Raises TooManyRequests (429) or InvalidRequest (400) as the module doc says;
         `candidates` raises itself when no instance is routable at all."""
         t0 = time.monotonic()
+        now = self.admit_now(request_id, tokens, candidates, choose)
+        if now is not None:
+            return now
+        return await self._wait(request_id, tokens, candidates, choose, t0)
+
+    def admit_now(
+        self,
+        request_id: str,
+        tokens: int,
+        candidates: Callable[[], Sequence[Instance]],
+        choose: Callable[[Sequence[Instance]], Instance],
+    ) -> Reservation | None:
+        """`admit` without waiting: the reservation when nobody waits and an instance has
+        room, else None (the caller then awaits `admit`). Raises as `admit` does for a
+        request no budget can hold."""
         cands = candidates()
         budgets = [self.budget(i) for i in cands]
         if cands and all(b is not None and tokens > b for b in budgets):
@@ -134,6 +149,17 @@ class AdmissionGate:
             if room:
                 self.metrics.admission_wait.observe(0.0)
                 return self._reserve(choose(room), request_id, tokens)
+        return None
+
+    async def _wait(
+        self,
+        request_id: str,
+        tokens: int,
+        candidates: Callable[[], Sequence[Instance]],
+        choose: Callable[[Sequence[Instance]], Instance],
+        t0: float,
+    ) -> Reservation:
+        """Wait in line (FIFO) until first and an instance has room, or time out."""
         if len(self._waiters) >= self.settings.max_waiting:
             self.metrics.on_rejected("queue_full")
             raise self._busy(f"{len(self._waiters)} requests are already waiting")

@@ -30,6 +30,7 @@ from router.admission import AdmissionGate, AdmissionSettings
 from router.cluster_view import ClusterView, KVWatcher
 from router.config import RouterSettings
 from router.errors import APIError, InvalidRequest, NotFound
+from router.fast_path import GenerationRoutes
 from router.health import HealthMonitor
 from router.instances import Instance, InstanceRegistry
 from router.metrics import RouterMetrics
@@ -119,6 +120,11 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
     app.state.registry = registry
     app.state.metrics = metrics
     app.state.view = view
+
+    # POSTs to the generation routes are served by GenerationRoutes before FastAPI's
+    # routing; these declarations keep them in /openapi.json (and serve them should a
+    # request reach the router another way).
+    app.add_middleware(GenerationRoutes, ctx=ctx)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

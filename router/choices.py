@@ -112,6 +112,10 @@ async def full_body(choices: list[Choice]) -> bytes:
 async def stream_body(req: PreparedRequest, choices: list[Choice]) -> AsyncIterator[bytes]:
     """SSE chunks of every choice as they come, then usage (if asked) and [DONE].
     Raises APIError from a failing choice (the caller turns it into an error event)."""
+    if len(choices) == 1:  # the common case: no pump task, no queue hop per delta
+        async for chunk in _one_choice_body(req, choices[0]):
+            yield chunk
+        return
     queue: asyncio.Queue[tuple[int, OutputDelta | BaseException | None]] = asyncio.Queue()
 
     async def pump(k: int, choice: Choice) -> None:
@@ -156,6 +160,22 @@ async def stream_body(req: PreparedRequest, choices: list[Choice]) -> AsyncItera
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _one_choice_body(req: PreparedRequest, choice: Choice) -> AsyncIterator[bytes]:
+    fmt = choice.fmt
+    chunk = fmt.stream_start() + fmt.stream_delta(choice.first)
+    finish = choice.first.finish_reason
+    while finish is None:
+        yield chunk
+        delta = await anext(choice.deltas, None)  # type: ignore[arg-type]
+        if delta is None:
+            raise WorkerFailed("the workers ended the stream without a finish reason")
+        chunk = fmt.stream_delta(delta)
+        finish = delta.finish_reason
+    if req.include_usage:
+        chunk += fmt.stream_usage(num_output_tokens([choice]), usage_of([choice]))
+    yield chunk + DONE
 
 
 def error_event(error: APIError) -> bytes:

@@ -10,8 +10,8 @@ What it does: keep-alive connections pooled per (host, port); POST with a body;
 response status and body, the body streamed as it arrives (chunked or Content-Length),
 parsed by httptools (the parser uvicorn uses). A reused idle connection that turns out
 closed before any response byte is retried once on a fresh one (the server never read
-the request). Timeouts: connecting is bounded here; everything else by the caller's
-asyncio timeout (cancelling closes the connection).
+the request). Timeouts: connecting is bounded here; a body's reading by `Response.expire_at`;
+everything else by the caller's asyncio timeout (cancelling closes the connection).
 """
 
 from __future__ import annotations
@@ -51,6 +51,17 @@ class Response:
         self.complete = False
         self.error: Exception | None = None
         self.got_bytes = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def expire_at(self, deadline: float) -> None:
+        """Reading the body past `deadline` (loop time) raises TimeoutError: one timer for
+        the whole body, not one per chunk (a streamed answer has a chunk per token)."""
+        if self._timer is None and not self.complete:
+            self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        self._fail(TimeoutError("the response did not end before its deadline"))
 
     async def chunks(self) -> AsyncIterator[bytes]:
         while True:
@@ -72,6 +83,9 @@ class Response:
         return b"".join([chunk async for chunk in self.chunks()])
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._conn.release(self)
 
     # -- fed by the connection ---------------------------------------------------------------

@@ -246,14 +246,20 @@ class RequestRun:
         if gate is None:
             return self._pick("decode", tried)
         need = len(self.ctx.prompt_token_ids) + self.params.max_tokens
-        async with asyncio.timeout_at(self.deadline):
-            self._reservation = await gate.admit(
-                self.request_id,
-                need,
-                lambda: self._candidates("decode", tried),
-                lambda room: self._choose("decode", room),
-            )
-        return self._reservation.instance
+
+        def candidates() -> list[Instance]:
+            return self._candidates("decode", tried)
+
+        def choose(room: Sequence[Instance]) -> Instance:
+            return self._choose("decode", room)
+
+        # Most requests are admitted at once: no timeout scope (a timer) for those.
+        reservation = gate.admit_now(self.request_id, need, candidates, choose)
+        if reservation is None:
+            async with asyncio.timeout_at(self.deadline):
+                reservation = await gate.admit(self.request_id, need, candidates, choose)
+        self._reservation = reservation
+        return reservation.instance
 
     async def _prefill_events(self, ready: DecodeReady | None) -> AsyncIterator[PrefillEvent]:
         req = PrefillRequest(

@@ -1,6 +1,6 @@
 """Running the router app under uvicorn: uvloop, httptools, TCP_NODELAY on every client
 connection (a streamed chunk must leave at once, not wait for the previous one's ACK),
-and the HTTP limits of router/http_limits.py (sizes and timeouts of headers and body)."""
+one write per event-loop turn (router/write_coalescing.py), and the HTTP limits of router/http_limits.py (sizes and timeouts of headers and body)."""
 
 from __future__ import annotations
 
@@ -16,19 +16,22 @@ from modelinfo.info import load_model_info
 from router.app import create_app
 from router.config import RouterSettings
 from router.http_limits import GuardedHttpToolsProtocol, HttpLimits, guarded_protocol
+from router.write_coalescing import CoalescingTransport
 
 log = logging.getLogger(__name__)
 
 
 class NoDelayHttpToolsProtocol(GuardedHttpToolsProtocol):
-    """uvicorn's httptools protocol with Nagle's algorithm turned off explicitly (and the
-    HTTP limits of its base)."""
+    """uvicorn's httptools protocol with Nagle's algorithm turned off explicitly, the
+    writes of one event-loop turn coalesced (router/write_coalescing.py), and the HTTP
+    limits of its base."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        super().connection_made(transport)
+        coalescing = CoalescingTransport(transport, asyncio.get_running_loop())
+        super().connection_made(coalescing)  # type: ignore[arg-type]
 
 
 def uvicorn_config(

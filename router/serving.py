@@ -113,24 +113,27 @@ async def serve_generation(ctx: ServingContext, request: Request, endpoint: str)
 
         stream, fmt = open_choice(0)
         deltas = stream.deltas()
+
+        async def answer() -> bytes | None:
+            """The whole JSON body, or None once every choice streams (one disconnect
+            race for all of it: a race costs two tasks)."""
+            first = await first_delta(deltas)
+            choices.append(Choice(stream, deltas, first, fmt))
+            if prepared.n > 1:  # after choice 0's first token: its prompt KV is cached
+                await open_rest(prepared, open_choice, choices)
+            return None if prepared.stream else await full_body(choices)
+
         try:
-            first = await race_disconnect(request.receive, first_delta(deltas))
+            reply = await race_disconnect(request.receive, answer())
         except BaseException:
             await deltas.aclose()
-            raise
-        choices.append(Choice(stream, deltas, first, fmt))
-        try:
-            if prepared.n > 1:  # after choice 0's first token: its prompt KV is cached
-                await race_disconnect(request.receive, open_rest(prepared, open_choice, choices))
-            if prepared.stream:
-                return _streaming_reply(prepared, choices, record)
-            reply = await race_disconnect(request.receive, full_body(choices))
-            record.finish(200, *_counts(choices))
-            return Response(reply, media_type="application/json")
-        except BaseException:
             for c in choices:
                 await c.deltas.aclose()
             raise
+        if reply is None:
+            return _streaming_reply(prepared, choices, record)
+        record.finish(200, *_counts(choices))
+        return Response(reply, media_type="application/json")
     except APIError as e:
         if e.code == "context_length_exceeded":
             ctx.metrics.on_rejected("input_too_long")

@@ -198,14 +198,9 @@ class WorkerClient:
     ) -> AsyncIterator[_E]:
         """Decoded NDJSON events of a streaming POST, each read bounded by `deadline`."""
         async with self._post(inst, path, msg, deadline) as resp:
-            chunks = resp.chunks()
+            resp.expire_at(deadline)  # one timer per stream, not an asyncio.timeout per chunk
             pending = b""
-            while True:
-                async with asyncio.timeout_at(deadline):
-                    try:
-                        chunk = await anext(chunks)
-                    except StopAsyncIteration:
-                        break
+            async for chunk in resp.chunks():
                 pending += chunk
                 while (end := pending.find(b"\n")) >= 0:
                     line, pending = pending[:end], pending[end + 1 :]

@@ -7,6 +7,7 @@ the corpus has no emoji or CJK, so those stay split over single-byte tokens.
 from __future__ import annotations
 
 import importlib.util
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -219,3 +220,52 @@ def test_smollm2_tokenizer_streams_multibyte_text() -> None:
     deltas = [detok.append(i) for i in ids]
     assert "".join(deltas) + detok.flush() == MIXED_TEXT
     assert not any("\ufffd" in d for d in deltas)
+
+
+class _WindowOnly:
+    """A decoder without a `tokenizers` backend: the detokenizer decodes windows itself."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok = tok
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _both_ways(tok: Tokenizer, prompt: list[int], ids: list[int], skip: bool) -> None:
+    fast = IncrementalDetokenizer(tok, prompt_token_ids=prompt, skip_special_tokens=skip)
+    window = IncrementalDetokenizer(
+        _WindowOnly(tok), prompt_token_ids=prompt, skip_special_tokens=skip
+    )
+    assert [fast.append(i) for i in ids] == [window.append(i) for i in ids]
+    assert fast.flush() == window.flush()
+
+
+def test_decode_stream_gives_the_deltas_of_the_window_rule(tok: Tokenizer) -> None:
+    """tokenizers' DecodeStream (used when the tokenizer has a `tokenizers` backend) emits
+    exactly what decoding windows does: random ids (byte tokens that split characters,
+    the special token), random prompt contexts, special tokens kept or skipped."""
+    rng = random.Random(0)
+    vocab = tok.get_vocab_size()
+    for _ in range(200):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        _both_ways(tok, prompt, ids, skip=rng.random() < 0.5)
+    text_ids = tok.encode(MIXED_TEXT).ids
+    _both_ways(tok, text_ids[:3], text_ids[3:], skip=True)
+    assert IncrementalDetokenizer(tok, prompt_token_ids=text_ids[:3])._stream is not None
+    assert IncrementalDetokenizer(_WindowOnly(tok))._stream is None
+
+
+def test_decode_stream_with_the_smollm2_tokenizer() -> None:
+    """The same with the real SmolLM2 tokenizer (GGUF metadata -> tokenizers)."""
+    from modelinfo.info import load_model_info
+
+    tokenizer = load_model_info("builtin:smollm2-135m-instruct").tokenizer
+    backend = tokenizer.backend
+    rng = random.Random(1)
+    ids = tokenizer.encode(MIXED_TEXT, add_special_tokens=False)
+    _both_ways(backend, ids[:4], ids[4:], skip=True)
+    for _ in range(50):
+        rand = [rng.randrange(49_152) for _ in range(30)]
+        _both_ways(backend, rand[:5], rand[5:], skip=rng.random() < 0.5)

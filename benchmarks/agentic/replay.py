@@ -69,6 +69,8 @@ class RequestResult:
     computed_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    ended_at_s: float | None = None
+    """Since the replay started: when the answer ended (in error or not)."""
 
 
 class TokenBlocks:
@@ -105,6 +107,8 @@ class Replayer:
         self._done: dict[tuple[str, int], asyncio.Event] = {}
         self._thread_done: dict[str, asyncio.Event] = {}
         self._t0 = 0.0
+        self.started_monotonic = 0.0
+        """time.monotonic() when the replay started: the origin of every sent_at_s."""
         self._stop_at = float("inf")
         self.model = opts.model or ""
         self._slots = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
@@ -129,7 +133,7 @@ class Replayer:
                     self._done[(t.key, i)] = asyncio.Event()
             rng = random.Random(self.opts.seed)
             offsets = {s: rng.uniform(0, self.opts.start_spread_s) for s in self.trace.sessions}
-            self._t0 = time.monotonic()
+            self._t0 = self.started_monotonic = time.monotonic()
             if self.opts.duration_s is not None:
                 self._stop_at = self._t0 + self.opts.duration_s
             await asyncio.gather(
@@ -185,6 +189,20 @@ class Replayer:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        try:
+            await self._exchange(client, t, body, sent, res)
+        finally:
+            res.ended_at_s = time.monotonic() - self._t0
+        return res
+
+    async def _exchange(
+        self,
+        client: httpx.AsyncClient,
+        t: TraceThread,
+        body: dict,  # type: ignore[type-arg]
+        sent: float,
+        res: RequestResult,
+    ) -> None:
         last = None
         try:
             async with client.stream(
@@ -193,14 +211,14 @@ class Replayer:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode("utf-8", "replace")[:300]
                     res.error = f"HTTP {resp.status_code}: {text}"
-                    return res
+                    return
                 async for line in resp.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         res.error = str(chunk["error"].get("message"))
-                        return res
+                        return
                     now = time.monotonic()
                     if chunk.get("choices"):
                         if res.ttft_s is None:
@@ -216,7 +234,6 @@ class Replayer:
                 res.error = "the stream ended without usage"
         except (httpx.HTTPError, json.JSONDecodeError) as e:
             res.error = f"{type(e).__name__}: {e}"
-        return res
 
 
 def _take_usage(res: RequestResult, usage: dict) -> None:  # type: ignore[type-arg]
