@@ -118,7 +118,12 @@ class ConnectorExecutor(Protocol):
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+    return {
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "uint8": torch.uint8,
+    }[name]
 
 
 def rope_key(info: ModelInfo) -> str:
@@ -137,7 +142,7 @@ def kv_namespace(
     of an instance computes the same one."""
     return KVNamespace(
         weights_fingerprint=info.fingerprint,
-        kv_dtype=config.dtype,
+        kv_dtype=config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
         block_size=config.block_size,
         chunk_size=config.chunk_size,
         layer_split=layer_split,
@@ -167,6 +172,7 @@ class LLMEngine:
             head_dim=mc.head_dim,
             block_size=config.block_size,
             dtype=config.dtype,
+            cache_dtype=config.kv_cache_dtype,
         )
         self.runner: ModelExecutor = runner if runner is not None else self._local_runner()
         self.namespace = kv_namespace(info, config, self.runner.layer_split)

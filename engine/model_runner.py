@@ -71,19 +71,20 @@ class ModelRunner:
         self.layout = layout
         self.device = device
         self.backend = backend
-        use_graphs = cuda_graphs and device.type == "cuda" and backend.graph_safe_decode
+        # fp8 rows decode through the reference path (engine/attention/flex.py): no graphs
+        use_graphs = (
+            cuda_graphs
+            and device.type == "cuda"
+            and backend.graph_safe_decode
+            and layout.cache_dtype == "auto"
+        )
         # One extra block past those the scheduler hands out: CUDA-graph padding rows
         # write their K/V there.
-        shape = (
-            2,
-            num_blocks + use_graphs,
-            layout.block_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-        )
-        # kv_caches[i]: [2, num_blocks(+1), block_size, Hkv, D], layer i of this model.
+        shape = layout.cache_shape(num_blocks + use_graphs)
+        store = dtype if layout.cache_dtype == "auto" else torch.uint8
+        # kv_caches[i]: [2, num_blocks(+1), block_size, Hkv, W], layer i of this model.
         self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)
+            torch.zeros(shape, dtype=store, device=device) for _ in range(layout.num_layers)
         ]
         self.num_blocks = num_blocks
         self.layer_split: tuple[int, ...] = (layout.num_layers,)

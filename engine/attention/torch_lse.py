@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.base import AttentionMetadata, LSEAttentionBackend, register_backend
+from engine.attention.kv_quant import from_cache, head_dim_of, to_cache
 from protocol.parallel import stripe_len
 
 
@@ -96,11 +97,12 @@ def _attend(
     return torch.einsum("bhgqk,bhkd->bhgqd", probs, v.float()), lse
 
 
-def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """[2, blocks, bs, Hkv, D] x [n] -> [2, n * bs, Hkv, D] (whole-block row copies)."""
-    _, _, bs, hkv, d = kv_cache.shape
+def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[2, blocks, bs, Hkv, W] x [n] -> [2, n * bs, Hkv, D] values of `dtype` (whole-block
+    row copies, fp8 rows dequantized)."""
+    _, _, bs, hkv, width = kv_cache.shape
     out = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, blocks)
-    return out.view(2, blocks.numel() * bs, hkv, d)
+    return from_cache(out.view(2, blocks.numel() * bs, hkv, width), dtype)
 
 
 @register_backend
@@ -119,18 +121,19 @@ class TorchLSEAttentionBackend(LSEAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hq]
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        _, _, block_size, num_kv_heads, width = kv_cache.shape
+        head_dim = head_dim_of(kv_cache)
         num_tokens, num_heads, _ = q.shape
         group = num_heads // num_kv_heads
         plan = meta.backend_state.get(self.name)
         if plan is None:
             plan = _build_plan(meta, block_size, q.device)
             meta.backend_state[self.name] = plan
-        flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        flat = kv_cache.view(2, -1, num_kv_heads, width)
         k_new = k if plan.write_rows is None else k.index_select(0, plan.write_rows)
         v_new = v if plan.write_rows is None else v.index_select(0, plan.write_rows)
-        flat[0].index_copy_(0, plan.write_slots, k_new.to(kv_cache.dtype))
-        flat[1].index_copy_(0, plan.write_slots, v_new.to(kv_cache.dtype))
+        flat[0].index_copy_(0, plan.write_slots, to_cache(k_new, kv_cache))
+        flat[1].index_copy_(0, plan.write_slots, to_cache(v_new, kv_cache))
 
         out = torch.zeros(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         lse = torch.full((num_tokens, num_heads), float("-inf"), device=q.device)
@@ -138,7 +141,7 @@ class TorchLSEAttentionBackend(LSEAttentionBackend):
             assert plan.decode_blocks is not None and plan.decode_mask is not None
             rows = plan.decode_rows
             num_seqs, max_blocks = plan.decode_blocks.shape
-            kv = _gather(kv_cache, plan.decode_blocks.reshape(-1))
+            kv = _gather(kv_cache, plan.decode_blocks.reshape(-1), q.dtype)
             kv = kv.view(2, num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
             kv = kv.permute(0, 1, 3, 2, 4)  # [2, Bd, Hkv, L, D]
             q_dec = q.index_select(0, rows).view(num_seqs, num_kv_heads, group, 1, head_dim)
@@ -149,7 +152,7 @@ class TorchLSEAttentionBackend(LSEAttentionBackend):
             if seq.num_local == 0:
                 continue  # no key of this sequence on this rank: out 0, lse -inf
             q_len = seq.q_end - seq.q_start
-            kv = _gather(kv_cache, seq.blocks)[:, : seq.num_local]  # [2, n, Hkv, D]
+            kv = _gather(kv_cache, seq.blocks, q.dtype)[:, : seq.num_local]  # [2, n, Hkv, D]
             kv = kv.permute(0, 2, 1, 3).unsqueeze(1)  # [2, 1, Hkv, n, D]
             q_s = q[seq.q_start : seq.q_end].view(q_len, num_kv_heads, group, head_dim)
             q_s = q_s.permute(1, 2, 0, 3).unsqueeze(0)  # [1, Hkv, G, q_len, D]

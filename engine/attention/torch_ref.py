@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, register_backend
+from engine.attention.kv_quant import from_cache, to_cache
 
 
 @dataclass
@@ -101,10 +102,10 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, slots, Hkv, D]
-        flat[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-        flat[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+        _, _, block_size, num_kv_heads, width = kv_cache.shape
+        flat = kv_cache.view(2, -1, num_kv_heads, width)  # [2, slots, Hkv, W]
+        flat[0].index_copy_(0, meta.slot_mapping, to_cache(k, kv_cache))
+        flat[1].index_copy_(0, meta.slot_mapping, to_cache(v, kv_cache))
 
         plan = meta.backend_state.get(self.name)
         if plan is None:
@@ -136,9 +137,10 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [Bd, Hq, D]
         assert plan.decode_blocks is not None and plan.decode_mask is not None
         num_seqs, num_heads, head_dim = q.shape
-        num_kv_heads = kv_cache.shape[3]
-        kv = _gather_blocks(kv_cache, plan.decode_blocks.reshape(-1)).to(q.dtype)
-        kv = kv.view(2, num_seqs, -1, num_kv_heads, head_dim).transpose(2, 3)  # [2, Bd, Hkv, L, D]
+        num_kv_heads, width = kv_cache.shape[3], kv_cache.shape[4]
+        kv = _gather_blocks(kv_cache, plan.decode_blocks.reshape(-1))
+        kv = from_cache(kv.view(2, num_seqs, -1, num_kv_heads, width), q.dtype)
+        kv = kv.transpose(2, 3)  # [2, Bd, Hkv, L, D]
         # GQA without copying KV: the G query heads of one KV head act as G query rows.
         q4 = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
@@ -158,14 +160,14 @@ class TorchAttentionBackend(AttentionBackend):
         q_s = q[seq.q_start : seq.q_end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
         if seq.mask is None and kv_cache.dtype == q.dtype:
             # No cached prefix: the new tokens are the whole sequence, and the cache holds
-            # exactly these values, so skip the gather.
+            # exactly these values, so skip the gather (not for fp8 rows: attention reads
+            # the values the cache holds, as every later step and every restore will).
             k_s = k[seq.q_start : seq.q_end].transpose(0, 1)[None]  # [1, Hkv, seq_len, D]
             v_s = v[seq.q_start : seq.q_end].transpose(0, 1)[None]
         else:
-            num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-            kv = (
-                _gather_blocks(kv_cache, seq.blocks).to(q.dtype).view(2, -1, num_kv_heads, head_dim)
-            )
+            num_kv_heads, width = kv_cache.shape[3], kv_cache.shape[4]
+            kv = _gather_blocks(kv_cache, seq.blocks).view(2, -1, num_kv_heads, width)
+            kv = from_cache(kv, q.dtype)
             kv = kv[:, : seq.seq_len].transpose(1, 2)  # [2, Hkv, seq_len, D]
             k_s, v_s = kv[0][None], kv[1][None]
         o = F.scaled_dot_product_attention(

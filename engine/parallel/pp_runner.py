@@ -117,6 +117,7 @@ def stage_num_blocks(config: EngineConfig, info: ModelInfo, layer_split: tuple[i
         head_dim=mc.head_dim,
         block_size=config.block_size,
         dtype=config.dtype,
+        cache_dtype=config.kv_cache_dtype,
     )
     return max(1, config.kv_cache_bytes // widest.bytes_per_block)
 
@@ -154,10 +155,12 @@ def build_stage(
         head_dim=mc.head_dim,
         block_size=config.block_size,
         dtype=config.dtype,
+        cache_dtype=config.kv_cache_dtype,
     )
     num_blocks = stage_num_blocks(config, info, layer_split)
-    shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    caches = [torch.zeros(shape, dtype=dtype, device=ctx.device) for _ in range(end - start)]
+    shape = layout.cache_shape(num_blocks)
+    store = torch_dtype(layout.storage_dtype)
+    caches = [torch.zeros(shape, dtype=store, device=ctx.device) for _ in range(end - start)]
     return PPStage(
         ctx.rank, len(layer_split), (start, end), model, layout, num_blocks, caches, info
     )

@@ -94,10 +94,12 @@ def build_tp_rank(
         head_dim=mc.head_dim,
         block_size=config.block_size,
         dtype=config.dtype,
+        cache_dtype=config.kv_cache_dtype,
     )
     num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // layout.bytes_per_block)
-    shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    caches = [torch.zeros(shape, dtype=dtype, device=ctx.device) for _ in range(mc.num_layers)]
+    shape = layout.cache_shape(num_blocks)
+    store = torch_dtype(layout.storage_dtype)
+    caches = [torch.zeros(shape, dtype=store, device=ctx.device) for _ in range(mc.num_layers)]
     return TPRank(shard, model, layout, num_blocks, caches)
 
 
