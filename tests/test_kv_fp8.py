@@ -1,0 +1,117 @@
+"""The fp8_e4m3 KV cache format: rows quantized with their own scale, the layout's bytes
+(about half of bfloat16: twice the tokens in the same memory), the option in EngineConfig
+and cluster.yaml (validated, shown by `kvserve check`), and its own KV namespace."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import yaml
+
+from engine.attention.kv_quant import FP8_MAX, dequantize, quantize
+from engine.config import EngineConfig
+from protocol.cluster import parse_cluster
+from protocol.config_errors import ConfigError
+from protocol.kv_layout import KVLayout
+
+REPO = Path(__file__).resolve().parent.parent
+LOCAL = REPO / "deploy" / "examples" / "local.yaml"
+
+
+def test_rows_carry_their_scale_and_round_trip_within_fp8_precision() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 64, generator=g) * torch.logspace(-3, 3, 50).view(50, 1, 1)
+    x[7, 1] = 0.0  # an all-zero row
+    rows = quantize(x)
+    assert rows.dtype == torch.uint8 and rows.shape == (50, 3, 68)
+    scale = rows[..., 64:].contiguous().view(torch.float32).squeeze(-1)
+    amax = x.abs().amax(-1)
+    assert torch.equal(scale[amax > 0], amax[amax > 0] / FP8_MAX)
+    assert scale[7, 1] == 1.0
+    back = dequantize(rows, torch.float32)
+    assert torch.equal(back[7, 1], torch.zeros(64))
+    # e4m3 keeps 3 mantissa bits: half an ulp is at most 1/16 of a normal value (and half
+    # the smallest subnormal, 2^-10 x scale, below them); the row's largest value maps to
+    # 448 and back
+    err = (back - x).abs()
+    bound = x.abs() / 16 + (amax / FP8_MAX * 2**-10).unsqueeze(-1)
+    assert bool((err <= bound * (1 + 1e-6)).all())
+    torch.testing.assert_close(back.abs().amax(-1), amax, rtol=1e-6, atol=0)
+    # a row's bytes depend on that row only (what lets prefix cache, pool and handoff
+    # move rows without re-quantizing)
+    assert torch.equal(quantize(x[10:20]), rows[10:20])
+    assert torch.equal(quantize(x.to(torch.bfloat16)), quantize(x.to(torch.bfloat16)))
+
+
+def test_layout_bytes_halve_bfloat16() -> None:
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64
+    bf16 = KVLayout(30, 3, 64, 16, "bfloat16")
+    fp8 = KVLayout(30, 3, 64, 16, "bfloat16", cache_dtype="fp8_e4m3")
+    assert bf16.bytes_per_token_per_layer == 2 * 3 * 64 * 2 == 768
+    assert fp8.bytes_per_token_per_layer == 2 * 3 * (64 + 4) == 408
+    assert fp8.storage_dtype == "uint8" and fp8.row_width == 68 and fp8.row_bytes == 68
+    assert bf16.storage_dtype == "bfloat16" and bf16.row_width == 64
+    assert fp8.cache_shape(10) == (2, 10, 16, 3, 68)
+    budget = 512 * 1024**2
+    assert budget // fp8.bytes_per_block >= 1.8 * (budget // bf16.bytes_per_block)
+    # head_dim 128: 132 / 256 bytes per row
+    assert KVLayout(1, 1, 128, 16, "bfloat16", "fp8_e4m3").row_bytes == 132
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'fp8'"):
+        KVLayout(1, 1, 64, 16, "bfloat16", cache_dtype="fp8")
+    # the layout crosses processes (LandingInfo): the field survives msgpack
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(fp8), type=KVLayout) == fp8
+
+
+def test_engine_config_validates_the_option() -> None:
+    assert EngineConfig().kv_cache_dtype == "auto"
+    assert EngineConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="int8")
+
+
+def test_cluster_option_and_its_error() -> None:
+    data = yaml.safe_load(LOCAL.read_text())
+    assert parse_cluster(data).kv_cache_dtype == "auto"
+    data["kv_cache_dtype"] = "fp8_e4m3"
+    assert parse_cluster(data).kv_cache_dtype == "fp8_e4m3"
+    data["kv_cache_dtype"] = "fp8"
+    with pytest.raises(ConfigError) as e:
+        parse_cluster(data)
+    assert "kv_cache_dtype" in str(e.value) and "fp8_e4m3" in str(e.value)
+
+
+def test_check_shows_the_fp8_budget(tmp_path: Path) -> None:
+    """`kvserve check` counts the KV bytes of a token in the cluster's KV cache dtype: with
+    the same kv_cache_memory an fp8 cluster holds about twice the tokens of bfloat16."""
+
+    def check(kv: str) -> str:
+        data = yaml.safe_load(LOCAL.read_text())
+        data["dtype"] = "bfloat16"
+        data["kv_cache_dtype"] = kv
+        path = tmp_path / f"{kv}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        res = subprocess.run(
+            [sys.executable, "-m", "kvserve.cli", "check", "-c", str(path)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert res.returncode == 0, res.stderr
+        return res.stdout
+
+    def tokens(out: str, name: str) -> int:
+        line = next(x for x in out.splitlines() if x.strip().startswith(f"kv cache {name}:"))
+        return int(line.split("holds ")[1].split()[0])
+
+    bf16, fp8 = check("auto"), check("fp8_e4m3")
+    assert "KV cache fp8_e4m3" in fp8 and "KV cache" not in bf16.splitlines()[1]
+    assert "kv cache prefill-0: fp8_e4m3, 12240 bytes per token per stage" in fp8
+    assert "kv cache prefill-0: bfloat16, 23040 bytes per token per stage" in bf16
+    for name in ("prefill-0", "decode-0"):
+        assert tokens(fp8, name) >= 1.8 * tokens(bf16, name)
