@@ -4,7 +4,8 @@ transport into a decode landing ring; a decode engine whose receiver connector k
 request waiting inside the engine, scatters every landed piece into the pages it reserved
 and starts it once prefill's first token is in. The KV decode holds must be
 byte-identical to prefill's, every write ceil(bytes / 8 MiB) ops, and decoding must
-continue exactly as the single-process engine."""
+continue exactly as the single-process engine; also with an fp8_e4m3 KV cache (rows with
+their scales: the decode cache holds prefill's bytes, scales included)."""
 
 from __future__ import annotations
 
@@ -28,16 +29,21 @@ from transfer import MAX_OP_BYTES, LandingArena, TransportConfig, create_transpo
 MODEL = "builtin:smollm2-135m-instruct"
 
 
-@pytest.fixture(scope="module")
-def engines(weights_cache_dir: str):
+@pytest.fixture(scope="module", params=["auto", "fp8_e4m3"])
+def engines(weights_cache_dir: str, request: pytest.FixtureRequest):
+    kv = request.param
     prefill = LLMEngine.from_spec(
         MODEL,
         EngineConfig(
-            cache_dir=weights_cache_dir, max_num_batched_tokens=256, kv_cache_bytes=128 * 1024**2
+            cache_dir=weights_cache_dir,
+            max_num_batched_tokens=256,
+            kv_cache_bytes=128 * 1024**2,
+            kv_cache_dtype=kv,
         ),
     )
     decode = LLMEngine.from_spec(
-        MODEL, EngineConfig(cache_dir=weights_cache_dir, kv_cache_bytes=128 * 1024**2)
+        MODEL,
+        EngineConfig(cache_dir=weights_cache_dir, kv_cache_bytes=128 * 1024**2, kv_cache_dtype=kv),
     )
     return prefill, decode
 
@@ -142,6 +148,8 @@ def test_decode_receives_exactly_what_prefill_computed(engines, monkeypatch):
         )
         got = _tokens(decode.runner.kv_caches, pages, len(ids))
         assert torch.equal(got, held)  # byte-identical KV
+        # fp8 rows: values and scales in one uint8 row, compared above byte for byte
+        assert (got.dtype == torch.uint8) == (prefill.config.kv_cache_dtype == "fp8_e4m3")
         assert arena.used_bytes == 0  # every piece landed: the region is free again
 
         prefill.set_kv_connector(NoConnectorScheduler(), NoConnectorWorker())
