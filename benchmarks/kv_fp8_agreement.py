@@ -72,7 +72,9 @@ def measure(model: str, dtype: str, n: int, m: int, seed: int) -> dict[str, floa
     one = SamplingParams(max_tokens=1, min_tokens=1, temperature=0.0, ignore_eos=True)
     runs = {}
     for kv in ("auto", "fp8_e4m3"):
-        cfg = EngineConfig(dtype=dtype, kv_cache_dtype=kv, max_num_seqs=n)
+        cfg = EngineConfig(
+            dtype=dtype, kv_cache_dtype=kv, max_num_seqs=64, max_num_batched_tokens=4096
+        )
         engine = LLMEngine.from_spec(model, cfg)
         prompts = _prompts(engine, n, seed, natural=model.startswith("builtin:"))
         t0 = time.monotonic()
