@@ -172,6 +172,7 @@ class LLMEngine:
             head_dim=mc.head_dim,
             block_size=config.block_size,
             dtype=config.dtype,
+            kind=mc.kv_kind,
             cache_dtype=config.kv_cache_dtype,
         )
         self.runner: ModelExecutor = runner if runner is not None else self._local_runner()

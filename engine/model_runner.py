@@ -82,7 +82,9 @@ class ModelRunner:
         # write their K/V there.
         shape = layout.cache_shape(num_blocks + use_graphs)
         store = dtype if layout.cache_dtype == "auto" else torch.uint8
-        # kv_caches[i]: [2, num_blocks(+1), block_size, Hkv, W], layer i of this model.
+        # kv_caches[i]: [P, num_blocks(+1), block_size, Hkv, W], layer i of this model
+        # (P = 2 for K and V, 1 for an MLA latent; W = D, or D + 4 for fp8 rows with their
+        # scale; protocol/kv_layout.py).
         self.kv_caches = [
             torch.zeros(shape, dtype=store, device=device) for _ in range(layout.num_layers)
         ]

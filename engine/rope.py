@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from modelinfo.config import RopeScaling
+from modelinfo.config import RopeScaling, yarn_mscale
 from protocol.errors import ModelLoadError
 
 
@@ -32,9 +32,49 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch
         return inv_freq / scaling.factor
     if scaling.kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if scaling.kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     raise ModelLoadError(
-        f"RoPE scaling kind {scaling.kind!r} is not supported; supported: default, linear, llama3"
+        f"RoPE scaling kind {scaling.kind!r} is not supported; "
+        "supported: default, linear, llama3, yarn"
     )
+
+
+def attention_factor(scaling: RopeScaling) -> float:
+    """The factor transformers multiplies cos and sin by: 1 except under yarn, where it is
+    attention_factor, or mscale(factor, mscale) / mscale(factor, mscale_all_dim) when
+    both are given (DeepSeek), or mscale(factor)."""
+    if scaling.kind != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    if scaling.mscale and scaling.mscale_all_dim:
+        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(
+            scaling.factor, scaling.mscale_all_dim
+        )
+    return yarn_mscale(scaling.factor)
+
+
+def _yarn_inv_freq(dim: int, base: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN: dims rotating fewer than beta_slow times over the original context are
+    interpolated (divided by factor), those rotating more than beta_fast times kept, a
+    linear ramp between (transformers' `_compute_yarn_parameters`, same float order)."""
+
+    def correction_dim(rotations: float) -> float:
+        old = s.original_max_position_embeddings
+        return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (s.factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -66,6 +106,7 @@ class RotaryEmbedding:
     ) -> None:
         self.head_dim = head_dim
         self.inv_freq = compute_inv_freq(head_dim, theta, scaling).to(device)  # [D/2] f32
+        self.scaling = attention_factor(scaling)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -73,7 +114,10 @@ class RotaryEmbedding:
         """positions [T] int64 -> (cos, sin), each [T, 1, D] in `dtype` (broadcast over heads)."""
         freqs = positions[:, None].float() * self.inv_freq  # [T, D/2] f32
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        if self.scaling != 1.0:  # yarn's attention factor
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -90,3 +134,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return x * cos + rotate_half(x) * sin
     head = x[..., :rot]
     return torch.cat((head * cos + rotate_half(head) * sin, x[..., rot:]), dim=-1)
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, R] whose dims are (x0, x1), (x2, x3), ... pairs, each rotated by one angle
+    (DeepSeek's layout), cos/sin [T, 1, R] as cos_sin gives -> [T, H, R] with the rotated
+    pairs de-interleaved: (x0', x2', ..., x1', x3', ...). The order is transformers'
+    DeepSeek-V3 one; q and k get the same order, so q . k equals V2's interleaved output."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

@@ -65,7 +65,7 @@ class SlotBuffer:
         return self.array[off : off + self.slot_bytes]
 
     def payload(self, slot: int, spec: ObjectSpec) -> torch.Tensor:
-        """The slot's payload as a [L_s, 2, n, H, D] tensor of the spec's dtype."""
+        """The slot's payload as a [L_s, P, n, H, D] tensor of the spec's dtype."""
         off = slot * self.slot_bytes + HEADER_BYTES
         dtype = getattr(torch, spec.dtype)
         return self.tensor[off : off + spec.payload_bytes].view(dtype).view(spec.shape)

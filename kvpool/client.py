@@ -58,6 +58,7 @@ def object_spec(keys: PoolKeys, stage: StageSpec, layout: KVLayout, chunk_size: 
         dtype=layout.storage_dtype,
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.row_width,
+        num_parts=layout.num_parts,
     )
 
 

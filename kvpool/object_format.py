@@ -1,7 +1,7 @@
 """The pool object: one (256-token chunk, prefill stage), header + packed KV payload.
 
     offset 0                                   128                         128 + payload
-    | header (HEADER_BYTES, little endian)     | payload: [L_s, 2, n, H, D] of dtype |
+    | header (HEADER_BYTES, little endian)     | payload: [L_s, P, n, H, D] of dtype |
 
     header: magic "KVSP" | format version | header size | namespace hash (16 B)
             | chunk key (16 B) | stage | number of stages | layer range [start, end)
@@ -69,13 +69,15 @@ class ObjectSpec:
     head_dim: int
     """D: elements of `dtype` per head row (the layout's row_width: head_dim + 4 for fp8
     rows with their scales)."""
+    num_parts: int = 2
+    """Cache parts per layer (protocol/kv_layout.py): 2 (K, V) or 1 (an MLA latent)."""
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
-        """[L_s, 2, n, H, D] of the payload."""
+        """[L_s, P, n, H, D] of the payload (P = num_parts; the header stores it)."""
         return (
             self.layer_end - self.layer_start,
-            2,
+            self.num_parts,
             self.num_tokens,
             self.num_kv_heads,
             self.head_dim,

@@ -321,9 +321,12 @@ def check_model(cluster: ClusterConfig, source: str) -> str:
         gpu_lines = check_gpus(cluster, model)
     except ConfigError as e:
         raise ConfigError(e.path, e.message, source) from None
+    heads = f"{model.num_heads} query / {model.num_kv_heads} KV heads"
+    if model.mla is not None:  # one latent "KV head", whole on every decode rank
+        m = model.mla
+        heads = f"{model.num_heads} query heads over an MLA latent of {m.latent_dim} per token"
     lines = [
-        f"  layouts  fit the model: {model.num_layers} layers, {model.num_heads} query / "
-        f"{model.num_kv_heads} KV heads",
+        f"  layouts  fit the model: {model.num_layers} layers, {heads}",
         *gpu_lines,
     ]
     context = model.max_position_embeddings

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -12,8 +13,9 @@ from protocol.errors import ModelLoadError, UnsupportedArchitectureError
 class RopeScaling(msgspec.Struct, frozen=True, kw_only=True):
     """RoPE scaling as Hugging Face's `rope_scaling` describes it.
 
-    kind: "default" (none), "linear" (positions divided by factor) or "llama3"
-    (frequency-dependent scaling of Llama 3.1+).
+    kind: "default" (none), "linear" (positions divided by factor), "llama3"
+    (frequency-dependent scaling of Llama 3.1+) or "yarn" (NTK-by-parts interpolation with
+    an attention factor on cos/sin; DeepSeek-V2/V3).
     """
 
     kind: str = "default"
@@ -21,6 +23,16 @@ class RopeScaling(msgspec.Struct, frozen=True, kw_only=True):
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    """yarn: the rotation counts bounding the interpolated band of dims."""
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    """yarn: DeepSeek's attention-factor terms (0 = absent)."""
+    attention_factor: float | None = None
+    """yarn: the factor on cos/sin; None derives it from factor, mscale, mscale_all_dim."""
+    truncate: bool = True
+    """yarn: round the band's bounds to whole dims."""
 
 
 class MoeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,6 +57,10 @@ class MoeConfig(msgspec.Struct, frozen=True, kw_only=True):
     topk_groups: int = 1
     """Grouped top-k (sigmoid scoring): experts split into `num_groups` groups, only the
     `topk_groups` groups with the best top-2 score sums are eligible."""
+    group_score: str = "top2_sum"
+    """How a group of experts scores for grouped top-k: "top2_sum" (the sum of its best
+    two choice scores; Glm4Moe, DeepSeek-V3) or "max" (its best softmax score;
+    DeepSeek-V2's group_limited_greedy)."""
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0
     """Intermediate size of the shared expert (n_shared_experts x moe_intermediate_size);
@@ -68,8 +84,47 @@ class MoeConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if not 0 < self.topk_groups <= self.num_groups:
             raise ModelLoadError(f"topk_group ({self.topk_groups}) must be in [1, n_group]")
-        if self.num_groups > 1 and self.num_experts // self.num_groups < 2:
+        if self.group_score not in ("top2_sum", "max"):
+            raise ModelLoadError(f"MoE group score {self.group_score!r} is not top2_sum or max")
+        if (
+            self.group_score == "top2_sum"
+            and self.num_groups > 1
+            and self.num_experts // self.num_groups < 2
+        ):
             raise ModelLoadError("grouped top-k needs at least 2 experts per group")
+
+
+class MlaConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Multi-head latent attention (DeepSeek-V2/V3; docs/models.md has the math).
+
+    Per token, the KV is one latent c (kv_lora_rank, RMS-normed) plus a rotated key part
+    k_pe (qk_rope_head_dim) shared by every head; head h's key is (W_UK[h] c, k_pe) and its
+    value W_UV[h] c. The cache keeps (c, k_pe): ModelConfig.num_kv_heads is 1 and
+    ModelConfig.head_dim kv_lora_rank + qk_rope_head_dim for an MLA model.
+    """
+
+    q_lora_rank: int | None
+    """Rank of the low-rank query projection (q_a_proj, q_a_layernorm, q_b_proj); None
+    for a plain q_proj (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float
+    """(qk_nope_head_dim + qk_rope_head_dim)^-0.5, times mscale(factor, mscale_all_dim)^2
+    under yarn RoPE (transformers' yarn_apply_mscale)."""
+    rope_interleave: bool = True
+    """The rotary dims are (x0, x1), (x2, x3), ... pairs (DeepSeek's layout; V2 always,
+    V3 unless rope_interleave is false, then rotate-half)."""
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements of one cached token of one layer: latent + rope part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -98,6 +153,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     """RoPE rotates the first head_dim x factor dims of each head, the rest pass (Glm4Moe)."""
     moe: MoeConfig | None = None
     """The mixture-of-experts MLP, None for a dense model."""
+    mla: MlaConfig | None = None
+    """Multi-head latent attention (DeepSeek-V2/V3) instead of q/k/v heads; then
+    num_kv_heads is 1 and head_dim the cached latent's width (MlaConfig)."""
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -107,6 +165,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.mla is not None:
+            if self.num_kv_heads != 1 or self.head_dim != self.mla.latent_dim:
+                raise ModelLoadError("an MLA model caches one latent head of latent_dim")
+            if self.mla.qk_rope_head_dim % 2:
+                raise ModelLoadError("qk_rope_head_dim must be even")
+            return
         rot = self.rotary_dim
         if not (0 < rot <= self.head_dim and rot % 2 == 0):
             raise ModelLoadError(
@@ -116,8 +180,29 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def rotary_dim(self) -> int:
-        """How many leading dims of each q/k head RoPE rotates (as transformers computes it)."""
+        """How many leading dims of each q/k head RoPE rotates (as transformers computes it);
+        an MLA model rotates the qk_rope_head_dim part."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kv_kind(self) -> str:
+        """protocol.kv_layout's KV kind: "mla" (one latent entry) or "mha" (K and V)."""
+        return "mha" if self.mla is None else "mla"
+
+    @property
+    def attn_params_per_layer(self) -> int:
+        """Attention projection parameters of one layer (memory budgets)."""
+        h = self.hidden_size
+        m = self.mla
+        if m is None:
+            return h * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        q = self.num_heads * m.qk_head_dim
+        q_params = h * q if m.q_lora_rank is None else m.q_lora_rank * (h + q + 1)
+        kv = h * m.latent_dim + m.kv_lora_rank
+        kv += m.kv_lora_rank * self.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
+        return q_params + kv + self.num_heads * m.v_head_dim * h
 
     @property
     def mlp_params_per_layer(self) -> int:
@@ -139,6 +224,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 SUPPORTED_ARCHITECTURES = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -164,20 +251,65 @@ _QK_NORM_ARCHS = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
 _BIAS_ARCHS = {"Qwen2ForCausalLM"}
 
 
-def _rope_scaling_from_hf(raw: dict[str, Any] | None) -> RopeScaling:
+_ROPE_KINDS = ("default", "linear", "llama3", "yarn")
+
+
+def _rope_scaling_from_hf(raw: dict[str, Any] | None, max_positions: int) -> RopeScaling:
     if not raw:
         return RopeScaling()
     kind = raw.get("rope_type", raw.get("type", "default"))
-    if kind not in ("default", "linear", "llama3"):
+    if kind not in _ROPE_KINDS:
         raise ModelLoadError(
-            f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3"
+            f"rope_scaling type {kind!r} is not supported; supported: {', '.join(_ROPE_KINDS)}"
         )
+    original = int(raw.get("original_max_position_embeddings", 8192))
+    factor = raw.get("factor")
+    if factor is None:  # transformers' yarn: the ratio of the context lengths
+        factor = max_positions / original if kind == "yarn" else 1.0
+    attention_factor = raw.get("attention_factor")
     return RopeScaling(
         kind=kind,
-        factor=float(raw.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
         high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=original,
+        beta_fast=float(raw.get("beta_fast") or 32.0),
+        beta_slow=float(raw.get("beta_slow") or 1.0),
+        mscale=float(raw.get("mscale") or 0.0),
+        mscale_all_dim=float(raw.get("mscale_all_dim") or 0.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(raw.get("truncate", True)),
+    )
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term (transformers' get_mscale)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+_MLA_ARCHS = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
+
+
+def _mla_from_hf(arch: str, cfg: dict[str, Any], rope: RopeScaling) -> MlaConfig | None:
+    """The MLA section of a DeepSeek-V2/V3 config.json (defaults as transformers')."""
+    if arch not in _MLA_ARCHS:
+        return None
+    v3 = arch == "DeepseekV3ForCausalLM"
+    nope = int(cfg.get("qk_nope_head_dim", 128))
+    rope_dim = int(cfg.get("qk_rope_head_dim", 64))
+    scale = (nope + rope_dim) ** -0.5
+    if rope.kind != "default" and rope.mscale_all_dim:
+        m = yarn_mscale(rope.factor, rope.mscale_all_dim)
+        scale = scale * m * m
+    q_lora = cfg.get("q_lora_rank", 1536)
+    return MlaConfig(
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(cfg.get("kv_lora_rank", 512)),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=int(cfg.get("v_head_dim") or 128),
+        softmax_scale=scale,
+        rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
     )
 
 
@@ -196,6 +328,13 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         rope = dict(cfg.get("rope_parameters") or {})
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        max_positions = int(cfg.get("max_position_embeddings", 4096))
+        rope_scaling = _rope_scaling_from_hf(rope or cfg.get("rope_scaling"), max_positions)
+        mla = _mla_from_hf(arch, cfg, rope_scaling)
+        num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+        head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+        if mla is not None:  # the cache holds one latent "head" (MlaConfig)
+            num_kv_heads, head_dim = 1, mla.latent_dim
         return ModelConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -203,17 +342,18 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            rope_scaling=_rope_scaling_from_hf(rope or cfg.get("rope_scaling")),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch in _BIAS_ARCHS)),
             qk_norm=bool(cfg.get("use_qk_norm", arch in _QK_NORM_ARCHS)),
             partial_rotary_factor=_partial_rotary_factor(arch, cfg, rope),
             moe=_moe_from_hf(arch, cfg),
+            mla=mla,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -267,4 +407,37 @@ def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
             router_float32=True,
             sparse_layers=tuple(range(first_dense, layers)),
         )
+    if arch in _MLA_ARCHS:
+        return _deepseek_moe_from_hf(arch, cfg, layers)
     return None
+
+
+def _deepseek_moe_from_hf(arch: str, cfg: dict[str, Any], layers: int) -> MoeConfig | None:
+    """DeepSeek-V2 (softmax; greedy or group_limited_greedy top-k, never renormalized) and
+    V3 (sigmoid + e_score_correction_bias, grouped top-k, as Glm4Moe); layers from
+    first_k_dense_replace on are sparse, each with n_shared_experts shared experts."""
+    num_experts = int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 64)))
+    if num_experts == 0:
+        return None
+    inter = int(cfg.get("moe_intermediate_size", 1407))
+    v3 = arch == "DeepseekV3ForCausalLM"
+    method = cfg.get("topk_method") or "greedy"
+    if not v3 and method not in ("greedy", "group_limited_greedy"):
+        raise ModelLoadError(
+            f"topk_method {method!r} is not supported; supported: greedy, group_limited_greedy"
+        )
+    grouped = v3 or method == "group_limited_greedy"
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=int(cfg.get("num_experts_per_tok") or 8),
+        intermediate_size=inter,
+        scoring="sigmoid" if v3 else "softmax",
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)) if v3 else False,
+        num_groups=int(cfg.get("n_group") or 1) if grouped else 1,
+        topk_groups=int(cfg.get("topk_group") or 1) if grouped else 1,
+        group_score="top2_sum" if v3 else "max",
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        shared_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
+        router_float32=True,
+        sparse_layers=tuple(range(int(cfg.get("first_k_dense_replace", 0)), layers)),
+    )

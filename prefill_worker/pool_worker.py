@@ -204,9 +204,9 @@ class PoolWorker(KVConnectorWorker):
         for stage in self.stages:
             spec = self.client.specs[stage.index]
             dst = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=dev)
-            _, _, bs, h, d = self.kv_caches[0].shape
+            parts, _, bs, h, d = self.kv_caches[0].shape
             for layer, kv in enumerate(self._layers(stage)):
-                torch.index_select(kv, 1, idx, out=dst[layer].view(2, len(blocks), bs, h, d))
+                torch.index_select(kv, 1, idx, out=dst[layer].view(parts, len(blocks), bs, h, d))
             temps.append(dst)
         ready = torch.cuda.Event()
         ready.record()
@@ -412,7 +412,7 @@ class PoolWorker(KVConnectorWorker):
     ) -> list[torch.Tensor]:
         """Copy the payloads of slots[j] (j in group) to the device staging buffer, checksum
         each there, compare with its header's value; returns the device payloads
-        ([L_s, 2, n, H, D]) of the leading verified ones. Mismatching objects are damaged:
+        ([L_s, P, n, H, D]) of the leading verified ones. Mismatching objects are damaged:
         counted and removed (client.discard)."""
         assert self._stream is not None
         spec = self.client.specs[stage]

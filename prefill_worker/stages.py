@@ -95,6 +95,7 @@ def full_layout(info: ModelInfo, config: EngineConfig) -> KVLayout:
         head_dim=mc.head_dim,
         block_size=config.block_size,
         dtype=config.dtype,
+        kind=mc.kv_kind,
         cache_dtype=config.kv_cache_dtype,
     )
 

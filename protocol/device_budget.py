@@ -94,7 +94,11 @@ def handoff_staging_bytes(protocol: str) -> int:
 
 
 def _layer_params(m: ModelBytes) -> int:
-    attn = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+    # An MLA model's projections (low-rank q and kv) are not q/k/v heads: ModelConfig
+    # counts them (attn_params_per_layer); a bare shape falls back to q/k/v/o heads.
+    attn = getattr(m, "attn_params_per_layer", None)
+    if attn is None:
+        attn = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
     return attn + m.mlp_params_per_layer + 2 * m.hidden_size
 
 

@@ -2,23 +2,31 @@
 
 The engine's paged cache for one layer is a tensor
 
-    kv[layer]: [2, num_blocks, block_size, num_kv_heads, row_width]  of storage_dtype
-                ^ 0 = K, 1 = V
+    kv[layer]: [P, num_blocks, block_size, num_kv_heads, row_width]  of storage_dtype
 
-so the KV of token t of a request lives at
-    block_id = block_table[t // block_size], offset = t % block_size,
-    slot = block_id * block_size + offset.
+whose leading dim P (`num_parts`) depends on the KV kind:
 
-One head row (one token, K or V, one KV head) depends on the KV cache dtype:
+    kind "mha" (multi-head / grouped-query attention): P = 2, part 0 = K, part 1 = V,
+        num_kv_heads rows of head_dim values each;
+    kind "mla" (multi-head latent attention, DeepSeek-V2/V3): P = 1, one "head"
+        (num_kv_heads = 1) of head_dim = kv_lora_rank + qk_rope_head_dim: the compressed
+        latent followed by the rotated shared key part, read by every query head.
+
+and whose rows (one token, one part, one head) depend on the KV cache dtype:
 
     "auto":      head_dim values of the model dtype              (row_width = head_dim)
     "fp8_e4m3":  head_dim float8 e4m3 bytes | float32 scale (4 B), stored as uint8
                  (row_width = head_dim + 4); the value is fp8 * scale, the scale the row's
                  absolute maximum / 448 (engine/attention/kv_quant.py)
 
-Keeping the scale inside its row means every byte mover (pool objects, handoff pieces,
-TP head seams, DCP token stripes) carries the scales with their values without knowing
-the format: restored KV is the computed bytes.
+so the KV of token t of a request lives at
+    block_id = block_table[t // block_size], offset = t % block_size,
+    slot = block_id * block_size + offset,
+and one token of one layer is num_parts x num_kv_heads rows (bytes_per_token_per_layer =
+f(kind, cache dtype)). Every packed format (pool objects, handoff segments) is a sequence
+of such rows, `num_parts` per layer. Keeping the scale inside its row means every byte
+mover (pool objects, handoff pieces, TP head seams, DCP token stripes) carries the scales
+with their values without knowing the format: restored KV is the computed bytes.
 """
 
 from __future__ import annotations
@@ -27,17 +35,27 @@ import msgspec
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "uint8": 1}
 
+KV_KIND_PARTS = {"mha": 2, "mla": 1}
+"""Cache parts per layer of each KV kind (see the module docstring)."""
+
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 """KV cache element formats: "auto" stores the model dtype."""
 
 FP8_SCALE_BYTES = 4
-"""Bytes of the float32 scale that ends every fp8_e4m3 head row."""
+"""Bytes of the float32 scale that ends every fp8_e4m3 row."""
+
+
+def kv_kind_parts(kind: str) -> int:
+    """Parts of a layer's cache for `kind`; ValueError naming the kinds if unknown."""
+    if kind not in KV_KIND_PARTS:
+        raise ValueError(f"unknown KV kind {kind!r}; valid: {sorted(KV_KIND_PARTS)}")
+    return KV_KIND_PARTS[kind]
 
 
 def row_bytes(cache_dtype: str, dtype: str, row_elems: int) -> int:
-    """Bytes of one stored row of `row_elems` values (a K or V head row) of a model in
-    `dtype` whose KV cache dtype is `cache_dtype`; the one rule the engine, budgets and
-    cluster checks share."""
+    """Bytes of one stored row of `row_elems` values (a K or V head row, or an MLA latent
+    entry) of a model in `dtype` whose KV cache dtype is `cache_dtype`; the one rule the
+    engine, budgets and cluster checks share."""
     if cache_dtype == "fp8_e4m3":
         return row_elems + FP8_SCALE_BYTES
     return row_elems * DTYPE_BYTES[dtype]
@@ -53,12 +71,15 @@ class KVLayout(msgspec.Struct, frozen=True):
     dtype: str
     """Model (activation) element type as torch spells it without the prefix: float32,
     bfloat16, ...; the KV element type when cache_dtype is "auto"."""
+    kind: str = "mha"
+    """"mha" (K and V) or "mla" (one latent entry, num_kv_heads 1); see the module doc."""
     cache_dtype: str = "auto"
     """KV cache format: "auto" (the model dtype) or "fp8_e4m3" (rows with scales)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown KV dtype {self.dtype!r}; valid: {sorted(DTYPE_BYTES)}")
+        kv_kind_parts(self.kind)
         if self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"unknown KV cache dtype {self.cache_dtype!r}; valid: {list(KV_CACHE_DTYPES)}"
@@ -66,6 +87,13 @@ class KVLayout(msgspec.Struct, frozen=True):
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVLayout.{name} must be positive")
+        if self.kind == "mla" and self.num_kv_heads != 1:
+            raise ValueError("an mla KVLayout holds one latent head (num_kv_heads 1)")
+
+    @property
+    def num_parts(self) -> int:
+        """Leading dim of a layer's cache: 2 (K, V) for mha, 1 (the latent) for mla."""
+        return KV_KIND_PARTS[self.kind]
 
     @property
     def storage_dtype(self) -> str:
@@ -74,22 +102,18 @@ class KVLayout(msgspec.Struct, frozen=True):
 
     @property
     def row_bytes(self) -> int:
-        """One head row of K or V of one token, scale included."""
+        """One row (a part of one head of one token), scale included."""
         return row_bytes(self.cache_dtype, self.dtype, self.head_dim)
 
     @property
     def row_width(self) -> int:
-        """Elements of storage_dtype per head row: the last dim of cache and segments."""
+        """Elements of storage_dtype per row: the last dim of caches and segments."""
         return self.row_bytes // DTYPE_BYTES[self.storage_dtype]
-
-    def cache_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
-        """Shape of one layer's paged cache of `num_blocks` blocks."""
-        return (2, num_blocks, self.block_size, self.num_kv_heads, self.row_width)
 
     @property
     def bytes_per_token_per_layer(self) -> int:
-        """K and V of one token in one layer."""
-        return 2 * self.num_kv_heads * self.row_bytes
+        """All parts (K and V, or the latent) of one token in one layer."""
+        return self.num_parts * self.num_kv_heads * self.row_bytes
 
     @property
     def bytes_per_token(self) -> int:
@@ -98,3 +122,7 @@ class KVLayout(msgspec.Struct, frozen=True):
     @property
     def bytes_per_block(self) -> int:
         return self.block_size * self.bytes_per_token
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
+        """Shape of one layer's paged cache of `num_blocks` blocks."""
+        return (self.num_parts, num_blocks, self.block_size, self.num_kv_heads, self.row_width)

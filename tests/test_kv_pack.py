@@ -117,3 +117,41 @@ def test_errors_are_typed() -> None:
         packed_view(torch.zeros(64, dtype=torch.uint8), 0, (17,), torch.float32)
     with pytest.raises(PackLayoutError):
         KVShard(dcp_size=2, dcp_rank=2)
+
+
+def test_mla_latent_cache_one_part_dcp_stripes() -> None:
+    """An MLA cache [1, blocks, bs, 1, C]: the packed segment is [L, 1, n, 1, C] (one row
+    per layer); the DCP stripes of every rank together are the whole latent, each written
+    into its rank's local cache at t // dcp_size, the head range [0, 1) on every rank."""
+    from prefill_worker.pool_pack import pack_blocks, unpack_blocks
+
+    g = torch.Generator().manual_seed(3)
+    c = 40
+    kv = [torch.randn(1, NUM_BLOCKS, BS, 1, c, generator=g) for _ in range(L)]
+    table = random.Random(0).sample(range(NUM_BLOCKS), 8)
+    start, end = 3, 29
+    whole = torch.empty(L, 1, end - start, 1, c)
+    gather(kv, table, start, end, whole)
+    for layer in range(L):
+        for i, t in enumerate(range(start, end)):
+            assert torch.equal(whole[layer, 0, i], kv[layer][0, table[t // BS], t % BS])
+    for rank in range(2):
+        shard = KVShard(0, 1, dcp_size=2, dcp_rank=rank)
+        n = shard.num_tokens(start, end)
+        part = torch.empty(L, 1, n, 1, c)
+        gather(kv, table, start, end, part, shard)
+        assert torch.equal(part, whole[:, :, (rank - start) % 2 :: 2])
+        local = [torch.zeros(1, NUM_BLOCKS, BS, 1, c) for _ in range(L)]
+        local_table = list(range(NUM_BLOCKS // 2))
+        scatter(part, local, local_table, start, end, shard)
+        for t in shard.tokens(start, end).tolist():
+            p = t // 2
+            assert torch.equal(local[1][0, p // BS, p % BS], kv[1][0, table[t // BS], t % BS])
+    # pool payloads: whole blocks, one part per layer
+    blocks = table[:3]
+    payload = torch.empty(L, 1, 3 * BS, 1, c)
+    pack_blocks(kv, blocks, payload)
+    dst = [torch.zeros_like(x) for x in kv]
+    unpack_blocks(payload, dst, blocks)
+    for a, b in zip(kv, dst, strict=True):
+        assert torch.equal(a[:, blocks], b[:, blocks])

@@ -46,7 +46,7 @@ def test_qwen_flags_and_errors():
     q3 = model_config_from_hf({**BASE, "architectures": ["Qwen3ForCausalLM"], "head_dim": 16})
     assert q3.qk_norm and q3.head_dim == 16
     assert model_config_from_hf({**BASE, "architectures": ["Qwen2ForCausalLM"]}).attention_bias
-    with pytest.raises(ModelLoadError, match="rope_scaling type 'yarn'"):
-        model_config_from_hf({**BASE, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    with pytest.raises(ModelLoadError, match="rope_scaling type 'longrope'"):
+        model_config_from_hf({**BASE, "rope_scaling": {"type": "longrope", "factor": 4.0}})
     with pytest.raises(ModelLoadError, match="lacks required key 'hidden_size'"):
         model_config_from_hf({k: v for k, v in BASE.items() if k != "hidden_size"})

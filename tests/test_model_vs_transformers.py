@@ -1,7 +1,7 @@
 """The model path (engine.weights -> registry -> LlamaForCausalLM -> torch attention over a
 paged cache) against Hugging Face transformers in float32: logits and greedy tokens.
 
-Tiny random models cover every architecture and feature (GQA, llama3 RoPE scaling, qkv
+Tiny random models cover every architecture and feature (GQA, llama3 and yarn RoPE scaling, qkv
 bias, Qwen3 q/k norm, tied and untied embeddings); the SmolLM2 GGUF covers dequantization
 and llama.cpp's q/k permutation on a real model.
 """
@@ -21,6 +21,7 @@ from engine.models.registry import build_model
 from engine.weights.cache import load_weights
 from modelinfo.config import ModelConfig, model_config_from_hf
 from modelinfo.gguf_config import model_config_from_gguf
+from protocol.kv_layout import kv_kind_parts
 
 BLOCK_SIZE = 16
 
@@ -35,7 +36,8 @@ class PagedRunner:
         self.model = model
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
-        shape = (2, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+        parts = kv_kind_parts(cfg.kv_kind)  # K and V, or one MLA latent
+        shape = (parts, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
         dev, dtype = model.device, model.dtype
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=dev) for _ in range(model.num_local_layers)
@@ -129,7 +131,12 @@ TINY = {
         ),
     ),
     "mistral": dict(rope_theta=1e6, sliding_window=None),
-    "qwen2": dict(rope_theta=1e6, tie_word_embeddings=True),  # qkv bias, tied
+    # qkv bias, tied; YaRN (its attention factor on cos/sin) over a short original context
+    "qwen2": dict(
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024),
+    ),
     "qwen3": dict(rope_theta=1e6, head_dim=32),  # q/k norm, head_dim != hidden / heads
 }
 

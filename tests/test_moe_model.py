@@ -322,7 +322,7 @@ def test_hub_configs_parse() -> None:
 def test_registry_and_modelinfo_agree_and_refuse_unknown() -> None:
     assert supported_architectures() == sorted(SUPPORTED_ARCHITECTURES)
     with pytest.raises(UnsupportedArchitectureError, match=r"Glm4MoeForCausalLM.*Qwen3Moe"):
-        model_config_from_hf({**QWEN3_30B_A3B, "architectures": ["DeepseekV2ForCausalLM"]})
+        model_config_from_hf({**QWEN3_30B_A3B, "architectures": ["GptOssForCausalLM"]})
 
 
 def test_kvserve_check_refuses_an_unbuildable_architecture(tmp_path: Path) -> None:
@@ -331,7 +331,7 @@ def test_kvserve_check_refuses_an_unbuildable_architecture(tmp_path: Path) -> No
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"")  # only config.json is read
     (folder / "config.json").write_text(
-        json.dumps({**GLM_45_AIR, "architectures": ["DeepseekV2ForCausalLM"]})
+        json.dumps({**GLM_45_AIR, "architectures": ["GptOssForCausalLM"]})
     )
     example["model"] = str(folder)
     path = tmp_path / "cluster.yaml"
@@ -339,7 +339,7 @@ def test_kvserve_check_refuses_an_unbuildable_architecture(tmp_path: Path) -> No
     with pytest.raises(ConfigError) as e:
         check(path, io.StringIO())
     assert e.value.path == "model"
-    assert "DeepseekV2ForCausalLM" in e.value.message and "Glm4MoeForCausalLM" in e.value.message
+    assert "GptOssForCausalLM" in e.value.message and "Glm4MoeForCausalLM" in e.value.message
     # GLM-4.5-Air's config passes, and the GPU examples that serve it fit its layers and heads.
     (folder / "config.json").write_text(json.dumps(GLM_45_AIR))
     for name in ("single-server-8gpu.yaml", "four-server.yaml"):

@@ -2,14 +2,17 @@
 
 Paged cache (engine), one tensor per layer; token t sits at slot s(t):
 
-    kv[l]: [2, num_blocks, block_size, Hkv, D]  --view-->  [2, num_blocks*block_size, Hkv, D]
+    kv[l]: [P, num_blocks, block_size, Hkv, D]  --view-->  [P, num_blocks*block_size, Hkv, D]
     s(t) = block_table[t // block_size] * block_size + t % block_size
+
+P (protocol/kv_layout.py) is 2 (K, V) for an mha cache, 1 (the latent) for an mla one.
 
 Packed segment (staging and landing buffers), the wire format of protocol.KVSegment:
 
-    [L, 2, n, h, D]: 2L rows, row r = (layer r // 2, K if r % 2 == 0 else V), each row the
-    n selected tokens in order, each token h heads x D values. A run of whole rows, or a
-    token sub-range of one row, is contiguous; HandoffSender splits along exactly those.
+    [L, P, n, h, D]: P*L rows, row r = (layer r // P, part r % P: K then V, or the
+    latent), each row the n selected tokens in order, each token h heads x D values. A run
+    of whole rows, or a token sub-range of one row, is contiguous; HandoffSender splits
+    along exactly those. An mla cache has one head: every DCP rank gets heads [0, 1).
 
 KVShard picks the part a decode rank owns (DESIGN §6): heads [head_start, head_end) and
 the DCP stripe t ≡ dcp_rank (mod dcp_size). Defaults: all heads, every token.
@@ -100,12 +103,15 @@ def packed_view(
 
 
 def cache_geometry(kv_caches: list[torch.Tensor]) -> tuple[int, int, int, int]:
-    """(num_blocks, block_size, Hkv, D) of a valid list of per-layer paged caches."""
+    """(num_blocks, block_size, Hkv, D) of a valid list of per-layer paged caches (the
+    parts P are kv_caches[0].shape[0])."""
     if not kv_caches:
         raise PackLayoutError("kv_caches is empty")
     shape = kv_caches[0].shape
-    if len(shape) != 5 or shape[0] != 2:
-        raise PackLayoutError(f"a layer cache must be [2, blocks, bs, Hkv, D], got {shape}")
+    if len(shape) != 5 or shape[0] not in (1, 2):
+        raise PackLayoutError(
+            f"a layer cache must be [P (1 or 2), blocks, bs, Hkv, D], got {shape}"
+        )
     for kv in kv_caches:
         if kv.shape != shape or kv.dtype != kv_caches[0].dtype or not kv.is_contiguous():
             raise PackLayoutError("every layer cache needs the same shape/dtype, contiguous")
@@ -135,8 +141,9 @@ def gather_rows(
 ) -> None:
     """out[i] = row (row_start + i) at `slots`, heads [h0, h1): out is [rows, n, h, D]."""
     h0, h1 = heads
+    parts = kv_caches[0].shape[0]
     for i in range(out.shape[0]):
-        layer, kv = divmod(row_start + i, 2)
+        layer, kv = divmod(row_start + i, parts)
         src = kv_caches[layer][kv].flatten(0, 1)[:, h0:h1]  # [blocks*bs, h, D]
         torch.index_select(src, 0, slots, out=out[i])
 
@@ -145,8 +152,9 @@ def scatter_rows(
     src: torch.Tensor, kv_caches: list[torch.Tensor], slots: torch.Tensor, row_start: int
 ) -> None:
     """Row (row_start + i) at `slots` = src[i], all heads: src is [rows, n, Hkv, D]."""
+    parts = kv_caches[0].shape[0]
     for i in range(src.shape[0]):
-        layer, kv = divmod(row_start + i, 2)
+        layer, kv = divmod(row_start + i, parts)
         kv_caches[layer][kv].flatten(0, 1).index_copy_(0, slots, src[i])
 
 
@@ -159,16 +167,18 @@ def gather(
     shard: KVShard = FULL,
 ) -> None:
     """Pack tokens [token_start, token_end) of every layer (shard's heads and stripe) from
-    the full paged cache into `out`, a contiguous [L, 2, n, h, D] tensor (e.g. a
+    the full paged cache into `out`, a contiguous [L, P, n, h, D] tensor (e.g. a
     packed_view of a staging buffer). Reads kv_caches, mutates only out."""
     _, bs, num_heads, head_dim = cache_geometry(kv_caches)
+    parts = kv_caches[0].shape[0]
     h0, h1 = shard.heads(num_heads)
     n = shard.num_tokens(token_start, token_end)
-    want = (len(kv_caches), 2, n, h1 - h0, head_dim)
+    want = (len(kv_caches), parts, n, h1 - h0, head_dim)
     if tuple(out.shape) != want or out.dtype != kv_caches[0].dtype or not out.is_contiguous():
         raise PackLayoutError(f"gather out must be contiguous {want} {kv_caches[0].dtype}")
     slots = slots_for(block_table, bs, shard.tokens(token_start, token_end), out.device)
-    gather_rows(kv_caches, slots, (h0, h1), 0, out.view(2 * len(kv_caches), n, h1 - h0, head_dim))
+    rows = out.view(parts * len(kv_caches), n, h1 - h0, head_dim)
+    gather_rows(kv_caches, slots, (h0, h1), 0, rows)
 
 
 def local_positions(token_start: int, token_end: int, shard: KVShard) -> torch.Tensor:
@@ -184,15 +194,17 @@ def scatter(
     token_end: int,
     shard: KVShard = FULL,
 ) -> None:
-    """Inverse of gather: unpack a [L, 2, n, Hkv, D] segment of tokens [token_start,
+    """Inverse of gather: unpack a [L, P, n, Hkv, D] segment of tokens [token_start,
     token_end) (the shard's stripe) into the rank-local paged cache, whose heads are all
     the shard's heads and whose block_table is over local positions t // dcp_size.
     Mutates kv_caches at those slots only."""
     _, bs, num_heads, head_dim = cache_geometry(kv_caches)
+    parts = kv_caches[0].shape[0]
     n = shard.num_tokens(token_start, token_end)
-    want = (len(kv_caches), 2, n, num_heads, head_dim)
+    want = (len(kv_caches), parts, n, num_heads, head_dim)
     if tuple(src.shape) != want or src.dtype != kv_caches[0].dtype:
         raise PackLayoutError(f"scatter src must be {want} {kv_caches[0].dtype}, got {src.shape}")
     positions = local_positions(token_start, token_end, shard)
     slots = slots_for(block_table, bs, positions, kv_caches[0].device)
-    scatter_rows(src.reshape(2 * len(kv_caches), n, num_heads, head_dim), kv_caches, slots, 0)
+    rows = src.reshape(parts * len(kv_caches), n, num_heads, head_dim)
+    scatter_rows(rows, kv_caches, slots, 0)

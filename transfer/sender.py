@@ -79,6 +79,8 @@ class HandoffSender:
         self.faults = faults or HandoffFaults()
         self.device = kv_caches[0].device
         _, self.block_size, self.num_heads, self.row_width = cache_geometry(kv_caches)
+        self.num_parts = kv_caches[0].shape[0]
+        """Cache parts per layer: 2 (K, V) or 1 (an MLA latent)."""
         self.slot_bytes = staging_bytes // num_slots // 4096 * 4096
         pin = self.device.type == "cpu" and torch.cuda.is_available()
         self.staging = torch.empty(
@@ -200,6 +202,7 @@ class HandoffSender:
             or not 0 <= l0 < l1 <= layout.num_layers
             or h1 - h0 != layout.num_kv_heads
             or self.row_width != layout.row_width
+            or self.num_parts != layout.num_parts
             or self.kv_caches[0].dtype != torch_dtype(layout)
         ):
             raise PackLayoutError(
@@ -316,7 +319,8 @@ class HandoffSender:
             raise TransferError("the sender is closing")
         if n:
             base = slot * self.slot_bytes
-            out = packed_view(self.staging, base, (2 * nl, n, h1 - h0, self.row_width), dtype)
+            rows = self.num_parts * nl
+            out = packed_view(self.staging, base, (rows, n, h1 - h0, self.row_width), dtype)
             positions = shard.tokens(piece.token_start, piece.token_end)
             self._gather(table, positions, (h0, h1), out, ready)
         with self._lock:

@@ -13,6 +13,11 @@ KV of every layer lives in a paged cache tensor [2, num_blocks, block_size, Hkv,
 (see protocol/kv_layout.py); block_tables[b, i] is the block holding tokens
 i*block_size .. (i+1)*block_size-1 of seq b, and slot_mapping[t] is the flat slot
 (block_id * block_size + offset) where new token t's K/V must be written.
+
+Multi-head latent attention (MLA, DeepSeek) keeps one entry per token instead, in a cache
+[1, num_blocks, block_size, 1, C]: `forward_mla` attends with every query head over the
+entries as keys (all C dims) and their leading `value_dim` dims as values (MQA over the
+latent; the model absorbed its per-head key/value projections into q and the output).
 """
 
 from __future__ import annotations
@@ -76,6 +81,9 @@ class AttentionBackend(ABC):
     no host sync: such a step can be captured once in a CUDA graph and replayed on new
     values of those tensors (engine/cuda_graphs.py)."""
 
+    supports_mla: bool = False
+    """True when `forward_mla` is implemented (MLA models need it)."""
+
     @abstractmethod
     def forward(
         self,
@@ -87,6 +95,21 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
+
+    def forward_mla(
+        self,
+        q: torch.Tensor,  # [T, Hq, C] latent-space queries
+        latent: torch.Tensor,  # [T, 1, C] the new tokens' cache entries
+        kv_cache: torch.Tensor,  # [1, num_blocks, block_size, 1, C]
+        meta: AttentionMetadata,
+        scale: float,
+        value_dim: int,
+    ) -> torch.Tensor:  # [T, Hq, value_dim]
+        """Contract: writes `latent` at meta.slot_mapping (the only mutation), then returns
+        softmax(q e^T * scale) e[:value_dim] over each sequence's entries e at positions
+        <= the token's (the contract of `forward` with K = e, V = e[:value_dim], one KV
+        head)."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not run MLA models")
 
 
 class LSEAttentionBackend(AttentionBackend):
@@ -124,6 +147,30 @@ class LSEAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         return self.forward_with_lse(q, k, v, kv_cache, meta, scale)[0]
+
+    def forward_mla_with_lse(
+        self,
+        q: torch.Tensor,  # [T, Hq, C]
+        latent: torch.Tensor,  # [T, 1, C]
+        kv_cache: torch.Tensor,  # [1, num_blocks, block_size, 1, C] (this rank's stripe)
+        meta: AttentionMetadata,
+        scale: float,
+        value_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, value_dim], [T, Hq] float32
+        """`forward_mla` over this rank's (striped) entries, with the LSE (the contract of
+        `forward_with_lse`)."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not run MLA models")
+
+    def forward_mla(
+        self,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        value_dim: int,
+    ) -> torch.Tensor:
+        return self.forward_mla_with_lse(q, latent, kv_cache, meta, scale, value_dim)[0]
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,9 @@ the local keys whose global position j * P + r is <= p:
 Partial results of the P ranks merge exactly with `merge_partials` (engine/attention/
 base.py). Scores are computed in float32 explicitly (SDPA does not return the LSE), so
 this path is slower than the "torch" reference and used only where the LSE is needed.
-Like the reference, decode rows run as one padded batch, prefill rows per sequence.
+Like the reference, decode rows run as one padded batch, prefill rows per sequence; MLA
+(`forward_mla_with_lse`) runs both over the one-part latent cache (keys the entries,
+values their leading value_dim dims), so its partials merge the same way.
 """
 
 from __future__ import annotations
@@ -85,10 +87,10 @@ def _build_plan(meta: AttentionMetadata, block_size: int, device: torch.device) 
 def _attend(
     q: torch.Tensor,  # [B, Hkv, G, Q, D]
     k: torch.Tensor,  # [B, Hkv, K, D]
-    v: torch.Tensor,  # [B, Hkv, K, D]
+    v: torch.Tensor,  # [B, Hkv, K, Dv]
     mask: torch.Tensor,  # broadcastable to [B, Hkv, G, Q, K], True = attend
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # [B, Hkv, G, Q, D] float32, [B, Hkv, G, Q]
+) -> tuple[torch.Tensor, torch.Tensor]:  # [B, Hkv, G, Q, Dv] float32, [B, Hkv, G, Q]
     scores = torch.einsum("bhgqd,bhkd->bhgqk", q.float(), k.float()) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # -inf where no key is visible
@@ -98,11 +100,17 @@ def _attend(
 
 
 def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[2, blocks, bs, Hkv, W] x [n] -> [2, n * bs, Hkv, D] values of `dtype` (whole-block
+    """[P, blocks, bs, Hkv, W] x [n] -> [P, n * bs, Hkv, D] values of `dtype` (whole-block
     row copies, fp8 rows dequantized)."""
-    _, _, bs, hkv, width = kv_cache.shape
-    out = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, blocks)
-    return from_cache(out.view(2, blocks.numel() * bs, hkv, width), dtype)
+    parts, _, bs, hkv, width = kv_cache.shape
+    out = kv_cache.view(parts, kv_cache.shape[1], -1).index_select(1, blocks)
+    return from_cache(out.view(parts, blocks.numel() * bs, hkv, width), dtype)
+
+
+def _split(kv: torch.Tensor, value_dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) of gathered KV: parts 0 and 1, or (MLA, one part) the entries and
+    their leading value_dim dims."""
+    return (kv[0], kv[1]) if value_dim is None else (kv[0], kv[0][..., :value_dim])
 
 
 @register_backend
@@ -121,42 +129,76 @@ class TorchLSEAttentionBackend(LSEAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hq]
-        _, _, block_size, num_kv_heads, width = kv_cache.shape
-        head_dim = head_dim_of(kv_cache)
-        num_tokens, num_heads, _ = q.shape
-        group = num_heads // num_kv_heads
-        plan = meta.backend_state.get(self.name)
-        if plan is None:
-            plan = _build_plan(meta, block_size, q.device)
-            meta.backend_state[self.name] = plan
+        plan = self._plan(q, kv_cache, meta)
+        num_kv_heads, width = kv_cache.shape[3], kv_cache.shape[4]
         flat = kv_cache.view(2, -1, num_kv_heads, width)
         k_new = k if plan.write_rows is None else k.index_select(0, plan.write_rows)
         v_new = v if plan.write_rows is None else v.index_select(0, plan.write_rows)
         flat[0].index_copy_(0, plan.write_slots, to_cache(k_new, kv_cache))
         flat[1].index_copy_(0, plan.write_slots, to_cache(v_new, kv_cache))
+        return self._attend_all(q, kv_cache, plan, scale, None)
 
-        out = torch.zeros(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    supports_mla = True
+
+    def forward_mla_with_lse(
+        self,
+        q: torch.Tensor,  # [T, Hq, C]
+        latent: torch.Tensor,  # [T, 1, C]
+        kv_cache: torch.Tensor,  # [1, num_blocks, block_size, 1, C]
+        meta: AttentionMetadata,
+        scale: float,
+        value_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, value_dim], [T, Hq]
+        plan = self._plan(q, kv_cache, meta)
+        new = latent if plan.write_rows is None else latent.index_select(0, plan.write_rows)
+        flat = kv_cache.view(-1, 1, kv_cache.shape[-1])
+        flat.index_copy_(0, plan.write_slots, to_cache(new, kv_cache))
+        return self._attend_all(q, kv_cache, plan, scale, value_dim)
+
+    def _plan(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> _Plan:
+        plan = meta.backend_state.get(self.name)
+        if plan is None:
+            plan = _build_plan(meta, kv_cache.shape[2], q.device)
+            meta.backend_state[self.name] = plan
+        return plan
+
+    @staticmethod
+    def _attend_all(
+        q: torch.Tensor,  # [T, Hq, D]
+        kv_cache: torch.Tensor,  # [P, num_blocks, block_size, Hkv, D]
+        plan: _Plan,
+        scale: float,
+        value_dim: int | None,  # MLA: values are the entries' leading value_dim dims
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, Dv], [T, Hq]
+        parts, _, block_size, num_kv_heads, _ = kv_cache.shape
+        head_dim = head_dim_of(kv_cache)
+        num_tokens, num_heads, _ = q.shape
+        group = num_heads // num_kv_heads
+        out_dim = head_dim if value_dim is None else value_dim
+        out = torch.zeros(num_tokens, num_heads, out_dim, dtype=q.dtype, device=q.device)
         lse = torch.full((num_tokens, num_heads), float("-inf"), device=q.device)
         if plan.decode_rows is not None:
             assert plan.decode_blocks is not None and plan.decode_mask is not None
             rows = plan.decode_rows
             num_seqs, max_blocks = plan.decode_blocks.shape
             kv = _gather(kv_cache, plan.decode_blocks.reshape(-1), q.dtype)
-            kv = kv.view(2, num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
-            kv = kv.permute(0, 1, 3, 2, 4)  # [2, Bd, Hkv, L, D]
+            kv = kv.view(parts, num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+            kv = kv.permute(0, 1, 3, 2, 4)  # [P, Bd, Hkv, L, D]
             q_dec = q.index_select(0, rows).view(num_seqs, num_kv_heads, group, 1, head_dim)
-            o, s = _attend(q_dec, kv[0], kv[1], plan.decode_mask.unsqueeze(-2), scale)
-            out.index_copy_(0, rows, o.reshape(num_seqs, num_heads, head_dim).to(q.dtype))
+            k, v = _split(kv, value_dim)
+            o, s = _attend(q_dec, k, v, plan.decode_mask.unsqueeze(-2), scale)
+            out.index_copy_(0, rows, o.reshape(num_seqs, num_heads, out_dim).to(q.dtype))
             lse.index_copy_(0, rows, s.reshape(num_seqs, num_heads))
         for seq in plan.prefills:
             if seq.num_local == 0:
                 continue  # no key of this sequence on this rank: out 0, lse -inf
             q_len = seq.q_end - seq.q_start
-            kv = _gather(kv_cache, seq.blocks, q.dtype)[:, : seq.num_local]  # [2, n, Hkv, D]
-            kv = kv.permute(0, 2, 1, 3).unsqueeze(1)  # [2, 1, Hkv, n, D]
+            kv = _gather(kv_cache, seq.blocks, q.dtype)[:, : seq.num_local]  # [P, n, Hkv, D]
+            kv = kv.permute(0, 2, 1, 3).unsqueeze(1)  # [P, 1, Hkv, n, D]
             q_s = q[seq.q_start : seq.q_end].view(q_len, num_kv_heads, group, head_dim)
             q_s = q_s.permute(1, 2, 0, 3).unsqueeze(0)  # [1, Hkv, G, q_len, D]
-            o, s = _attend(q_s, kv[0], kv[1], seq.mask, scale)
+            k, v = _split(kv, value_dim)
+            o, s = _attend(q_s, k, v, seq.mask, scale)
             out[seq.q_start : seq.q_end] = o[0].permute(2, 0, 1, 3).reshape(q_len, num_heads, -1)
             lse[seq.q_start : seq.q_end] = s[0].permute(2, 0, 1).reshape(q_len, num_heads)
         return out, lse

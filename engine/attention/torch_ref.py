@@ -12,6 +12,9 @@ One step's flat batch is split by query length:
         keys:     0 ........ ctx-1 | ctx ........ seq_len-1
         query j:  all cached       | new keys up to ctx+j
 
+MLA (`forward_mla`) runs the same two paths over a one-part cache of latent entries:
+keys are the entries, values their leading value_dim dims (views, no copy).
+
 The plan (which rows are decode, their padded block table and mask, the prefill masks)
 depends only on the metadata, so it is built on the first layer of a step and cached in
 `meta.backend_state` for the others.
@@ -81,10 +84,18 @@ def _build_plan(meta: AttentionMetadata, block_size: int, device: torch.device) 
 
 
 def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[2, num_blocks, block_size, Hkv, D] x [n] block ids -> [2, n, block_size * Hkv * D].
+    """[P, num_blocks, block_size, Hkv, D] x [n] block ids -> [P, n, block_size * Hkv * D].
     index_select over whole blocks is a row memcpy, ~6x faster on CPU than advanced
     indexing of the 5-D cache."""
-    return kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, block_ids)
+    return kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1).index_select(1, block_ids)
+
+
+def _split_kv(kv: torch.Tensor, value_dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of gathered KV [P, ...D]: parts 0 and 1 (P = 2), or the latent
+    entries and their leading value_dim dims (P = 1, MLA)."""
+    if value_dim is None:
+        return kv[0], kv[1]
+    return kv[0], kv[0][..., :value_dim]
 
 
 @register_backend
@@ -102,24 +113,51 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
-        _, _, block_size, num_kv_heads, width = kv_cache.shape
+        _, _, _, num_kv_heads, width = kv_cache.shape
         flat = kv_cache.view(2, -1, num_kv_heads, width)  # [2, slots, Hkv, W]
         flat[0].index_copy_(0, meta.slot_mapping, to_cache(k, kv_cache))
         flat[1].index_copy_(0, meta.slot_mapping, to_cache(v, kv_cache))
+        return self._attend(q, k, v, kv_cache, meta, scale, None)
 
+    supports_mla = True
+
+    def forward_mla(
+        self,
+        q: torch.Tensor,  # [T, Hq, C]
+        latent: torch.Tensor,  # [T, 1, C]
+        kv_cache: torch.Tensor,  # [1, num_blocks, block_size, 1, C]
+        meta: AttentionMetadata,
+        scale: float,
+        value_dim: int,
+    ) -> torch.Tensor:  # [T, Hq, value_dim]
+        flat = kv_cache.view(-1, 1, kv_cache.shape[-1])  # [slots, 1, C]
+        flat.index_copy_(0, meta.slot_mapping, to_cache(latent, kv_cache))
+        return self._attend(q, latent, latent[..., :value_dim], kv_cache, meta, scale, value_dim)
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, Dv]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        value_dim: int | None,
+    ) -> torch.Tensor:  # [T, Hq, Dv]
         plan = meta.backend_state.get(self.name)
         if plan is None:
-            plan = _build_plan(meta, block_size, q.device)
+            plan = _build_plan(meta, kv_cache.shape[2], q.device)
             meta.backend_state[self.name] = plan
 
         if plan.decode_blocks is not None and not plan.prefills and plan.decode_rows is None:
-            return self._decode(q, kv_cache, plan, scale)  # pure decode step: no scatter
-        out = torch.empty_like(q)
+            # pure decode step: no scatter
+            return self._decode(q, kv_cache, plan, scale, value_dim)
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         if plan.decode_blocks is not None:
             rows = plan.decode_rows
             num_decode = plan.decode_blocks.shape[0]
             q_dec = q[:num_decode] if rows is None else q.index_select(0, rows)
-            o_dec = self._decode(q_dec, kv_cache, plan, scale)  # [Bd, Hq, D]
+            o_dec = self._decode(q_dec, kv_cache, plan, scale, value_dim)  # [Bd, Hq, Dv]
             if rows is None:
                 out[:num_decode] = o_dec
             else:
@@ -134,29 +172,29 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         plan: _StepPlan,
         scale: float,
-    ) -> torch.Tensor:  # [Bd, Hq, D]
+        value_dim: int | None,
+    ) -> torch.Tensor:  # [Bd, Hq, Dv]
         assert plan.decode_blocks is not None and plan.decode_mask is not None
         num_seqs, num_heads, head_dim = q.shape
-        num_kv_heads, width = kv_cache.shape[3], kv_cache.shape[4]
+        parts, num_kv_heads, width = kv_cache.shape[0], kv_cache.shape[3], kv_cache.shape[4]
         kv = _gather_blocks(kv_cache, plan.decode_blocks.reshape(-1))
-        kv = from_cache(kv.view(2, num_seqs, -1, num_kv_heads, width), q.dtype)
-        kv = kv.transpose(2, 3)  # [2, Bd, Hkv, L, D]
+        # [P, Bd, Hkv, L, D] (fp8 rows dequantized)
+        kv = from_cache(kv.view(parts, num_seqs, -1, num_kv_heads, width), q.dtype).transpose(2, 3)
+        k, v = _split_kv(kv, value_dim)
         # GQA without copying KV: the G query heads of one KV head act as G query rows.
         q4 = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(
-            q4, kv[0], kv[1], attn_mask=plan.decode_mask, scale=scale
-        )
-        return o.reshape(num_seqs, num_heads, head_dim)
+        o = F.scaled_dot_product_attention(q4, k, v, attn_mask=plan.decode_mask, scale=scale)
+        return o.reshape(num_seqs, num_heads, v.shape[-1])
 
     @staticmethod
     def _prefill(
         q: torch.Tensor,  # [T, Hq, D]
         k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, Dv]
         kv_cache: torch.Tensor,
         seq: _PrefillSeq,
         scale: float,
-    ) -> torch.Tensor:  # [q_len, Hq, D]
+    ) -> torch.Tensor:  # [q_len, Hq, Dv]
         q_s = q[seq.q_start : seq.q_end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
         if seq.mask is None and kv_cache.dtype == q.dtype:
             # No cached prefix: the new tokens are the whole sequence, and the cache holds
@@ -165,11 +203,10 @@ class TorchAttentionBackend(AttentionBackend):
             k_s = k[seq.q_start : seq.q_end].transpose(0, 1)[None]  # [1, Hkv, seq_len, D]
             v_s = v[seq.q_start : seq.q_end].transpose(0, 1)[None]
         else:
-            num_kv_heads, width = kv_cache.shape[3], kv_cache.shape[4]
-            kv = _gather_blocks(kv_cache, seq.blocks).view(2, -1, num_kv_heads, width)
-            kv = from_cache(kv, q.dtype)
-            kv = kv[:, : seq.seq_len].transpose(1, 2)  # [2, Hkv, seq_len, D]
-            k_s, v_s = kv[0][None], kv[1][None]
+            parts, num_kv_heads, width = kv_cache.shape[0], kv_cache.shape[3], kv_cache.shape[4]
+            kv = _gather_blocks(kv_cache, seq.blocks).view(parts, -1, num_kv_heads, width)
+            kv = from_cache(kv, q.dtype)[:, : seq.seq_len].transpose(1, 2)
+            k_s, v_s = (t[None] for t in _split_kv(kv, v.shape[-1] if parts == 1 else None))
         o = F.scaled_dot_product_attention(
             q_s,
             k_s,

@@ -12,7 +12,10 @@ Differences inside the family are config flags, not subclasses:
   * tie_word_embeddings (SmolLM2, small Qwens): lm_head reuses the embedding matrix;
   * partial_rotary_factor (Glm4Moe): RoPE rotates only the leading dims of each head;
   * moe (Qwen3-MoE, Glm4Moe): the MLP of the config's sparse layers is a SparseMoeBlock
-    (engine/models/moe.py), the other layers keep the dense SwiGLU.
+    (engine/models/moe.py), the other layers keep the dense SwiGLU;
+  * mla (DeepSeek-V2/V3): attention is multi-head latent attention, a different layer
+    (MlaDecoderLayer, engine/models/mla_layer.py) over a one-part latent cache; embedding,
+    stages, final norm and lm_head are this module's.
 
 Parameters are fused at load time: q|k|v into one [(Hq + 2 Hkv) D, H] matrix and
 gate|up into one [2 I, H] matrix, so a layer is 4 matmuls. Checkpoint names are
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.models.mla_layer import MlaDecoderLayer
 from engine.models.moe import SparseMoeBlock
 from engine.models.params import assign as _assign
 from engine.models.params import meta_param as _param
@@ -181,9 +185,9 @@ class LlamaForCausalLM(nn.Module):
         self.is_first, self.is_last = layer_start == 0, layer_end == config.num_layers
         h, vocab = config.hidden_size, config.vocab_size
         self.embed_tokens = _param((vocab, h), dtype) if self.is_first else None
+        layer_cls = LlamaDecoderLayer if config.mla is None else MlaDecoderLayer
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, dtype, i, self.device)
-            for i in range(layer_start, layer_end)
+            layer_cls(config, backend, dtype, i, self.device) for i in range(layer_start, layer_end)
         )
         self.norm = _param((h,), dtype) if self.is_last else None
         self.lm_head = _param((vocab, h), dtype) if self.is_last else None
@@ -201,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor | None,  # [T] int64 (first stage)
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[torch.Tensor],  # num_local_layers × [2, num_blocks, block_size, Hkv, D]
+        kv_caches: list[torch.Tensor],  # num_local_layers × [P, num_blocks, bs, Hkv, D]
         meta: AttentionMetadata,
         hidden_states: torch.Tensor | None = None,  # [T, H] from the previous stage
     ) -> torch.Tensor:  # [T, H]: final-normed on the last stage, residual stream otherwise
@@ -247,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             take("embed_tokens", "model.embed_tokens.weight")
             for i, layer in enumerate(self.layers):
-                assert isinstance(layer, LlamaDecoderLayer)
+                assert isinstance(layer, (LlamaDecoderLayer, MlaDecoderLayer))
                 prefix = f"model.layers.{self.layer_start + i}."
                 layer.load(weights, prefix, self.device, missing)
             take("norm", "model.norm.weight")

@@ -18,6 +18,8 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Glm4MoeForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": LlamaForCausalLM,
+    "DeepseekV3ForCausalLM": LlamaForCausalLM,
 }
 """Hugging Face architecture names (config.json `architectures[0]`) kvserve runs; the same
 set as modelinfo.config.SUPPORTED_ARCHITECTURES (which `kvserve check` reads, torch-free)."""

@@ -117,6 +117,7 @@ def stage_num_blocks(config: EngineConfig, info: ModelInfo, layer_split: tuple[i
         head_dim=mc.head_dim,
         block_size=config.block_size,
         dtype=config.dtype,
+        kind=mc.kv_kind,
         cache_dtype=config.kv_cache_dtype,
     )
     return max(1, config.kv_cache_bytes // widest.bytes_per_block)
@@ -155,6 +156,7 @@ def build_stage(
         head_dim=mc.head_dim,
         block_size=config.block_size,
         dtype=config.dtype,
+        kind=mc.kv_kind,
         cache_dtype=config.kv_cache_dtype,
     )
     num_blocks = stage_num_blocks(config, info, layer_split)

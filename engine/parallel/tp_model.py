@@ -13,6 +13,11 @@ Per layer, on rank r with shard s (group g, dcp rank d):
     x += all_reduce(silu(x W_gate[i0:i1]) * x W_up[i0:i1] @ W_down[:, i0:i1])
     MoE layers: x += all_reduce(SparseMoeBlock shard(x))     (see "Mixture of experts")
 
+MLA layers (DeepSeek; engine/models/mla.py): the cache holds the whole latent on every
+rank (its one "KV head" is every group's), the group's query heads are projected into the
+latent space and attend over it (DCP: the stripe, merged like above, over L dims); the
+owned heads' W_UV and o_proj columns follow, then the same all-reduce.
+
 The embedding and final norm are replicated; only the driver (rank 0) loads lm_head and
 computes logits. Weights are sliced from the full HF-named tensors at load.
 """
@@ -32,6 +37,7 @@ from engine.attention.base import (
     merge_partials,
 )
 from engine.models.llama import rms_norm
+from engine.models.mla import MlaAttention
 from engine.models.moe import SparseMoeBlock
 from engine.parallel.comm import ParallelContext, all_gather, all_reduce_
 from engine.rope import RotaryEmbedding, apply_rotary
@@ -63,10 +69,16 @@ class TPDecoderLayer(nn.Module):
         super().__init__()
         self.cfg, self.shard, self.ctx = cfg, shard, ctx
         self.backend, self.lse_backend = backend, lse_backend
+        if cfg.mla is not None and not backend.supports_mla:
+            raise ModelLoadError(
+                f"attention backend {backend.name!r} does not run MLA models "
+                f"({cfg.architecture}); use torch or torch_lse"
+            )
         self.scale = cfg.head_dim**-0.5
         self.weights: dict[str, torch.Tensor] = {}
         self.layer = layer
         self.moe: SparseMoeBlock | None = None
+        self.mla: MlaAttention | None = None
 
     def load(self, weights: Mapping[str, torch.Tensor], prefix: str, dtype, device) -> None:  # type: ignore[no-untyped-def]
         """Slice this rank's part out of the HF tensors under `prefix`."""
@@ -82,16 +94,26 @@ class TPDecoderLayer(nn.Module):
         qs, kvs = (s.group_q_start * d, s.group_q_end * d), (s.kv_head_start * d, s.kv_head_end * d)
         parts = {
             "input_norm": get("input_layernorm.weight"),
-            "qkv_weight": torch.cat(
+            "post_norm": get("post_attention_layernorm.weight"),
+        }
+        if cfg.mla is not None:
+            self.mla = _load_mla_shard(cfg, s, weights, prefix + att, dtype, device)
+            dv = cfg.mla.v_head_dim
+            o = get(att + "o_proj.weight")
+            parts["o_weight"] = _cols(o, s.q_head_start * dv, s.q_head_end * dv)
+            if cfg.attention_bias:
+                parts["o_bias"] = get(att + "o_proj.bias")
+        else:
+            parts["qkv_weight"] = torch.cat(
                 [
                     _rows(get(att + "q_proj.weight"), *qs),
                     _rows(get(att + "k_proj.weight"), *kvs),
                     _rows(get(att + "v_proj.weight"), *kvs),
                 ]
-            ),
-            "o_weight": _cols(get(att + "o_proj.weight"), s.q_head_start * d, s.q_head_end * d),
-            "post_norm": get("post_attention_layernorm.weight"),
-        }
+            )
+            parts["o_weight"] = _cols(
+                get(att + "o_proj.weight"), s.q_head_start * d, s.q_head_end * d
+            )
         if cfg.is_sparse_layer(self.layer):
             self.moe = _load_moe_shard(cfg, s, weights, prefix, dtype, device)
         else:
@@ -102,7 +124,7 @@ class TPDecoderLayer(nn.Module):
                 ]
             )
             parts["down_weight"] = _cols(get("mlp.down_proj.weight"), i0, i1)
-        if cfg.attention_bias:
+        if cfg.attention_bias and cfg.mla is None:
             parts["qkv_bias"] = torch.cat(
                 [
                     _rows(get(att + "q_proj.bias"), *qs),
@@ -129,6 +151,9 @@ class TPDecoderLayer(nn.Module):
         num_tokens, d = x.shape[0], cfg.head_dim
         hq, hkv = s.num_group_q_heads, s.num_kv_heads
         h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
+        if self.mla is not None:
+            x = x + self._mla_attention(h, cos, sin, kv_cache, meta)
+            return self._mlp(x)
         qkv = F.linear(h, w["qkv_weight"], w.get("qkv_bias"))  # [T, (Hq_g + 2 Hkv_g) D]
         qk = qkv[:, : (hq + hkv) * d].view(num_tokens, hq + hkv, d)
         v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)
@@ -147,11 +172,43 @@ class TPDecoderLayer(nn.Module):
         own0 = s.q_head_start - s.group_q_start
         own = attn[:, own0 : own0 + s.q_head_end - s.q_head_start].reshape(num_tokens, -1)
         x = x + all_reduce_(F.linear(own, w["o_weight"]))
+        return self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        w, cfg = self.weights, self.cfg
         h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
         if self.moe is not None:
             return x + all_reduce_(self.moe(h))
         gate, up = F.linear(h, w["gate_up_weight"]).chunk(2, dim=-1)
         return x + all_reduce_(F.linear(F.silu(gate) * up, w["down_weight"]))
+
+    def _mla_attention(
+        self,
+        h: torch.Tensor,  # [T, H] normed
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,  # [1, num_blocks, block_size, 1, L + R] (this rank's stripe)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H], all-reduced attention output
+        assert self.mla is not None and self.cfg.mla is not None
+        s, m = self.shard, self.cfg.mla
+        q, entry = self.mla.project(h, cos, sin)  # the group's heads
+        lat = m.kv_lora_rank
+        if self.ctx.dcp_group is None:
+            o_lat = self.backend.forward_mla(q, entry, kv_cache, meta, m.softmax_scale, lat)
+        else:
+            assert self.lse_backend is not None
+            out, lse = self.lse_backend.forward_mla_with_lse(
+                q, entry, kv_cache, meta, m.softmax_scale, lat
+            )
+            packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)  # [T, Hq_g, L + 1]
+            parts = all_gather(packed, self.ctx.dcp_group, self.ctx.dcp_size)
+            o_lat = merge_partials(parts[..., :lat], parts[..., lat]).to(h.dtype)
+        own0 = s.q_head_start - s.group_q_start
+        own = self.mla.expand(o_lat[:, own0 : own0 + s.q_head_end - s.q_head_start], own0)
+        out = all_reduce_(F.linear(own, self.weights["o_weight"]))
+        bias = self.weights.get("o_bias")
+        return out if bias is None else out + bias
 
 
 # --- Mixture of experts ---------------------------------------------------------------
@@ -180,6 +237,25 @@ def _load_moe_shard(
         raise ModelLoadError(f"the checkpoint lacks tensor {missing[0]}")
     block.eval()
     return block
+
+
+def _load_mla_shard(
+    cfg: ModelConfig,
+    shard: DecodeRankShard,
+    weights: Mapping[str, torch.Tensor],
+    prefix: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> MlaAttention:
+    """The MLA projections of the group's query heads (the latent projection whole)."""
+    mla = MlaAttention(cfg, dtype, heads=(shard.group_q_start, shard.group_q_end))
+    missing: list[str] = []
+    with torch.no_grad():
+        mla.load(weights, prefix, device, missing)
+    if missing:
+        raise ModelLoadError(f"the checkpoint lacks tensor {missing[0]}")
+    mla.eval()
+    return mla
 
 
 class TPLlamaModel(nn.Module):

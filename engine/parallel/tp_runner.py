@@ -94,6 +94,7 @@ def build_tp_rank(
         head_dim=mc.head_dim,
         block_size=config.block_size,
         dtype=config.dtype,
+        kind=mc.kv_kind,
         cache_dtype=config.kv_cache_dtype,
     )
     num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // layout.bytes_per_block)
