@@ -20,6 +20,7 @@ from protocol.config_errors import ConfigError
 from protocol.kv_layout import KVLayout
 
 REPO = Path(__file__).resolve().parent.parent
+FP8 = "fp8_e4m3"
 LOCAL = REPO / "deploy" / "examples" / "local.yaml"
 
 
@@ -89,10 +90,13 @@ def test_check_shows_the_fp8_budget(tmp_path: Path) -> None:
     """`kvserve check` counts the KV bytes of a token in the cluster's KV cache dtype: with
     the same kv_cache_memory an fp8 cluster holds about twice the tokens of bfloat16."""
 
-    def check(kv: str) -> str:
+    def check(kv: str, gpus: bool = False) -> str:
         data = yaml.safe_load(LOCAL.read_text())
         data["dtype"] = "bfloat16"
         data["kv_cache_dtype"] = kv
+        if gpus:
+            data["prefill"][0]["devices"] = [0]
+            data["decode"][0]["devices"] = [1]
         path = tmp_path / f"{kv}.yaml"
         path.write_text(yaml.safe_dump(data))
         res = subprocess.run(
@@ -115,6 +119,10 @@ def test_check_shows_the_fp8_budget(tmp_path: Path) -> None:
     assert "kv cache prefill-0: bfloat16, 23040 bytes per token per stage" in bf16
     for name in ("prefill-0", "decode-0"):
         assert tokens(fp8, name) >= 1.8 * tokens(bf16, name)
+    # on GPUs, check says that fp8 rows are read by the reference attention
+    assert "kv cache note" not in fp8
+    assert "kv cache note: on GPUs fp8_e4m3 rows are read by the reference" in check(FP8, True)
+    assert "kv cache note" not in check("auto", True)
 
 
 def test_mla_latent_rows() -> None:
