@@ -355,7 +355,9 @@ def check_model(cluster: ClusterConfig, source: str) -> str:
             f"  landing  {d.name}: a {context}-token context is {format_bytes(need)} per rank; "
             f"region {format_bytes(region)}: {how}"
         )
-    on_gpu = any(n != "cpu" for i in (*cluster.prefill, *cluster.decode) for n in i.device_names)
+    names = [n for p in cluster.prefill for n in p.device_names]
+    names += [n for d in cluster.decode for n in d.device_names]
+    on_gpu = any(n != "cpu" for n in names)
     if cluster.kv_cache_dtype == "fp8_e4m3" and on_gpu and cluster.attention_backend != "torch":
         lines.append(
             "  kv cache note: on GPUs fp8_e4m3 rows are read by the reference attention "
