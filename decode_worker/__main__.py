@@ -15,6 +15,8 @@ from transfer import LandingArena, create_transport, handoff_transport_config
 
 QUARANTINE_MARGIN_S = 5.0
 """Beyond the transport's write timeout: a write still in flight has failed by then."""
+LANDING_TTL_MARGIN_S = 60.0
+"""Beyond the router's request timeout: covers clock skew between hosts."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         notify_url=f"http://{node.host}:{inst.port}/kv_notify",
         admit_timeout_s=cluster.router.admission.wait_timeout_s,
         quarantine_s=transport_config.write_timeout_s + QUARANTINE_MARGIN_S,
+        secret=ctx.secret,
+        landing_ttl_s=cluster.router.request_timeout_s + LANDING_TTL_MARGIN_S,
         num_devices=len(inst.devices),
     )
     ranks.worker.on_scatter = service.metrics.scatter_seconds.observe

@@ -143,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     device = inst.devices[args.rank]
     set_cpu_threads(device, cpu_threads_per_engine(cluster, inst.node))
     config = engine_config(
-        cluster, device=device, kv_cache_bytes=int(inst.kv_cache_memory), max_num_seqs=1
+        cluster,
+        device=device,
+        kv_cache_bytes=int(inst.kv_cache_memory),
+        max_num_seqs=1,
+        faults=inst.engine_faults,
     )
     ctx = init_parallel(
         args.rank,

@@ -37,6 +37,7 @@ from itertools import count
 import msgspec
 import torch
 
+from decode_worker.landing_check import segment_problem
 from engine.kv_connector import (
     ConnectorUpdate,
     KVConnectorScheduler,
@@ -98,10 +99,18 @@ class HandoffReceiver(KVConnectorScheduler):
     methods run on the engine thread; expect / landed / closed / abort on the event loop;
     a lock guards what both touch."""
 
-    def __init__(self, arena: LandingArena, num_ranks: int, layout: KVLayout) -> None:
+    def __init__(
+        self,
+        arena: LandingArena,
+        num_ranks: int,
+        layout: KVLayout,
+        stripes: list[tuple[int, int]] | None = None,
+    ) -> None:
+        """`stripes[r]`: rank r's (dcp_size, dcp_rank); None: no DCP."""
         self.arena = arena
         self.num_ranks = num_ranks
         self.layout = layout
+        self.stripes = stripes or [(1, 0)] * num_ranks
         self._cond = threading.Condition()
         self._remotes: dict[str, RemoteKV] = {}
         self._pieces = count()
@@ -122,6 +131,21 @@ class HandoffReceiver(KVConnectorScheduler):
             self._remotes[request_id] = RemoteKV(
                 request_id, region, num_prompt_tokens, on_ready, cov
             )
+
+    def landing_problem(self, notice: SegmentsLanded) -> str | None:
+        """Why the notice's segments do not all lie inside the region reserved for its
+        request (decode_worker/landing_check.py), or None (also for a request this
+        instance does not hold: `landed` answers that one)."""
+        with self._cond:
+            r = self._remotes.get(notice.request_id)
+            nbytes = None if r is None else r.region.nbytes
+        if nbytes is None:
+            return None
+        for seg in notice.segments:
+            problem = segment_problem(seg, nbytes, self.layout, self.stripes)
+            if problem is not None:
+                return problem
+        return None
 
     def landed(self, notice: SegmentsLanded) -> Future[bool]:
         """Queue a landed piece for scatter; the future answers the notice."""

@@ -3,10 +3,12 @@
     POST /decode     DecodeRequest -> NDJSON stream, opened BEFORE prefill runs:
                      landing region allocated (waits while the arena is full), request
                      added to the engine, which reserves its pages and keeps it in
-                     WAITING_FOR_KV (decode_worker/receiver.py) -> DecodeReady (landing,
-                     notify URL) -> TokenBatch ... once prefill's KV and first token are in
-    POST /kv_notify  HandoffNotice from prefill's stages (SegmentsLanded answered after the
-                     scatter: 200, or 410 when the request is gone), PrefillFirstToken,
+                     WAITING_FOR_KV (decode_worker/receiver.py) -> DecodeReady (landing
+                     with a capability per rank, protocol/landing_capability.py; notify
+                     URL) -> TokenBatch ... once prefill's KV and first token are in
+    POST /kv_notify  HandoffNotice from prefill's stages (SegmentsLanded: checked against
+                     the region reserved for the request, 400 otherwise; answered after
+                     the scatter: 200, or 410 when the request is gone), PrefillFirstToken,
                      FlowClosed
 
 A landing region lives until no write into it can be in flight (receiver.py); one given
@@ -32,6 +34,7 @@ from enginehost.app import base_app, error_response, read_message
 from enginehost.host import EngineHost
 from enginehost.kv_events import KVReporter
 from protocol.errors import InvalidRequestError, PromptTooLongError
+from protocol.landing_capability import capability_key, mint
 from protocol.messages import (
     AbortRequest,
     DecodeReady,
@@ -66,9 +69,16 @@ class DecodeService:
         notify_url: str,
         admit_timeout_s: float,
         quarantine_s: float,
+        secret: str,
+        landing_ttl_s: float,
         num_devices: int = 1,
     ) -> None:
         self.name = name
+        self.secret = secret
+        """The cluster secret: every route but /health and /metrics needs it."""
+        self.capability_key = capability_key(secret)
+        self.landing_ttl_s = landing_ttl_s
+        """How long prefill may start writing a landing after DecodeReady."""
         self.host = host
         self.arena = arena
         """Rank 0's landing arena: it allocates one offset for every rank's buffer."""
@@ -99,7 +109,7 @@ class DecodeService:
         )
 
     def app(self) -> FastAPI:
-        app = base_app(self.host, self.status, self.registry, on_abort=self.on_abort)
+        app = base_app(self.host, self.status, self.registry, self.secret, on_abort=self.on_abort)
         self.kv_reporter.install(app)
         app.post("/decode")(self.decode)
         app.post("/kv_notify")(self.kv_notify)
@@ -173,7 +183,12 @@ class DecodeService:
         except BaseException:
             await self._give_up(rid)
             raise
-        ready_line = DecodeReady(rid, self.ranks.landing_infos(region), self.notify_url)
+        expires = time.time() + self.landing_ttl_s
+        landing = [
+            mint(self.capability_key, rid, info, expires)
+            for info in self.ranks.landing_infos(region)
+        ]
+        ready_line = DecodeReady(rid, landing, self.notify_url)
         return StreamingResponse(
             self._events(rid, queue, encode_line(ready_line)), media_type="application/x-ndjson"
         )
@@ -192,11 +207,19 @@ class DecodeService:
                 items = [await queue.get()]
                 while not queue.empty():
                     items.append(queue.get_nowait())
-                failure = next((i for i in items if isinstance(i, BaseException)), None)
+                failure = next(
+                    (
+                        str(i) if isinstance(i, BaseException) else i.error
+                        for i in items
+                        if isinstance(i, BaseException) or i.error is not None
+                    ),
+                    None,
+                )
                 if failure is not None:
                     finished = True
                     self.metrics.outcome("failed")
-                    yield encode_line(ErrorEvent(request_id=rid, status=500, message=str(failure)))
+                    message = f"request {rid} failed in decode instance {self.name}: {failure}"
+                    yield encode_line(ErrorEvent(request_id=rid, status=500, message=message))
                     return
                 outs = [i for i in items if isinstance(i, RequestOutput)]
                 tokens = [t for o in outs for t in o.new_token_ids]
@@ -236,6 +259,10 @@ class DecodeService:
             return error_response(400, f"invalid HandoffNotice: {e}")
         rid = notice.request_id
         if isinstance(notice, SegmentsLanded):
+            problem = self.receiver.landing_problem(notice)
+            if problem is not None:
+                log.warning("refused a landed piece of %s: %s", rid, problem)
+                return error_response(400, f"landed piece refused: {problem}", rid)
             ok = await asyncio.wrap_future(self.receiver.landed(notice))
         elif isinstance(notice, FlowClosed):
             self.receiver.closed(notice)

@@ -59,6 +59,7 @@ def start_ranks(
         device=inst.devices[0],
         kv_cache_bytes=int(inst.kv_cache_memory),
         max_num_seqs=inst.max_num_seqs,
+        faults=inst.engine_faults,
     )
     children = None
     if tp == 1:
@@ -81,7 +82,8 @@ def start_ranks(
         ]
         log.info("TP %d x DCP %d: every rank is up (%s)", tp, dcp, [s.rank for s in shards])
     landings = RankLandings(arena, layout, shards, [rank_landing(0, arena), *remote])
-    receiver = HandoffReceiver(arena, len(shards), layout)
+    stripes = [(s.dcp_size, s.dcp_rank) for s in shards]
+    receiver = HandoffReceiver(arena, len(shards), layout, stripes)
     worker = LandingWorker(arena, layout, 0, receiver)
     engine.set_kv_connector(receiver, worker)
     return DecodeRanks(engine, landings, receiver, worker, children)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.faults import EngineFaults
 from protocol.kv_layout import KV_CACHE_DTYPES
 
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -43,6 +44,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     enable_prefix_caching: bool = True
     cache_dir: str | None = None
     """Where converted weights are cached; None means ~/.cache/kvserve."""
+    faults: EngineFaults | None = None
+    """Injected per-request faults, for tests only (engine/faults.py); None: off."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -162,6 +162,13 @@ class KVConnectorScheduler(ABC):
         (empty steps) while True, even with no request to run."""
         return False
 
+    def without_requests(self, meta: bytes, request_ids: set[str]) -> bytes:
+        """The step's metadata (from build_step_meta) without the saves and sends of
+        `request_ids`: their forward failed, so their KV of this step is not valid and
+        must not leave the engine (engine/step_isolation.py). Loads were started before
+        the forward and stay. A connector whose workers save or send KV overrides it."""
+        return meta
+
     def close(self) -> None:  # noqa: B027 (optional hook: most connectors hold nothing)
         """Release what the scheduler side holds."""
 

@@ -76,6 +76,14 @@ class MultiConnectorScheduler(KVConnectorScheduler):
     def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
         return _pack([p.build_step_meta(computed) for p in self.parts])
 
+    def without_requests(self, meta: bytes, request_ids: set[str]) -> bytes:
+        if not meta:
+            return meta
+        parts = _unpack(meta, len(self.parts))
+        return _pack(
+            [p.without_requests(m, request_ids) for p, m in zip(self.parts, parts, strict=True)]
+        )
+
     def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
         per_worker = [_unpack(r, len(self.parts)) for r in reports]
         out = ConnectorUpdate()

@@ -14,7 +14,8 @@ KV moves in and out only through the KV connector (engine/kv_connector.py), set 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import count
 from typing import Protocol, runtime_checkable
@@ -37,6 +38,7 @@ from engine.models.registry import build_model
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, SamplingState, TopLogprobs
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerCounters, SchedulerOutput
+from engine.step_isolation import describe, find_culprits, sample_isolating
 from engine.weights.cache import load_weights
 from modelinfo.detokenizer import RequestOutputText
 from modelinfo.info import ModelInfo, load_model_info
@@ -70,6 +72,10 @@ class RequestOutput:
     handed on through the KV connector); finish_reason stays None: decode continues it."""
     new_top_logprobs: list[TopLogprobs | None] | None = None
     """Per new token, its top_logprobs alternatives when the request asked for them."""
+    error: str | None = None
+    """Set (finish_reason "error", no new tokens) when this request alone made its step
+    fail (engine/step_isolation.py): it left the engine, its KV freed; the others of
+    the step went on."""
 
     @property
     def finished(self) -> bool:
@@ -89,6 +95,8 @@ class Completion:
     num_cached_tokens: int
     num_pool_tokens: int = 0
 
+
+log = logging.getLogger(__name__)
 
 LOAD_POLL_S = 0.02
 """Longest the engine thread waits for a transfer when nothing else can run (it then goes
@@ -343,16 +351,19 @@ class LLMEngine:
         return self.scheduler.has_work() or self.connector.has_pending()
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return outputs of requests that produced tokens."""
+        """Run one scheduling step; return outputs of requests that produced tokens (or
+        failed alone: engine/step_isolation.py)."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             self._poll_connector(plan)
             return []
-        logits, reports = self._execute(plan)
-        sampling = [s.request for s in plan.scheduled if s.samples]
+        logits, reports, culprits = self._execute(plan)
+        scheduled = [s for s in plan.scheduled if s.request.request_id not in culprits]
+        sampling = [s.request for s in scheduled if s.samples]
         tokens: list[int] = []
         logprobs: list[float | None] = []
         tops: list[TopLogprobs | None] = []
+        failed_rows: dict[int, str] = {}
         if logits is not None:
             states = [
                 SamplingState(
@@ -366,27 +377,82 @@ class LLMEngine:
                 )
                 for r in sampling
             ]
-            result = self.sampler.sample(logits, states)
+            result, failed_rows = sample_isolating(self.sampler, logits, states, self.config.faults)
             tokens, logprobs = result.token_ids, result.logprobs
             tops = result.top_logprobs or [None] * len(tokens)
-        for s in plan.scheduled:
+        for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(s.request)
         self.apply_reports(reports)
-        outputs = []
-        for req, tok, lp, top in zip(sampling, tokens, logprobs, tops, strict=True):
-            outputs.append(self._append_token(req, tok, lp, top))
+        outputs = [self.fail_request(self._requests[rid], err) for rid, err in culprits.items()]
+        for i, (req, tok, lp, top) in enumerate(zip(sampling, tokens, logprobs, tops, strict=True)):
+            if i in failed_rows:
+                outputs.append(self.fail_request(req, f"sampling failed: {failed_rows[i]}"))
+            else:
+                outputs.append(self.append_isolating(req, tok, lp, top))
         return outputs
 
-    def _execute(self, plan: SchedulerOutput) -> tuple[torch.Tensor | None, list[bytes]]:
-        """The execute part of a step: the model and the connector's workers."""
+    def _execute(
+        self, plan: SchedulerOutput
+    ) -> tuple[torch.Tensor | None, list[bytes], dict[RequestId, str]]:
+        """The execute part of a step: the model and the connector's workers; (logits of
+        the sampling rows of the requests that did not fail, the workers' reports, the
+        requests whose forward failed with why)."""
         if isinstance(self.runner, ConnectorExecutor):
-            return self.runner.execute_step(plan.scheduled, self.kv, plan.kv_meta)
+            logits, reports = self.runner.execute_step(plan.scheduled, self.kv, plan.kv_meta)
+            return logits, reports, {}
         worker = self.kv_worker
         worker.start_loads(plan.kv_meta)
-        logits = self.runner.execute(plan.scheduled, self.kv)
-        worker.start_saves(plan.kv_meta)
-        return logits, [worker.get_finished()]
+        meta, culprits = plan.kv_meta, {}
+        try:
+            logits = self._forward(plan.scheduled)
+        except Exception as e:
+            found = find_culprits(plan.scheduled, self._forward, e)
+            culprits = {
+                plan.scheduled[i].request.request_id: f"forward failed: {err}"
+                for i, err in found.items()
+            }
+            rest = [s for i, s in enumerate(plan.scheduled) if i not in found]
+            logits = self._forward(rest) if rest else None
+            meta = self.connector.without_requests(plan.kv_meta, set(culprits))
+        worker.start_saves(meta)
+        return logits, [worker.get_finished()], culprits
+
+    def _forward(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor | None:
+        """This process's model over `scheduled` (safe to repeat: the same KV slots are
+        written with the same values)."""
+        if self.config.faults is not None:
+            self.config.faults.check("forward", (s.request.params for s in scheduled))
+        return self.runner.execute(list(scheduled), self.kv)
+
+    def fail_request(self, req: Request, error: str) -> RequestOutput:
+        """End `req` alone with `error` (its step failed because of it) and free its KV
+        (a forward culprit's blocks of the step were never cached: their KV is invalid)."""
+        log.warning("request %s failed alone: %s", req.request_id, error)
+        self._requests.pop(req.request_id, None)
+        self._texts.pop(req.request_id, None)
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[],
+            new_logprobs=[],
+            text_delta="",
+            finish_reason="error",
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_prompt_tokens or 0,
+            num_output_tokens=req.num_output_tokens,
+            num_pool_tokens=req.num_pool_prompt_tokens,
+            error=error,
+        )
+
+    def append_isolating(
+        self, req: Request, token: int, logprob: float | None, top: TopLogprobs | None = None
+    ) -> RequestOutput:
+        """_append_token, failing only `req` if its detokenization or stop checks raise."""
+        try:
+            return self._append_token(req, token, logprob, top)
+        except Exception as e:
+            return self.fail_request(req, f"detokenization failed: {describe(e)}")
 
     def _poll_connector(self, plan: SchedulerOutput) -> None:
         """Nothing to compute: deliver the step's connector metadata (a load to start) or,

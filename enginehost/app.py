@@ -2,7 +2,8 @@
 
 A worker builds its FastAPI app with `base_app(...)` and adds its own routes. Error
 answers carry an ErrorEvent body (protocol/messages.py), which the router turns into the
-client's status and message.
+client's status and message. Every route but /health and /metrics needs the cluster
+secret (enginehost/auth.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from enginehost.auth import InternalAuth
 from enginehost.host import EngineHost
 from protocol.messages import PROTOCOL_VERSION, AbortRequest, ErrorEvent, InstanceStatus
 
@@ -53,12 +55,14 @@ def base_app(
     host: EngineHost,
     status: Callable[[], InstanceStatus],
     registry: CollectorRegistry,
+    secret: str,
     on_abort: Callable[[AbortRequest], object] | None = None,
 ) -> FastAPI:
-    """FastAPI app with the shared endpoints. `status` runs in the engine thread.
-    `on_abort(msg)` frees what the worker holds besides the engine's KV (after the
-    engine aborted the request)."""
+    """FastAPI app with the shared endpoints behind the cluster secret `secret`.
+    `status` runs in the engine thread. `on_abort(msg)` frees what the worker holds
+    besides the engine's KV (after the engine aborted the request)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    app.add_middleware(InternalAuth, secret=secret)
 
     @app.get("/health")
     async def health() -> Response:

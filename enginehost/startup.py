@@ -13,11 +13,20 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine.config import EngineConfig
+from engine.faults import EngineFaults
 from engine.llm_engine import LLMEngine
 from modelinfo.info import ModelInfo, load_model_info
-from protocol.cluster import ClusterConfig, DecodeConfig, NodeConfig, PrefillConfig, load_cluster
+from protocol.cluster import (
+    ClusterConfig,
+    DecodeConfig,
+    EngineFaultsConfig,
+    NodeConfig,
+    PrefillConfig,
+    load_cluster,
+)
 from protocol.cluster_checks import check_model_layouts
 from protocol.config_errors import ConfigError
+from protocol.internal_auth import SECRET_ENV, secret_from_env, secret_problem
 
 
 @dataclass(frozen=True)
@@ -29,12 +38,16 @@ class InstanceContext:
     instance: PrefillConfig | DecodeConfig
     node: NodeConfig
     info: ModelInfo
+    secret: str
+    """The cluster secret (protocol/internal_auth.py): internal calls to this worker must
+    carry it, the worker's own calls carry it, landing capabilities are keyed by it."""
 
 
 def load_instance(role: str, argv: list[str] | None) -> InstanceContext:
     """`python -m {role}_worker -c FILE --name NAME`: parse, load the instance's section,
     set up logging, load the model's metadata and check the instance's layout against it.
-    A layout that does not fit the model exits with status 2 and the key that is wrong."""
+    A layout that does not fit the model exits with status 2 and the key that is wrong;
+    so does a missing cluster secret (a worker never serves unauthenticated)."""
     ap = argparse.ArgumentParser(prog=f"python -m {role}_worker")
     ap.add_argument("-c", "--config", required=True)
     ap.add_argument("--name", required=True)
@@ -46,13 +59,25 @@ def load_instance(role: str, argv: list[str] | None) -> InstanceContext:
         else cluster.decode_instance(args.name)
     )
     setup_logging(cluster.log_level, instance.name)
+    secret = secret_from_env()
+    problem = "it is not set" if secret is None else secret_problem(secret)
+    if problem is not None:
+        print(
+            f"python -m {role}_worker: {SECRET_ENV} is unusable ({problem}): a worker only "
+            "serves with the cluster secret; start it with `kvserve up`, which sets it",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    assert secret is not None
     info = load_model_info(cluster.model)
     try:
         check_model_layouts(cluster, info.config, only=instance.name)
     except ConfigError as e:
         print(f"{args.config}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    return InstanceContext(args.config, cluster, instance, cluster.node(instance.node), info)
+    return InstanceContext(
+        args.config, cluster, instance, cluster.node(instance.node), info, secret
+    )
 
 
 def setup_logging(level: str, name: str) -> None:
@@ -87,8 +112,10 @@ def engine_config(
     kv_cache_bytes: int,
     max_num_seqs: int,
     max_batched_tokens: int = 2048,
+    faults: EngineFaultsConfig | None = None,
 ) -> EngineConfig:
-    """The EngineConfig of one engine process (or one rank / stage of an instance)."""
+    """The EngineConfig of one engine process (or one rank / stage of an instance);
+    `faults`: the instance's test-only engine_faults."""
     name = torch_device(device)
     backend = cluster.attention_backend
     if backend == "auto":
@@ -104,6 +131,9 @@ def engine_config(
         kv_cache_dtype=cluster.kv_cache_dtype,
         device=name,
         cache_dir=cluster.cache.weights_cache_dir,
+        faults=None
+        if faults is None
+        else EngineFaults(fail_seed=faults.fail_seed, place=faults.place),
     )
 
 

@@ -8,11 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
+from kvserve.cluster_secret import secret_for_client
 from kvserve.components import plan_components
 from kvserve.health import ComponentHealth, fetch_status, format_table, http_get
 from kvserve.process_groups import pid_alive
 from kvserve.run_state import RunDir
 from protocol.cluster import load_cluster
+from protocol.internal_auth import auth_headers
 
 
 def status(
@@ -28,12 +30,15 @@ def status(
     state = run.read()
     pids = {c.name: c.pid for c in state.components} if state else {}
     selected = list(nodes) or [n.name for n in cluster.nodes]
+    headers = auth_headers(secret_for_client(cluster, run))
     rows = []
     for stage in plan_components(cluster, config_path, selected):
         for spec in stage:
             probe = http_get(spec.health_url, timeout_s)
             info = (
-                fetch_status(spec.status_url, timeout_s) if spec.status_url and probe.ok else None
+                fetch_status(spec.status_url, timeout_s, headers)
+                if spec.status_url and probe.ok
+                else None
             )
             address = spec.base_url.removeprefix("http://")
             rows.append(

@@ -16,13 +16,14 @@ import os
 import socket
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvpool.topology import master_component, master_nodes, store_component
 from kvserve.bind_narrowing import narrowing_env
 from protocol.cluster import ClusterConfig, NodeConfig, is_loopback_host
 from protocol.config_errors import ConfigError
+from protocol.internal_auth import SECRET_ENV
 
 DEFAULT_COMMANDS: dict[str, tuple[str, ...]] = {
     "router": ("{python}", "-m", "router", "-c", "{config}"),
@@ -59,6 +60,10 @@ it: without the pool, prefill recomputes; without a worker, the router routes ar
 (its in-flight requests fail fast with a 5xx, DESIGN §10) until it is back."""
 
 WORKER_KINDS = ("prefill", "decode")
+
+SECRET_KINDS = ("router", "prefill", "decode")
+"""Kinds that get the cluster secret (protocol/internal_auth.py): they make or answer
+internal calls. The pool's processes speak Mooncake's protocol and never see it."""
 
 # The directory holding the kvserve package: children import the same checkout.
 _SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -136,6 +141,14 @@ def component_env(
         env.update(narrowing_env(env["MC_TCP_BIND_ADDRESS"]))
     env.update(extra)
     return env
+
+
+def with_secret(spec: ComponentSpec, secret: str) -> ComponentSpec:
+    """`spec` with the cluster secret in its environment (never its argv: `ps` shows
+    every user the command lines) when its kind needs it."""
+    if spec.kind not in SECRET_KINDS:
+        return spec
+    return replace(spec, env={**spec.env, SECRET_ENV: secret})
 
 
 def free_port(host: str) -> int:

@@ -28,11 +28,11 @@ class Probe:
         return self.status == 200
 
 
-def http_get(url: str, timeout_s: float = 2.0) -> Probe:
+def http_get(url: str, timeout_s: float = 2.0, headers: dict[str, str] | None = None) -> Probe:
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=timeout_s)
     try:
-        conn.request("GET", parts.path or "/")
+        conn.request("GET", parts.path or "/", headers=headers or {})
         resp = conn.getresponse()
         return Probe(resp.status, resp.read(), "" if resp.status == 200 else resp.reason)
     except ConnectionRefusedError:
@@ -45,9 +45,12 @@ def http_get(url: str, timeout_s: float = 2.0) -> Probe:
         conn.close()
 
 
-def fetch_status(url: str, timeout_s: float = 2.0) -> InstanceStatus | str:
-    """A worker's InstanceStatus, or a one-line reason why it could not be read."""
-    probe = http_get(url, timeout_s)
+def fetch_status(
+    url: str, timeout_s: float = 2.0, headers: dict[str, str] | None = None
+) -> InstanceStatus | str:
+    """A worker's InstanceStatus, or a one-line reason why it could not be read.
+    `headers`: the cluster secret's (GET /status is internal)."""
+    probe = http_get(url, timeout_s, headers)
     if not probe.ok:
         return f"/status: {probe.status or ''} {probe.error}".strip()
     try:

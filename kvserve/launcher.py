@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from kvserve.cluster_secret import describe_secret_source, secret_for_launch
 from kvserve.cluster_status import status
 from kvserve.cluster_summary import summarize
-from kvserve.components import ComponentSpec, plan_components
+from kvserve.components import ComponentSpec, plan_components, with_secret
 from kvserve.gpu_probe import probe_gpu_memory
 from kvserve.process_groups import group_members, pid_alive, stop_groups
 from kvserve.run_state import ComponentState, RunDir, RunState
@@ -154,6 +155,7 @@ def up(
     """
     cluster = load_cluster(config_path)
     check_model(cluster, str(config_path))
+    check_secret(cluster, str(config_path))
     config = str(Path(config_path).expanduser().resolve())
     nodes = _select_nodes(cluster, options.nodes)
     stages = plan_components(cluster, config, nodes, options.commands)
@@ -164,6 +166,8 @@ def up(
     try:
         _check_no_leftovers(run)
         _check_ports_free(cluster, nodes)
+        secret = secret_for_launch(cluster, run)
+        stages = [[with_secret(s, secret) for s in stage] for stage in stages]
         run.rotate_logs()
         specs = [s for stage in stages for s in stage]
         runs_router = any(s.kind == "router" for s in specs)
@@ -288,9 +292,20 @@ def check(config_path: str | Path, out: IO[str] = sys.stdout) -> int:
     """Validate cluster.yaml and print what it describes; ConfigError if invalid."""
     cluster = load_cluster(config_path)
     note = check_model(cluster, str(config_path))
+    auth = check_secret(cluster, str(config_path))
     print(summarize(cluster, str(config_path)), file=out)
     print(note, file=out)
+    print(auth, file=out)
     return 0
+
+
+def check_secret(cluster: ClusterConfig, source: str) -> str:
+    """Where the cluster secret comes from, checked usable on this host (ConfigError
+    naming auth.* otherwise); the summary line."""
+    try:
+        return describe_secret_source(cluster)
+    except ConfigError as e:
+        raise ConfigError(e.path, e.message, source) from None
 
 
 def check_gpus(cluster: ClusterConfig, model: ModelBytes) -> list[str]:

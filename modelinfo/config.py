@@ -320,6 +320,15 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         raise ModelLoadError("config.json has no 'architectures' entry; cannot pick a model")
     arch = archs[0]
     check_architecture(arch)
+    quant = cfg.get("quantization_config")
+    if quant:
+        # e.g. DeepSeek-V3's fp8 block-quantized weights: read as plain tensors they would
+        # load without their scales and compute garbage; refuse instead.
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ModelLoadError(
+            f"quantized checkpoints (quantization_config quant_method {method!r}) are not "
+            "supported; use a bfloat16 / float32 checkpoint of the model"
+        )
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])

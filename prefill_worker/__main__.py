@@ -19,13 +19,14 @@ def main(argv: list[str] | None = None) -> int:
     inst = cluster.prefill_instance(ctx.instance.name)
     protocol = cluster.decode[0].transfer.protocol if cluster.decode else "tcp"
     transport = create_transport(handoff_transport_config(protocol, node.host))
-    stages = start_stages(ctx.config_path, cluster, inst, info, transport)
+    stages = start_stages(ctx.config_path, cluster, inst, info, transport, ctx.secret)
     engine = stages.engine
     host = EngineHost(engine)
     service = PrefillService(
         inst.name,
         host,
         stages.handoffs,
+        ctx.secret,
         num_devices=len(inst.devices),
     )
     stages.connect(cluster, inst, service.registry, service.kv_reporter)

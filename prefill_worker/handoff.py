@@ -18,6 +18,7 @@ their own time (FirstToken is not delayed by them), and each stage tells decode 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ from protocol.handoff_messages import (
     HandoffMeta,
 )
 from protocol.ids import BlockId, RequestId
+from protocol.landing_capability import LandingCapabilityError, verify
 from protocol.messages import LandingInfo
 from transfer import Transport
 from transfer.errors import PackLayoutError
@@ -124,6 +126,15 @@ class HandoffScheduler(KVConnectorScheduler):
             return b""
         return msgspec.msgpack.encode(HandoffMeta(opens, sends, cancels))
 
+    def without_requests(self, meta: bytes, request_ids: set[str]) -> bytes:
+        """Drops their sends; their flows stay open (a request's blocks are released only
+        when every stage closed its flow) until the abort that follows cancels them."""
+        if not meta:
+            return meta
+        m = _meta.decode(meta)
+        sends = [s for s in m.sends if s.request_id not in request_ids]
+        return msgspec.msgpack.encode(HandoffMeta(m.opens, sends, m.cancels))
+
     def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
         update = ConnectorUpdate()
         for stage, payload in enumerate(reports):
@@ -171,8 +182,12 @@ class HandoffWorker(KVConnectorWorker):
         staging_bytes: int,
         notify: Notify,
         faults: HandoffFaults | None = None,
+        capability_key: bytes | None = None,
     ) -> None:
         self.transport = transport
+        self.capability_key = capability_key
+        """Landing capabilities are checked with it before a flow opens (None: tests of
+        the sender alone)."""
         self.staging_bytes = staging_bytes
         self.notify = notify
         self.faults = faults
@@ -199,10 +214,15 @@ class HandoffWorker(KVConnectorWorker):
             return
         assert self.sender is not None, "register_kv_caches first"
         m = _meta.decode(meta)
+        now = time.time()
         for o in m.opens:
             try:
+                # this stage writes nothing into a landing decode did not mint for it
+                if self.capability_key is not None:
+                    for info in o.landing:
+                        verify(self.capability_key, o.request_id, info, now)
                 self.sender.open(o.request_id, o.landing, o.num_prompt_tokens, o.notify_url)
-            except PackLayoutError as e:
+            except (PackLayoutError, LandingCapabilityError) as e:
                 log.warning("handoff of %s cannot start: %s", o.request_id, e)
                 self._closed_now.append(FlowResult(o.request_id, str(e), 0, 0, 0.0))
         for s in m.sends:

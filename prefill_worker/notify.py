@@ -9,6 +9,7 @@ import threading
 import httpx
 import msgspec
 
+from protocol.internal_auth import auth_headers
 from protocol.messages import HandoffNotice
 
 NOTIFY_TIMEOUT_S = 30.0
@@ -16,11 +17,13 @@ NOTIFY_TIMEOUT_S = 30.0
 
 
 class HttpNotifier:
-    """POSTs a notice to decode's notify URL: True on 200, False on 410 (the request is
-    gone there); raises httpx.HTTPError when decode cannot be reached. Thread-safe."""
+    """POSTs a notice to decode's notify URL with the cluster secret: True on 200, False
+    on 410 (the request is gone there); raises httpx.HTTPError when decode cannot be
+    reached or refuses the notice. Thread-safe."""
 
-    def __init__(self, timeout_s: float = NOTIFY_TIMEOUT_S) -> None:
+    def __init__(self, secret: str, timeout_s: float = NOTIFY_TIMEOUT_S) -> None:
         self._timeout_s = timeout_s
+        self._headers = {"content-type": "application/json", **auth_headers(secret)}
         self._local = threading.local()
 
     def _client(self) -> httpx.Client:
@@ -34,7 +37,7 @@ class HttpNotifier:
         resp = self._client().post(
             url,
             content=msgspec.json.encode(notice),
-            headers={"content-type": "application/json"},
+            headers=self._headers,
         )
         if resp.status_code == 200:
             return True

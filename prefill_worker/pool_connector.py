@@ -60,6 +60,7 @@ __all__ = [
 ]
 
 _report_decoder = msgspec.msgpack.Decoder(PoolWorkerReport)
+_meta_decoder = msgspec.msgpack.Decoder(PoolStepMeta)
 
 LOOKUP_FRESH_S = 1.0
 """How long a lookup's answer is reused for a request still waiting (for blocks or a
@@ -243,6 +244,26 @@ class PoolScheduler(KVConnectorScheduler):
             self._saving.setdefault(k, _SaveState()).expected += self.num_workers
         blocks = [[int(b) for b in kv.block_ids[c * bpc : (c + 1) * bpc]] for c in range(nxt, last)]
         return PoolSave(rid, keys, blocks)
+
+    def without_requests(self, meta: bytes, request_ids: set[str]) -> bytes:
+        """Their chunks are not saved (their KV of this step is not valid): no report of
+        those saves will come, so they are no longer expected."""
+        if not meta:
+            return meta
+        m = _meta_decoder.decode(meta)
+        keep = [s for s in m.saves if s.request_id not in request_ids]
+        for save in m.saves:
+            if save.request_id not in request_ids:
+                continue
+            for key in save.chunk_keys:
+                st = self._saving.get(key)
+                if st is not None:
+                    st.expected -= self.num_workers
+                    if st.expected <= 0:
+                        del self._saving[key]
+        if not (m.loads or m.cancels or keep):
+            return b""
+        return msgspec.msgpack.encode(PoolStepMeta(m.loads, m.cancels, keep))
 
     def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
         assert len(reports) == self.num_workers, (

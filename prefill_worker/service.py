@@ -1,6 +1,7 @@
 """The prefill instance's HTTP service: POST /prefill streams FirstToken.
 
-/prefill ─▶ handoff target registered (landing ring, decode's notify URL) ─▶
+/prefill ─▶ landing capabilities verified (403 and nothing written otherwise) ─▶
+handoff target registered (landing ring, decode's notify URL) ─▶
 engine.add_request(prefill_only) ─▶ steps: every stage sends each step's new KV from its
 own threads (prefill_worker/handoff.py) and tells decode directly ─▶ first token sampled
 ─▶ FirstToken to the router, PrefillFirstToken to decode (off the engine thread). The
@@ -25,6 +26,8 @@ from enginehost.kv_events import KVReporter
 from prefill_worker.handoff import HandoffScheduler
 from prefill_worker.metrics import PrefillMetrics
 from protocol.errors import InvalidRequestError, PromptTooLongError
+from protocol.internal_auth import auth_headers
+from protocol.landing_capability import LandingCapabilityError, capability_key, verify
 from protocol.messages import (
     AbortRequest,
     ErrorEvent,
@@ -54,9 +57,17 @@ class PrefillService:
     """Owns the HTTP routes of a prefill instance over its engine host and handoffs."""
 
     def __init__(
-        self, name: str, host: EngineHost, handoffs: HandoffScheduler, num_devices: int = 1
+        self,
+        name: str,
+        host: EngineHost,
+        handoffs: HandoffScheduler,
+        secret: str,
+        num_devices: int = 1,
     ) -> None:
         self.name = name
+        self.secret = secret
+        """The cluster secret: its routes need it, its notices to decode carry it."""
+        self.capability_key = capability_key(secret)
         self.host = host
         self.handoffs = handoffs
         self.metrics = PrefillMetrics(name, host, num_devices)
@@ -65,7 +76,7 @@ class PrefillService:
         self.kv_reporter = KVReporter(name, "prefill", host, record_block_events=True)
         """GET /info and /kv_events for KV-aware routing; the pool connector reports its
         saves and restores to it (record_pool_saved, record_restore)."""
-        self._http = httpx.AsyncClient(timeout=10.0, trust_env=False)
+        self._http = httpx.AsyncClient(timeout=10.0, trust_env=False, headers=auth_headers(secret))
 
     def status(self) -> InstanceStatus:
         """Engine thread."""
@@ -85,7 +96,7 @@ class PrefillService:
         )
 
     def app(self) -> FastAPI:
-        app = base_app(self.host, self.status, self.registry, on_abort=self.on_abort)
+        app = base_app(self.host, self.status, self.registry, self.secret, on_abort=self.on_abort)
         self.kv_reporter.install(app)
         app.post("/prefill")(self.prefill)
         app.post("/admin/reset_prefix_cache")(self.reset_prefix_cache)
@@ -110,6 +121,10 @@ class PrefillService:
         wants_handoff = bool(msg.landing)
         if wants_handoff and not msg.notify_url:
             return error_response(400, "a PrefillRequest with landing needs notify_url", rid)
+        refused = self._check_landing(msg)
+        if refused is not None:
+            self.metrics.outcome("rejected")
+            return error_response(403, refused, rid)
         queue = self.host.open_stream(rid)
 
         def add(e: LLMEngine) -> None:
@@ -132,14 +147,32 @@ class PrefillService:
             media_type="application/x-ndjson",
         )
 
+    def _check_landing(self, msg: PrefillRequest) -> str | None:
+        """Why the request's landing may not be written (each rank's capability, minted
+        by decode for this request id, unaltered and unexpired), or None. Every stage
+        checks again before its first write (prefill_worker/handoff.py)."""
+        now = time.time()
+        ranks = [info.rank for info in msg.landing]
+        if len(set(ranks)) != len(ranks):
+            return f"the landing names decode rank(s) more than once: {sorted(ranks)}"
+        for info in msg.landing:
+            try:
+                verify(self.capability_key, msg.request_id, info, now)
+            except LandingCapabilityError as e:
+                log.warning("refused the landing of %s: %s", msg.request_id, e)
+                return f"landing refused: {e}"
+        return None
+
     async def _events(  # type: ignore[no-untyped-def]
         self, rid: str, queue, notify_url: str | None, arrival: float
     ) -> AsyncIterator[bytes]:
         finished = False
         try:
             out = await queue.get()
-            if isinstance(out, BaseException):
-                yield encode_line(ErrorEvent(request_id=rid, status=500, message=str(out)))
+            if isinstance(out, BaseException) or out.error is not None:
+                why = str(out) if isinstance(out, BaseException) else out.error
+                message = f"request {rid} failed in prefill instance {self.name}: {why}"
+                yield encode_line(ErrorEvent(request_id=rid, status=500, message=message))
                 finished = True
                 self.metrics.outcome("failed")
                 return

@@ -38,7 +38,9 @@ from prefill_worker.pool_connector import build_pool_client, build_pool_connecto
 from prefill_worker.pool_worker import PoolWorker
 from protocol.cluster import ClusterConfig, PrefillConfig
 from protocol.device_budget import handoff_staging_bytes
+from protocol.internal_auth import SECRET_ENV, secret_from_env
 from protocol.kv_layout import KVLayout
+from protocol.landing_capability import capability_key
 from protocol.parallel import even_layer_split
 from transfer import HandoffFaults, Transport
 
@@ -124,14 +126,15 @@ def stage_worker(
     return MultiConnectorWorker([PoolWorker(client, counters), sender])
 
 
-def handoff_worker(inst: PrefillConfig, transport: Transport) -> HandoffWorker:
-    """A stage's handoff worker: staging slots on its transport, notices over HTTP."""
+def handoff_worker(inst: PrefillConfig, transport: Transport, secret: str) -> HandoffWorker:
+    """A stage's handoff worker: staging slots on its transport, notices over HTTP with
+    the cluster secret, landing capabilities checked with the key derived from it."""
     f = inst.handoff_faults
     faults = HandoffFaults(f.fail_prompt_tokens, f.write_delay_s) if f is not None else None
     # over cuda_ipc the slots are larger: fewer pieces (each a gather, a write and a
     # scatter of per-layer launches) for the same KV; counted in the GPU budget
     staging = handoff_staging_bytes("cuda_ipc" if transport.name == "cuda_ipc" else "tcp")
-    return HandoffWorker(transport, staging, HttpNotifier(), faults)
+    return HandoffWorker(transport, staging, HttpNotifier(secret), faults, capability_key(secret))
 
 
 def start_stages(
@@ -140,8 +143,10 @@ def start_stages(
     inst: PrefillConfig,
     info: ModelInfo,
     transport: Transport,
+    secret: str,
 ) -> PrefillStages:
-    """Stage 0's engine: the whole model here (PP 1), or a pipeline over spawned stages."""
+    """Stage 0's engine: the whole model here (PP 1), or a pipeline over spawned stages
+    (they inherit the cluster secret `secret` in their environment)."""
     set_cpu_threads(inst.devices[0], cpu_threads_per_engine(cluster, inst.node))
     config = engine_config(
         cluster,
@@ -149,8 +154,9 @@ def start_stages(
         kv_cache_bytes=int(inst.kv_cache_memory),
         max_num_seqs=inst.max_num_seqs,
         max_batched_tokens=inst.max_batched_tokens,
+        faults=inst.engine_faults,
     )
-    sender = handoff_worker(inst, transport)
+    sender = handoff_worker(inst, transport, secret)
     pp = inst.pipeline_parallel
     if pp == 1:
         return PrefillStages(LLMEngine(info, config), HandoffScheduler(1), sender, None)
@@ -165,6 +171,14 @@ def start_stages(
     engine = build_pp_engine(info, config, ctx, split, depth=pp)
     log.info("PP %d: layer split %s, every stage is up", pp, list(split))
     return PrefillStages(engine, HandoffScheduler(pp), sender, children)
+
+
+def stage_secret() -> str:
+    """A stage process's cluster secret, inherited from stage 0's environment."""
+    secret = secret_from_env()
+    if secret is None:
+        raise SystemExit(f"prefill stage: {SECRET_ENV} is not set (stage 0 passes it on)")
+    return secret
 
 
 def stage_argv(config: str, name: str, stage: int, init_method: str) -> list[str]:
@@ -217,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_bytes=int(inst.kv_cache_memory),
         max_num_seqs=inst.max_num_seqs,
         max_batched_tokens=inst.max_batched_tokens,
+        faults=inst.engine_faults,
     )
     pp = inst.pipeline_parallel
     ctx = init_parallel(args.stage, pp, config.device, args.init_method)
@@ -226,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         stage = build_stage(info, config, ctx, split)
         protocol = cluster.decode[0].transfer.protocol if cluster.decode else "tcp"
         transport = create_transport(handoff_transport_config(protocol, node.host))
-        sender = handoff_worker(inst, transport)
+        sender = handoff_worker(inst, transport, stage_secret())
         worker = stage_worker(cluster, inst, info, config, args.stage, sender)
         log.info("stage %d ready: layers %s", args.stage, stage.layers)
         serve_stage(stage, ctx, worker, pp)

@@ -146,6 +146,17 @@ class HandoffFaultsConfig(_Section, frozen=True, kw_only=True):
     """Sleep before every KV write (a slow transport)."""
 
 
+class EngineFaultsConfig(_Section, frozen=True, kw_only=True):
+    """Injected per-request engine faults, for tests of a failing request only
+    (engine/faults.py): never set them in a real deployment."""
+
+    fail_seed: int
+    """Every step holding a request with this sampling seed fails at `place`."""
+    place: Literal["sample", "forward"] = "sample"
+    """"sample": the batched sampler raises; "forward": the batched model forward raises
+    (single-process instances only: PP 1, TP 1)."""
+
+
 class PrefillConfig(_Section, frozen=True, kw_only=True):
     """One prefill instance: PP stages, one process per device."""
 
@@ -179,6 +190,8 @@ class PrefillConfig(_Section, frozen=True, kw_only=True):
     """Extra environment for the instance's processes (e.g. NCCL_DEBUG)."""
     handoff_faults: HandoffFaultsConfig | None = None
     """Test-only fault injection into this instance's KV handoff (None: off)."""
+    engine_faults: EngineFaultsConfig | None = None
+    """Test-only per-request fault injection into this instance's engine (None: off)."""
 
     @property
     def device_names(self) -> tuple[str, ...]:
@@ -230,6 +243,8 @@ class DecodeConfig(_Section, frozen=True, kw_only=True):
     """Separate Prometheus port; None: /metrics on `port`."""
     env: dict[str, str] = {}
     """Extra environment for the instance's processes."""
+    engine_faults: EngineFaultsConfig | None = None
+    """Test-only per-request fault injection into this instance's engine (None: off)."""
 
     @property
     def device_names(self) -> tuple[str, ...]:
@@ -284,6 +299,18 @@ class RouterConfig(_Section, frozen=True, kw_only=True):
 Instance = PrefillConfig | DecodeConfig
 
 
+class AuthConfig(_Section, frozen=True, kw_only=True):
+    """Where the cluster secret comes from (protocol/internal_auth.py): every internal
+    call carries it and landing capabilities are keyed by it. Neither set: `kvserve up`
+    creates a random one per run in the run directory (one host only); a cluster
+    spanning several hosts must name one that every host shares."""
+
+    secret_file: str | None = None
+    """A file holding the secret (one line, at least 32 characters, mode 0600)."""
+    secret_env: str | None = None
+    """An environment variable holding the secret, set on every host."""
+
+
 class ClusterConfig(_Section, frozen=True, kw_only=True):
     """A whole deployment: model, nodes, pool, instances, router. Valid once built."""
 
@@ -309,6 +336,7 @@ class ClusterConfig(_Section, frozen=True, kw_only=True):
     prefill: tuple[PrefillConfig, ...]
     decode: tuple[DecodeConfig, ...]
     router: RouterConfig = RouterConfig()
+    auth: AuthConfig = AuthConfig()
 
     def __post_init__(self) -> None:
         check_cluster(self)

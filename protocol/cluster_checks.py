@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
@@ -63,6 +64,7 @@ def check_cluster(c: ClusterConfig) -> None:
         _check_decode_layout(f"decode[{i}]", d)
     _check_gpu_sharing(c)
     _check_router(c)
+    _check_auth(c)
     _check_pool(c)
     _check_ports(c)
 
@@ -298,6 +300,43 @@ def _check_router(c: ClusterConfig) -> None:
     if r.api_key_env is not None and not _ENV_RE.match(r.api_key_env):
         raise ConfigError("router.api_key_env", "is not a valid environment variable name")
     _check_env("router.env", r.env)
+
+
+def cluster_hosts(c: ClusterConfig) -> list[str]:
+    """The distinct hosts of the cluster's nodes; loopback addresses are one host (two
+    "nodes" on 127.0.0.1 and 127.0.0.2 share a machine)."""
+    hosts: list[str] = []
+    for n in c.nodes:
+        host = "loopback" if _is_loopback(n.host) else n.host
+        if host not in hosts:
+            hosts.append(host)
+    return hosts
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_auth(c: ClusterConfig) -> None:
+    a = c.auth
+    if a.secret_file is not None and a.secret_env is not None:
+        raise ConfigError("auth", "give secret_file or secret_env, not both")
+    if a.secret_file is not None and not a.secret_file.strip():
+        raise ConfigError("auth.secret_file", "is empty; name a file or remove it")
+    if a.secret_env is not None and not _ENV_RE.match(a.secret_env):
+        raise ConfigError("auth.secret_env", "is not a valid environment variable name")
+    hosts = cluster_hosts(c)
+    if len(hosts) > 1 and a.secret_file is None and a.secret_env is None:
+        raise ConfigError(
+            "auth",
+            f"the cluster spans {len(hosts)} hosts ({', '.join(hosts)}): every host must "
+            "share one cluster secret; set auth.secret_file or auth.secret_env",
+        )
 
 
 def _check_pool(c: ClusterConfig) -> None:

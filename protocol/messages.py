@@ -28,9 +28,10 @@ import msgspec
 from protocol.kv_layout import KVLayout
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """3: the router opens decode first (DecodeReady carries the landing), prefill tells
-decode directly (HandoffNotice), the landing region is a ring the flows stream through."""
+decode directly (HandoffNotice), the landing region is a ring the flows stream through.
+4: a LandingInfo carries its capability and expiry (protocol/landing_capability.py)."""
 
 
 class PromptUsage(msgspec.Struct, frozen=True):
@@ -70,6 +71,12 @@ class LandingInfo(msgspec.Struct, frozen=True):
     kv_head_start: int = 0
     dcp_size: int = 1
     dcp_rank: int = 0
+    expires_at_s: float = 0.0
+    """Unix time after which prefill no longer accepts this landing."""
+    capability: str = ""
+    """HMAC of the request id and every field above, minted by the decode instance that
+    reserved the region (protocol/landing_capability.py); prefill writes nothing without
+    a valid one."""
 
 
 class KVSegment(msgspec.Struct, frozen=True):

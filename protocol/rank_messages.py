@@ -94,6 +94,9 @@ class StageResult(msgspec.Struct, frozen=True, tag="stage_result"):
     """Connector reports, one per stage, stage order."""
     top_logprobs: list[list[tuple[int, float]] | None] | None = None
     """Per sampled row, (token id, logprob) alternatives when its params ask for them."""
+    failed: list[tuple[int, str]] = []
+    """(sampled row, error) of rows that could not be sampled: those requests fail
+    alone (engine/step_isolation.py); their token_ids entry is meaningless."""
 
 
 # -- worker-level payloads ------------------------------------------------------------------

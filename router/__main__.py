@@ -7,9 +7,12 @@ import argparse
 import logging
 import sys
 
+import msgspec
+
 from protocol.cluster import load_cluster
 from protocol.config_errors import ConfigError
 from protocol.errors import KvserveError
+from protocol.internal_auth import SECRET_ENV, secret_from_env
 from router.config import settings_from_cluster
 from router.server import run_router
 
@@ -31,9 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     # httpx logs every request at INFO: health checks and notices would flood the log
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    secret = secret_from_env()
+    if secret is None:
+        logging.getLogger("router").warning(
+            "%s is not set: calls to the workers carry no cluster secret and workers "
+            "started by kvserve up will refuse them (401)",
+            SECRET_ENV,
+        )
+    settings = msgspec.structs.replace(settings, cluster_secret=secret)
     if args.port is not None:
-        import msgspec
-
         settings = msgspec.structs.replace(settings, port=args.port)
     try:
         run_router(settings, log_level=cluster.log_level)

@@ -54,7 +54,9 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
         [Instance(e.name, "prefill", e.url.rstrip("/")) for e in settings.prefill],
         [Instance(e.name, "decode", e.url.rstrip("/")) for e in settings.decode],
     )
-    client = WorkerClient(connect_timeout_s=settings.connect_timeout_s)
+    client = WorkerClient(
+        connect_timeout_s=settings.connect_timeout_s, cluster_secret=settings.cluster_secret
+    )
     metrics = RouterMetrics(policy=settings.policy)
     metrics.watch_instances(registry)
     served_name = settings.served_model_name or model.served_name
@@ -96,7 +98,9 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
         session_headers=settings.session_headers,
     )
     health = HealthMonitor(registry, client, settings.health_interval_s)
-    watcher = KVWatcher(registry, view, settings.kv_poll_interval_s)
+    watcher = KVWatcher(
+        registry, view, settings.kv_poll_interval_s, cluster_secret=settings.cluster_secret
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -30,6 +30,7 @@ import msgspec
 
 from protocol.hashing import chunk_keys, namespace_seed
 from protocol.ids import BlockHash
+from protocol.internal_auth import auth_headers
 from protocol.kv_events import KVEventBatch, WorkerInfo, WorkerLoad
 from protocol.messages import PromptUsage
 from router.instances import Instance, InstanceRegistry
@@ -158,13 +159,21 @@ class KVWatcher:
     stopped: the worker resumes the sequence, or resets when it restarted)."""
 
     def __init__(
-        self, registry: InstanceRegistry, view: ClusterView, interval_s: float = 0.05
+        self,
+        registry: InstanceRegistry,
+        view: ClusterView,
+        interval_s: float = 0.05,
+        cluster_secret: str | None = None,
     ) -> None:
         self._registry = registry
         self._view = view
         self._interval_s = interval_s
         """The longest a worker holds back news on its stream."""
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=None), trust_env=False)
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(5.0, read=None),
+            trust_env=False,
+            headers=auth_headers(cluster_secret),
+        )
         self._batch_decoder = msgspec.json.Decoder(KVEventBatch)
         self._info_decoder = msgspec.json.Decoder(WorkerInfo)
         self._tasks: list[asyncio.Task[None]] = []

@@ -43,6 +43,9 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True):
     policy_seed: int | None = None
     """Seed of the random policy (reproducible runs)."""
     api_key: str | None = None
+    cluster_secret: str | None = None
+    """Sent with every call to a worker (protocol/internal_auth.py); `python -m router`
+    takes it from KVSERVE_CLUSTER_SECRET. None: calls carry none (stand-in workers)."""
     max_input_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
     connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0

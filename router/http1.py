@@ -180,8 +180,12 @@ class _Connection(asyncio.Protocol):
 class Http1Pool:
     """Owns keep-alive connections to the workers. Event-loop bound, no locks."""
 
-    def __init__(self, connect_timeout_s: float) -> None:
+    def __init__(self, connect_timeout_s: float, headers: dict[str, str] | None = None) -> None:
         self._connect_timeout_s = connect_timeout_s
+        self._extra_head = b"".join(
+            b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in (headers or {}).items()
+        )
+        """Header lines every request carries (the cluster secret)."""
         self._idle: dict[tuple[str, int], list[_Connection]] = collections.defaultdict(list)
         self._addresses: dict[str, tuple[str, int]] = {}
 
@@ -191,8 +195,8 @@ class Http1Pool:
         """POST `body` to `url`; returns once the response headers arrived."""
         key, path = self._split(url)
         head = (
-            b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
-            % (path.encode(), key[0].encode(), key[1], content_type, len(body))
+            b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n"
+            % (path.encode(), key[0].encode(), key[1], content_type, len(body), self._extra_head)
         )
         conn = self._take_idle(key)
         if conn is not None:

@@ -9,7 +9,9 @@ Endpoints the router calls (JSON bodies are the msgspec structs named):
     both     POST /abort       AbortRequest   -> 2xx (body ignored)
              GET  /health                     -> 200 when ready
 
-Serving calls go over router/http1.py (keep-alive HTTP/1.1), control calls over httpx.
+Serving calls go over router/http1.py (keep-alive HTTP/1.1), control calls over httpx;
+every call carries the cluster secret (protocol/internal_auth.py), and a worker's 401
+(the router and the worker disagree on it) is a 502 naming the worker.
 A non-2xx answer should carry an ErrorEvent body ({"type": "error", "status", "message",
 "request_id"}); its status and message reach the client. Every call is bounded: connecting
 by connect_timeout_s, the serving calls by the request's deadline (an event-loop time).
@@ -26,6 +28,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 import msgspec
 
+from protocol.internal_auth import auth_headers
 from protocol.messages import (
     AbortRequest,
     DecodeEvent,
@@ -62,13 +65,21 @@ class InstanceUnreachable(WorkerUnavailable):
 class WorkerClient:
     """Owns the pooled HTTP connections to every worker. Runs on the router's event loop."""
 
-    def __init__(self, *, connect_timeout_s: float = 2.0, control_timeout_s: float = 1.0) -> None:
-        self._pool = Http1Pool(connect_timeout_s)
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float = 2.0,
+        control_timeout_s: float = 1.0,
+        cluster_secret: str | None = None,
+    ) -> None:
+        headers = auth_headers(cluster_secret)
+        self._pool = Http1Pool(connect_timeout_s, headers)
         """The serving path (decode, prefill): see router/http1.py for why."""
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(control_timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
             trust_env=False,  # worker traffic never goes through a proxy
+            headers=headers,
         )
         """Control calls: health, abort, admin."""
         self._control_timeout_s = control_timeout_s
@@ -227,6 +238,11 @@ def _failed(inst: Instance, path: str, e: Exception) -> WorkerFailed:
 
 def _error_answer(inst: Instance, path: str, status: int, body: bytes) -> Exception:
     """A worker's non-200 answer: its ErrorEvent when it sent one, else a 502."""
+    if status == 401:
+        return WorkerFailed(
+            f"{inst.describe()} refused the router's call to {path} (401): the router and "
+            "the worker do not share the cluster secret; restart the cluster with kvserve up"
+        )
     try:
         event = msgspec.json.decode(body, type=ErrorEvent)
         return WorkerError(event.status, event.message)

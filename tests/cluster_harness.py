@@ -15,6 +15,13 @@ import httpx
 import yaml
 
 
+def internal_headers(state_dir: Path, cluster_name: str) -> dict[str, str]:
+    """The cluster secret's header (what the router sends every worker), read from the
+    run directory where `kvserve up` wrote it."""
+    secret = (Path(state_dir) / cluster_name / "cluster_secret").read_text().strip()
+    return {"authorization": f"Bearer {secret}"}
+
+
 def free_ports(n: int) -> list[int]:
     socks = []
     for _ in range(n):
@@ -52,8 +59,13 @@ class Cluster:
     def api_base(self) -> str:
         return self.router_url + "/v1"
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """What internal calls to the workers carry (the cluster secret)."""
+        return internal_headers(self.state_dir, self.name)
+
     def status(self, url: str) -> dict:
-        return httpx.get(url + "/status", timeout=5).json()
+        return httpx.get(url + "/status", timeout=5, headers=self.headers).json()
 
     def pids(self) -> dict[str, int]:
         state = json.loads((self.state_dir / self.name / "state.json").read_text())

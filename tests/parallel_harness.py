@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import yaml
-from cluster_harness import free_ports, kvserve
+from cluster_harness import free_ports, internal_headers, kvserve
 
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -39,6 +39,11 @@ class ParallelCluster:
     layouts: dict[str, tuple[int, ...]]
     """(pp,) of a prefill, (tp, dcp) of a decode."""
     served_name: str = "parallel-model"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What internal calls to the workers carry (the cluster secret)."""
+        return internal_headers(self.state_dir, "parallel")
 
     def down(self) -> None:
         res = kvserve("down", "-c", str(self.config), "--state-dir", str(self.state_dir))
@@ -135,10 +140,12 @@ def run_pair(
     request_id: str,
     prompt: list[int],
     params: SamplingParams,
+    headers: dict[str, str],
 ) -> PairResult:
     """One request through a chosen prefill and decode instance (what router/relay.py
-    does, without its choices): decode's stream first, prefill told where to send."""
-    with httpx.Client() as client:
+    does, without its choices): decode's stream first, prefill told where to send.
+    `headers`: the cluster secret's (ParallelCluster.headers)."""
+    with httpx.Client(headers=headers) as client:
         dreq = DecodeRequest(PROTOCOL_VERSION, request_id, prompt, params)
         with client.stream(
             "POST", decode_url + "/decode", content=msgspec.json.encode(dreq), timeout=120
@@ -158,12 +165,17 @@ def run_pair(
 
 
 def run_pair_batch(
-    prefill_url: str, decode_url: str, prompts: list[list[int]], params: SamplingParams, tag: str
+    prefill_url: str,
+    decode_url: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    tag: str,
+    headers: dict[str, str],
 ) -> list[PairResult]:
     """All prompts at once (continuous batching on both sides)."""
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [
-            pool.submit(run_pair, prefill_url, decode_url, f"{tag}-{i}", p, params)
+            pool.submit(run_pair, prefill_url, decode_url, f"{tag}-{i}", p, params, headers)
             for i, p in enumerate(prompts)
         ]
         return [f.result() for f in futures]

@@ -287,6 +287,7 @@ def test_local_nodes_skips_other_machines() -> None:
     data = local_dict()
     data["nodes"].append({"name": "remote", "host": "192.0.2.7"})  # TEST-NET-1, never local
     data["decode"][0]["node"] = "remote"
+    data["auth"] = {"secret_env": "KVSERVE_SHARED_SECRET"}  # two hosts share one
     c = parse_cluster(data)
     assert [n.name for n in local_nodes(c)] == ["local"]
     assert c.instance_url(c.decode[0]) == "http://192.0.2.7:8200"

@@ -28,6 +28,9 @@ name, kind, host, port, out = sys.argv[1:6]
 mode = json.loads(open(os.path.join(out, "modes.json")).read()).get(name, "ok")
 with open(os.path.join(out, name + ".env.json"), "w") as f:
     json.dump(dict(os.environ), f)
+with open(os.path.join(out, name + ".argv.json"), "w") as f:
+    json.dump(sys.argv, f)
+secret = os.environ.get("KVSERVE_CLUSTER_SECRET", "")
 child = subprocess.Popen(["sleep", "600"])  # a grandchild of the launcher
 with open(os.path.join(out, name + ".pids"), "w") as f:
     f.write(f"{os.getpid()} {child.pid}")
@@ -47,7 +50,11 @@ class H(http.server.BaseHTTPRequestHandler):
         if self.path == "/health":
             code, body = (503, b"loading") if mode == "never" else (200, b"ok")
         elif self.path == "/status" and kind != "router":
-            code, body = 200, json.dumps(status).encode()
+            # as a real worker: /status is internal, the cluster secret is required
+            if secret and self.headers.get("authorization") == "Bearer " + secret:
+                code, body = 200, json.dumps(status).encode()
+            else:
+                code, body = 401, b"{}"
         else:
             code, body = 404, b""
         self.send_response(code)
@@ -234,6 +241,17 @@ def test_children_get_env_from_config(tmp_path: Path) -> None:
     assert c.env("decode-0")["MASTER_PORT"] == str(c.dist_port)
     assert c.env("decode-0")["KVSERVE_TEST_EXTRA"] == "yes"
     assert "MASTER_PORT" not in c.env("prefill-0")
+    # one random cluster secret per run, in the run directory (0600) and the components'
+    # environment, never on their command lines
+    secret_file = c.state_dir / "standin" / "cluster_secret"
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    secret = secret_file.read_text().strip()
+    assert len(secret) >= 32
+    for name in ALL:
+        assert c.env(name)["KVSERVE_CLUSTER_SECRET"] == secret
+        assert not any(
+            secret in arg for arg in json.loads((c.out / f"{name}.argv.json").read_text())
+        )
     assert_all_gone(c, ALL)
 
 

@@ -64,7 +64,9 @@ def test_pp2_prefill_to_tp2_dcp2_decode(mla, tmp_path_factory, weights_cache_dir
     )
     try:
         before = flow_metrics(c.urls["pp2"], c.urls["tp2dcp2"])
-        results = run_pair_batch(c.urls["pp2"], c.urls["tp2dcp2"], prompts, PARAMS, "mla")
+        results = run_pair_batch(
+            c.urls["pp2"], c.urls["tp2dcp2"], prompts, PARAMS, "mla", c.headers
+        )
         assert [r.tokens for r in results] == want
         for r in results:
             assert len(r.ready.landing) == 2

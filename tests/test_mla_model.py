@@ -316,6 +316,10 @@ def test_hub_config_parses_and_kv_bytes_are_the_latent() -> None:
         )
     with pytest.raises(ModelLoadError, match="topk_method"):
         model_config_from_hf({**DEEPSEEK_V2_LITE, "topk_method": "noaux"})
+    # DeepSeek-V3's own checkpoint: fp8 block-quantized weights with scales
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(ModelLoadError, match="quant_method 'fp8'"):
+        model_config_from_hf({**DEEPSEEK_V2_LITE, "quantization_config": fp8})
 
 
 def test_flex_backend_refuses_mla(tmp_path: Path) -> None:

@@ -23,11 +23,15 @@ pytestmark = pytest.mark.timeout(300)
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def mla_model(tmp_path_factory, tiny_tokenizer_dir: Path, weights_cache_dir: str):
-    """(folder, prompts, the single-process engine's tokens, checked against transformers)."""
-    folder = tmp_path_factory.mktemp("deepseek-v2")
-    hf = make_tiny_deepseek(folder, "deepseek_v2", tiny_tokenizer_dir, vocab_size=49152)
+@pytest.fixture(
+    scope="module",
+    params=["deepseek_v2", pytest.param("deepseek_v3", marks=pytest.mark.slow)],
+)
+def mla_model(request, tmp_path_factory, tiny_tokenizer_dir: Path, weights_cache_dir: str):
+    """(folder, prompts, the single-process engine's tokens, checked against transformers).
+    V3 (plain q_proj, sigmoid routing with score bias) is `slow`: V2 covers the MLA path."""
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = make_tiny_deepseek(folder, request.param, tiny_tokenizer_dir, vocab_size=49152)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 37, 16)]
     engine = LLMEngine.from_spec(str(folder), EngineConfig(cache_dir=weights_cache_dir))

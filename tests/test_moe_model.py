@@ -347,6 +347,11 @@ def test_kvserve_check_refuses_an_unbuildable_architecture(tmp_path: Path) -> No
         assert "hf download zai-org/GLM-4.5-Air" in text
         example = yaml.safe_load(text)
         example["model"] = str(folder)
+        if "auth" in example:  # the multi-host example's shared secret, here on this host
+            secret = tmp_path / "cluster_secret"
+            secret.write_text("s" * 43)
+            secret.chmod(0o600)
+            example["auth"] = {"secret_file": str(secret)}
         path.write_text(yaml.safe_dump(example))
         out = io.StringIO()
         assert check(path, out) == 0

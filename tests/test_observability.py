@@ -127,6 +127,7 @@ def test_render_prometheus_lists_every_component():
             "name": "two",
             "model": "builtin:smollm2-135m-instruct",
             "nodes": [{"name": "a", "host": "10.0.0.1"}, {"name": "b", "host": "10.0.0.2"}],
+            "auth": {"secret_file": "/etc/kvserve/cluster_secret"},
             "pool": {
                 "master": {"node": "a", "port": 50051, "metrics_port": 9003},
                 "stores": [

@@ -94,7 +94,7 @@ def grid_cluster(tmp_path_factory, tiny_parallel_dir: Path, weights_cache_dir: s
 def _check_pair(c: ParallelCluster, prefill: str, decode: str, prompts, reference) -> None:  # type: ignore[no-untyped-def]
     before = flow_metrics(c.urls[prefill], c.urls[decode])
     results = run_pair_batch(
-        c.urls[prefill], c.urls[decode], prompts, PARAMS, f"{prefill}-{decode}"
+        c.urls[prefill], c.urls[decode], prompts, PARAMS, f"{prefill}-{decode}", c.headers
     )
     assert [r.tokens for r in results] == reference, f"{prefill} -> {decode}"
     (pp,), (tp, _) = c.layouts[prefill], c.layouts[decode]

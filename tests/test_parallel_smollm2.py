@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
-from cluster_harness import free_ports, kvserve
+from cluster_harness import free_ports, internal_headers, kvserve
 from parallel_harness import check_flows, flow_metrics, run_pair
 
 from engine.config import EngineConfig
@@ -47,7 +47,7 @@ def cluster(tmp_path_factory, weights_cache_dir: str):
     state = tmp / "state"
     res = kvserve("up", "-c", str(config), "--detach", "--state-dir", str(state), timeout=600)
     assert res.returncode == 0, f"kvserve up failed:\n{res.stdout}\n{res.stderr}"
-    yield cfg
+    yield {**cfg, "headers": internal_headers(state, cfg["name"])}
     res = kvserve("down", "-c", str(config), "--state-dir", str(state))
     assert res.returncode == 0, res.stderr
 
@@ -81,7 +81,7 @@ def test_tokens_and_flows(cluster, engine):
     prefill_url = f"http://127.0.0.1:{cluster['prefill'][0]['port']}"
     decode_url = f"http://127.0.0.1:{cluster['decode'][0]['port']}"
     before = flow_metrics(prefill_url, decode_url)
-    res = run_pair(prefill_url, decode_url, "smollm2-flows", ids, PARAMS)
+    res = run_pair(prefill_url, decode_url, "smollm2-flows", ids, PARAMS, cluster["headers"])
     assert res.tokens == want
     assert len(res.ready.landing) == 2  # TP2 x DCP2: 2 stages x 2 ranks = 4 flows
     split = tuple(cluster["prefill"][0].get("layer_split") or even_layer_split(30, 2))

@@ -119,6 +119,27 @@ def test_chunk_saved_only_when_every_stage_stored_it(sched):
     assert s.build_step_meta([StepKV(r, r.num_prompt_tokens, r.num_prompt_tokens + 1, [])]) == b""
 
 
+def test_a_failed_forwards_chunks_are_never_saved(sched):
+    """A request whose forward failed (engine/step_isolation.py): its saves leave the
+    step's metadata, no report of them is awaited, the other request's stay."""
+    s, saved = sched
+    bad, good = _req("bad"), _req("good", 2 * CHUNK + 3)
+    blocks = [BlockId(b) for b in range(49)]
+    raw = s.build_step_meta(
+        [
+            StepKV(bad, 0, bad.num_prompt_tokens, blocks),
+            StepKV(good, 0, good.num_prompt_tokens, blocks),
+        ]
+    )
+    assert s.has_pending()
+    meta = _meta.decode(s.without_requests(raw, {"bad"}))
+    assert [x.request_id for x in meta.saves] == ["good"]
+    keys = meta.saves[0].chunk_keys
+    s.update_from_workers([_report(0, saved=keys), _report(1, saved=keys)])
+    assert saved == [[ChunkKey(k) for k in keys]] and not s.has_pending()
+    assert s.without_requests(s.build_step_meta([]), {"bad"}) == b""
+
+
 def test_stage_counters_land_in_the_instance_series(sched):
     s, _ = sched
     counts = [

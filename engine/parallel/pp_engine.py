@@ -106,13 +106,18 @@ class PipelinedEngine(LLMEngine):
         self.apply_reports(result.reports)
         outputs = []
         tops = result.top_logprobs or [None] * len(result.token_ids)
-        for (req, epoch), token, logprob, top in zip(
-            flight.sampling, result.token_ids, result.logprobs, tops, strict=True
+        failed = dict(result.failed)
+        for i, ((req, epoch), token, logprob, top) in enumerate(
+            zip(flight.sampling, result.token_ids, result.logprobs, tops, strict=True)
         ):
             self.scheduler.paused.discard(req.request_id)
             live = self._requests.get(req.request_id) is req and not req.status.finished
-            if live and req.num_preemptions == epoch:
-                outputs.append(self._append_token(req, token, logprob, top))
+            if not (live and req.num_preemptions == epoch):
+                continue
+            if i in failed:
+                outputs.append(self.fail_request(req, f"sampling failed: {failed[i]}"))
+            else:
+                outputs.append(self.append_isolating(req, token, logprob, top))
         return outputs
 
     def abort_all(self) -> int:

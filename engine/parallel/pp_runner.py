@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from engine.attention.base import AttentionMetadata, get_backend
 from engine.config import EngineConfig
+from engine.faults import EngineFaults
 from engine.grammar import GrammarCompiler
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnectorWorker, NoConnectorWorker, WorkerPlace
@@ -44,6 +45,7 @@ from engine.parallel.comm import Outbox, ParallelContext, recv_bytes
 from engine.parallel.step_inputs import batch_tensors
 from engine.sampler import Sampler, SamplerOutput, SamplingState
 from engine.scheduler import ScheduledRequest
+from engine.step_isolation import sample_isolating
 from engine.weights.cache import load_weights
 from modelinfo.info import ModelInfo
 from protocol.kv_layout import KVLayout
@@ -77,6 +79,8 @@ class PPStage:
     kv_caches: list[torch.Tensor]
     info: ModelInfo | None = None
     """The model's metadata: the last stage compiles grammars with its tokenizer."""
+    faults: EngineFaults | None = None
+    """Injected per-request faults, tests only (engine/faults.py)."""
 
     @property
     def is_last(self) -> bool:
@@ -164,7 +168,15 @@ def build_stage(
     store = torch_dtype(layout.storage_dtype)
     caches = [torch.zeros(shape, dtype=store, device=ctx.device) for _ in range(end - start)]
     return PPStage(
-        ctx.rank, len(layer_split), (start, end), model, layout, num_blocks, caches, info
+        ctx.rank,
+        len(layer_split),
+        (start, end),
+        model,
+        layout,
+        num_blocks,
+        caches,
+        info,
+        config.faults,
     )
 
 
@@ -267,10 +279,19 @@ def _serve(stage: PPStage, ctx: ParallelContext, worker: KVConnectorWorker, dept
                 grammars = GrammarCompiler(
                     info.tokenizer, info.config.vocab_size, info.eos_token_ids
                 )
-            result = _sample(stage, sampler, hidden, msg.samples, ctx.device, grammars)
+            result, failed = _sample(stage, sampler, hidden, msg.samples, ctx.device, grammars)
             tops = result.top_logprobs if any(result.top_logprobs) else None
             out.send(
-                encode(StageResult(msg.step_id, result.token_ids, result.logprobs, reports, tops)),
+                encode(
+                    StageResult(
+                        msg.step_id,
+                        result.token_ids,
+                        result.logprobs,
+                        reports,
+                        tops,
+                        sorted(failed.items()),
+                    )
+                ),
                 ctx.cpu_group,
             )
         else:
@@ -286,12 +307,12 @@ def _sample(
     samples: list[SampleRow],
     device: torch.device,
     grammars: GrammarCompiler | None,
-) -> SamplerOutput:
+) -> tuple[SamplerOutput, dict[int, str]]:
     if not samples or hidden is None:
-        return SamplerOutput([], [], [])
+        return SamplerOutput([], [], []), {}
     idx = torch.tensor([s.row for s in samples], dtype=torch.long, device=device)
     logits = stage.model.compute_logits(hidden.index_select(0, idx))
-    return sample_rows(sampler, logits, samples, grammars)
+    return sample_rows(sampler, logits, samples, grammars, stage.faults)
 
 
 def sample_rows(
@@ -299,8 +320,10 @@ def sample_rows(
     logits: torch.Tensor,
     samples: list[SampleRow],
     grammars: GrammarCompiler | None,
-) -> SamplerOutput:
-    """Sample a step's rows as LLMEngine does, from what SampleRow carries. A row under a
+    faults: EngineFaults | None = None,
+) -> tuple[SamplerOutput, dict[int, str]]:
+    """Sample a step's rows as LLMEngine does, from what SampleRow carries; (output,
+    {row: error} of rows that failed alone: engine/step_isolation.py). A row under a
     grammar gets a fresh state synced to its output tokens (none for a prefill's first
     token; the compiled grammar itself is cached by the compiler)."""
     states = []
@@ -320,4 +343,4 @@ def sample_rows(
                 grammar,
             )
         )
-    return sampler.sample(logits, states)
+    return sample_isolating(sampler, logits, states, faults)

@@ -1,0 +1,36 @@
+"""Injected engine faults, for tests of a failing request only (cluster.yaml
+`prefill[].engine_faults` / `decode[].engine_faults`; off by default). A request is
+poisoned by its sampling seed, which travels with it to every process that samples
+(the driver, or a pipeline's last stage) and never changes its greedy tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+import msgspec
+
+from protocol.sampling import SamplingParams
+
+FaultPlace = Literal["sample", "forward"]
+
+
+class InjectedFault(RuntimeError):
+    """Raised by EngineFaults where a real per-request failure would be raised."""
+
+
+class EngineFaults(msgspec.Struct, frozen=True, kw_only=True):
+    """Fail every step that holds a request with `seed == fail_seed`, at `place`:
+    "sample" (the batched sampler raises, as a sampling parameter the sampler cannot
+    compute did) or "forward" (the batched model forward raises)."""
+
+    fail_seed: int
+    place: FaultPlace = "sample"
+
+    def check(self, place: FaultPlace, params: Iterable[SamplingParams]) -> None:
+        """Raise InjectedFault if this is the place and a poisoned request is here."""
+        if place == self.place and any(p.seed == self.fail_seed for p in params):
+            raise InjectedFault(
+                f"injected {place} fault: a request with seed {self.fail_seed} is in "
+                "the batch (engine_faults.fail_seed, tests only)"
+            )

@@ -1,0 +1,114 @@
+"""A failing request fails alone in the single-process engine (engine/step_isolation.py):
+an injected sampling fault and an injected forward fault for one request of a batch; the
+others' greedy tokens equal their solo runs, the culprit ends with an error, its KV is
+freed, and the engine keeps serving. Real workers (PP stages, TP ranks, the router):
+tests/test_e2e_blast_radius.py."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from engine.config import EngineConfig
+from engine.faults import EngineFaults
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.step_isolation import find_culprits
+from prefill_worker.handoff import HandoffScheduler
+from protocol.handoff_messages import FlowOpen, FlowSend, HandoffMeta
+from protocol.sampling import SamplingParams
+
+POISON = 4242
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 49152) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_llama_dir: Path, weights_cache_dir: str) -> LLMEngine:
+    return LLMEngine.from_spec(str(tiny_llama_dir), EngineConfig(cache_dir=weights_cache_dir))
+
+
+def _run(eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]):  # type: ignore[no-untyped-def]
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    tokens: dict[str, list[int]] = {r: [] for r in ids}
+    errors: dict[str, str] = {}
+    first_step: list[RequestOutput] | None = None
+    while eng.has_unfinished():
+        outs = eng.step()
+        first_step = outs if first_step is None else first_step
+        for out in outs:
+            assert isinstance(out, RequestOutput)
+            tokens[out.request_id] += out.new_token_ids
+            if out.error is not None:
+                assert out.finish_reason == "error" and out.finished
+                errors[out.request_id] = out.error
+    return ids, tokens, errors, first_step
+
+
+@pytest.mark.parametrize("place", ["sample", "forward"])
+def test_one_poisoned_request_fails_alone(tiny_llama_dir, weights_cache_dir, solo, place):
+    faults = EngineFaults(fail_seed=POISON, place=place)
+    eng = LLMEngine.from_spec(
+        str(tiny_llama_dir), EngineConfig(cache_dir=weights_cache_dir, faults=faults)
+    )
+    prompts = [_prompt(20 + 9 * i, i) for i in range(5)]
+    params = [GREEDY] * 5
+    params[2] = msgspec.structs.replace(GREEDY, seed=POISON)  # greedy: the seed changes nothing
+    params[4] = msgspec.structs.replace(GREEDY, seed=7)
+    free_before = eng.pool.num_free_blocks
+    ids, tokens, errors, first_step = _run(eng, prompts, params)
+    # one step prefilled all five: four sampled their first token, the culprit failed
+    assert first_step is not None
+    assert sorted(o.request_id for o in first_step) == sorted(ids)
+    assert [o.request_id for o in first_step if o.error] == [ids[2]]
+    assert list(errors) == [ids[2]]
+    assert f"injected {place} fault" in errors[ids[2]]
+    assert tokens[ids[2]] == []  # it never produced a token: it was in the first step
+    for i in (0, 1, 3, 4):
+        assert tokens[ids[i]] == solo.generate([prompts[i]], GREEDY)[0].token_ids, i
+    assert eng.pool.num_free_blocks == free_before  # the culprit's KV is freed too
+    # the engine keeps serving, and a later poisoned request fails alone again
+    again = eng.generate([prompts[0], prompts[1]], [GREEDY, params[2]])
+    assert again[0].token_ids == tokens[ids[0]]
+    assert again[1].finish_reason == "error"
+
+
+def test_forward_culprits_are_found_by_bisection():
+    calls: list[int] = []
+
+    def run(batch):  # type: ignore[no-untyped-def]
+        calls.append(len(batch))
+        bad = [x for x in batch if x in (3, 11)]
+        if bad:
+            raise ValueError(f"bad {bad}")
+
+    items = list(range(16))
+    try:
+        run(items)
+    except ValueError as e:
+        found = find_culprits(items, run, e)
+    assert sorted(found) == [3, 11]
+    assert found[3] == "ValueError: bad [3]"
+    assert len(calls) <= 1 + 2 * 2 * 4  # about 2·k·log2(n)
+
+
+def test_a_failed_forward_sends_no_kv_of_its_culprit():
+    handoffs = HandoffScheduler(1)
+    meta = HandoffMeta(
+        [FlowOpen("bad", 32, [], "u"), FlowOpen("ok", 32, [], "u")],
+        [FlowSend("bad", 0, 32, [0, 1], True), FlowSend("ok", 0, 32, [2, 3], True)],
+        ["gone"],
+    )
+    out = msgspec.msgpack.decode(
+        handoffs.without_requests(msgspec.msgpack.encode(meta), {"bad"}), type=HandoffMeta
+    )
+    # the culprit's flow stays open (its abort cancels it, which releases its blocks)
+    assert [o.request_id for o in out.opens] == ["bad", "ok"]
+    assert [s.request_id for s in out.sends] == ["ok"]
+    assert out.cancels == ["gone"]
