@@ -34,6 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.attention.base import get_backend
 from engine.model_runner import ModelRunner
+from engine.models.layer_ops import EAGER, set_layer_ops
+from engine.models.layer_ops import compiled as compiled_layer_ops
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import build_model
 from engine.scheduler import ScheduledRequest
@@ -152,6 +154,7 @@ def make_runner(
     graphs: bool,
     max_batch: int,
     sizes: list[int] | None = None,
+    compile_layers: bool = True,
 ) -> ModelRunner:
     c = model.config
     layout = KVLayout(
@@ -172,6 +175,7 @@ def make_runner(
         cuda_graphs=graphs,
         max_batch=max_batch,
         graph_sizes=sizes,
+        compile_layers=compile_layers,
     )
 
 
@@ -210,13 +214,15 @@ def check_tiny(report: dict[str, Any]) -> None:
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 4096, (n,), generator=gen).tolist() for n in (5, 40, 130, 300)]
     results = {}
-    for name, backend, graphs in (
-        ("torch", "torch", False),
-        ("flex+graphs", "flex", True),
-        ("flex eager", "flex", False),
+    for name, backend, graphs, fuse in (
+        ("torch", "torch", False, False),
+        ("flex+graphs+compiled layers", "flex", True, True),
+        ("flex+graphs", "flex", True, False),
+        ("flex eager", "flex", False, False),
     ):
         model = ours(hf, TINY, torch.float32, backend)
-        results[name] = greedy(make_runner(model, 256, torch.float32, graphs, 8), prompts, 24)
+        runner = make_runner(model, 256, torch.float32, graphs, 8, compile_layers=fuse)
+        results[name] = greedy(runner, prompts, 24)
     ref = []
     for p in prompts:
         ids = torch.tensor([p], device="cuda")
@@ -395,6 +401,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write report.json here")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--cache-gb", type=float, default=88.0)
+    ap.add_argument(
+        "--skip-prefill", action="store_true", help="decode timings only (prefill unchanged)"
+    )
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     report: dict[str, Any] = {"device": torch.cuda.get_device_name()}
@@ -441,6 +450,8 @@ def main() -> None:
         c.normal_()  # timing on zeros flatters kernels
     print(f"runner with {num_blocks} blocks; graphs captured in {start_s:.0f} s", flush=True)
     report["graph_capture_s"] = start_s
+    report["layers_fused"] = bool(model.layers[0].ops.fused)  # type: ignore[union-attr]
+    print(f"decoder layers fused by torch.compile: {report['layers_fused']}", flush=True)
 
     rows = []
     for ctx in (1024, 32768):
@@ -456,7 +467,21 @@ def main() -> None:
     runner.graphs = graphs
     report["decode_b1_ctx1k_graphs_off_ms"] = eager_ms
     print(f"decode b1 ctx1024 without CUDA graphs: {eager_ms:.2f} ms/step", flush=True)
-    for ctx in (0, 57344):
+    if graphs is not None and model.layers[0].ops.fused:  # type: ignore[union-attr]
+        # The same graphs over the unfused (eager) layer ops: what compiling buys.
+        set_layer_ops(model, EAGER)
+        graphs.capture()
+        unfused = {}
+        for batch in (1, 32, 128):
+            ms, _ = time_decode(runner, batch, 1024, num_blocks, seed=batch + 1024)
+            unfused[f"b{batch}"] = ms
+            print(
+                f"decode b{batch} ctx1024, graphs of unfused layers: {ms:.2f} ms/step", flush=True
+            )
+        report["decode_ctx1k_unfused_layers_ms"] = unfused
+        set_layer_ops(model, compiled_layer_ops())
+        graphs.capture()
+    for ctx in () if args.skip_prefill else (0, 57344):
         s = time_prefill(runner, ctx, 8192)
         flops = prefill_flops(LLAMA3_8B, n_params, ctx, 8192)
         mfu = flops / s / 1e12

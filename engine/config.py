@@ -41,6 +41,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Capture pure-decode steps in CUDA graphs at start-up, one per batch-size bucket up to
     max_num_seqs (only on CUDA with a graph-safe backend: "flex"). False runs every step
     eagerly (same tokens, more launch overhead)."""
+    compile_layers: bool = True
+    """With CUDA graphs: fuse each decoder layer's element-wise glue (RMSNorm, RoPE, residual
+    adds, SwiGLU) with torch.compile before capture (engine/models/layer_ops.py); falls
+    back to the eager ops if compiling fails. No effect without graphs (CPU)."""
     enable_prefix_caching: bool = True
     cache_dir: str | None = None
     """Where converted weights are cached; None means ~/.cache/kvserve."""

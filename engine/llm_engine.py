@@ -220,6 +220,7 @@ class LLMEngine:
             dtype=self.dtype,
             backend=backend,
             cuda_graphs=config.cuda_graphs,
+            compile_layers=config.compile_layers,
             max_batch=config.max_num_seqs,
             max_model_len=self.max_model_len,
         )

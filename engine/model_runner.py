@@ -11,6 +11,7 @@ Only requests that sample this step contribute a row of logits (their last token
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
@@ -19,9 +20,13 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.device_tables import DeviceBlockTables
 from engine.kv_cache_manager import KVCacheManager
+from engine.models.layer_ops import EAGER, set_layer_ops
+from engine.models.layer_ops import compiled as compiled_layer_ops
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledRequest
 from protocol.kv_layout import KVLayout
+
+log = logging.getLogger(__name__)
 
 
 class ModelExecutor(Protocol):
@@ -46,8 +51,9 @@ class ModelExecutor(Protocol):
 
 class ModelRunner:
     """Owns the model, the paged KV tensors of its layers, the device block tables, the
-    decode CUDA graphs (CUDA, a graph-safe backend, `cuda_graphs`), and step input
-    preparation.
+    decode CUDA graphs (CUDA, a graph-safe backend, `cuda_graphs`; with `compile_layers`
+    the layers' element-wise glue is fused by torch.compile first, engine/models/
+    layer_ops.py), and step input preparation.
 
     Host work per step is O(new tokens + batch): block tables live on the device and take
     only their new entries (DeviceBlockTables), and the step's ids, positions, slots and
@@ -66,6 +72,7 @@ class ModelRunner:
         max_batch: int = 64,
         max_model_len: int | None = None,
         graph_sizes: list[int] | None = None,
+        compile_layers: bool = True,
     ) -> None:
         self.model = model
         self.layout = layout
@@ -104,7 +111,16 @@ class ModelRunner:
                 device=device,
                 sizes=graph_sizes,
             )
-            self.graphs.capture()
+            if compile_layers:
+                set_layer_ops(model, compiled_layer_ops())
+            try:
+                self.graphs.capture()
+            except Exception:  # the fused ops failed to compile: the eager ones always work
+                if not compile_layers:
+                    raise
+                log.exception("compiling the decoder layers failed; running them eagerly")
+                set_layer_ops(model, EAGER)
+                self.graphs.capture()
 
     def close(self) -> None:
         pass

@@ -38,7 +38,7 @@ from kvpool.client import PoolClient
 from kvpool.keys import StageSpec
 from kvpool.object_format import HEADER_BYTES, checksums_of_sums, payload_sums_t
 from kvpool.stats import StageCounters
-from prefill_worker.pool_pack import pack_blocks, unpack_blocks
+from prefill_worker.pool_pack import pack_blocks, unpack_blocks, unpack_chunks
 from protocol.ids import BlockId, ChunkKey
 from protocol.pool_messages import PoolLoad, PoolLoadDone, PoolStepMeta, PoolWorkerReport
 
@@ -51,9 +51,11 @@ MAX_DEVICE_COPIES = 8
 """CUDA: packed chunks whose device copy may still be on its way to the save slots; the
 step thread waits for the oldest beyond this (bounds the device memory they hold)."""
 
-VERIFY_GROUP = 8
-"""Objects copied to the device and checksummed together (one host sync per group); the
-device staging buffer holds this many payloads."""
+VERIFY_GROUP = 4
+"""Objects copied to the device and checksummed together (one host wait per group). Two
+groups' staging buffers alternate: the H2D copy of group k + 1 runs while group k is
+verified and unpacked (the device holds 2 x VERIFY_GROUP payloads: 256 MiB for an 8B
+model's 256-token chunks)."""
 
 _meta_decoder = msgspec.msgpack.Decoder(PoolStepMeta)
 
@@ -74,6 +76,22 @@ class _DeviceCopy:
     done: torch.cuda.Event
     sums: torch.Tensor
     """[local stages, 2] payload sums (payload_sums_t), on the device."""
+
+
+@dataclass
+class _Staged:
+    """A group of load slots' payloads on their way to the device (CUDA): the H2D copies
+    run on the copy stream (`copied` follows them), their payload sums and the sums' copy
+    back to pinned host memory on the unpack stream (`summed`)."""
+
+    group: range
+    """Indices into the window's keys and slots."""
+    payloads: torch.Tensor
+    """[len(group), payload bytes] uint8 in one of the two staging buffers."""
+    sums: torch.Tensor
+    """[len(group), 2] int64 payload sums, pinned host memory (valid once `summed`)."""
+    copied: torch.cuda.Event
+    summed: torch.cuda.Event
 
 
 @dataclass
@@ -113,8 +131,12 @@ class PoolWorker(KVConnectorWorker):
         self._wake = threading.Event()
         self.num_save_slots = len(client.buffer.save_slot_ids)
         self._stream: torch.cuda.Stream | None = None
-        self._staging: torch.Tensor | None = None
-        """Device copies of up to VERIFY_GROUP payloads (load thread; CUDA only)."""
+        self._copy_stream: torch.cuda.Stream | None = None
+        """CUDA: the load thread's H2D copies and payload sums (unpacks: `_stream`)."""
+        self._staging: list[torch.Tensor] = []
+        """CUDA: two device buffers of VERIFY_GROUP payloads each (load thread)."""
+        self._staging_free: list[torch.cuda.Event | None] = [None, None]
+        """CUDA: recorded after the unpacks reading each staging buffer."""
         self._save_stream: torch.cuda.Stream | None = None
         self._copies: deque[tuple[torch.cuda.Event, list[torch.Tensor]]] = deque()
         """CUDA: device copies of packed chunks, kept alive until their D2H is done."""
@@ -137,6 +159,7 @@ class PoolWorker(KVConnectorWorker):
         # Unpacks run on their own CUDA stream (compute goes on) and are synchronized
         # before a slot is reused and before a load is reported.
         self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self._copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._save_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._threads = [
             threading.Thread(target=self._load_loop, name="pool-load", daemon=True),
@@ -332,6 +355,8 @@ class PoolWorker(KVConnectorWorker):
                 except Exception:  # a failed load is a miss, never a dead worker
                     log.exception("pool load of %s failed", rid)
                     self.counters.failure("load", "error")
+                finally:  # nothing may still write the blocks once the load is reported
+                    self._sync_unpacks()
             with self._lock:
                 self._done.append(PoolLoadDone(rid, num_tokens))
                 self._in_flight.discard(rid)
@@ -350,8 +375,6 @@ class PoolWorker(KVConnectorWorker):
             self._stream.wait_event(item.ready)
         keys = [ChunkKey(k) for k in job.chunk_keys]
         cs = self.chunk_size
-        bpc = self.blocks_per_chunk
-        bs = cs // bpc
         load_slots = self.client.buffer.load_slot_ids
         window = len(load_slots) // len(self.stages)
         stage_s = [0.0] * len(self.stages)
@@ -363,35 +386,20 @@ class PoolWorker(KVConnectorWorker):
             window_ok = len(wkeys)
             for i, stage in enumerate(self.stages):
                 t = time.perf_counter()
-                self._sync_unpacks()  # the slots are about to be overwritten
+                # The slots are about to be overwritten: their H2D copies must be done. The
+                # previous window's last unpacks may still run (they read the device
+                # staging, not the slots): they overlap this read.
+                self._sync_copies()
                 slots = load_slots[i * window : i * window + len(wkeys)]
                 on_device = self._stream is not None
                 n = self.client.read(stage.index, wkeys, slots, verify_payload=not on_device)
                 n = min(n, window_ok)
-                spec = self.client.specs[stage.index]
                 layers = self._layers(stage)
-                g0 = 0
-                while g0 < n:
-                    group = range(g0, min(g0 + VERIFY_GROUP, n))
-                    srcs = [self.client.buffer.payload(slots[j], spec) for j in group]
-                    if on_device:
-                        srcs = self._verified_copies(stage.index, wkeys, slots, group)
-                    for j, src in zip(group, srcs, strict=False):
-                        # Blocks [b0, b1) of chunk c are the load's; those before
-                        # token_start (a GPU prefix ending inside the chunk, whole blocks)
-                        # are not touched.
-                        c = job.first_chunk + num_ok + j
-                        b0 = max(job.token_start // bs, c * bpc)
-                        b1 = (c + 1) * bpc
-                        with self._unpack_stream():
-                            unpack_blocks(
-                                src[:, :, (b0 - c * bpc) * bs :], layers, _ids(job.block_ids[b0:b1])
-                            )
-                    if len(srcs) < len(group):  # a damaged payload: the run ends before it
-                        n = group.start + len(srcs)
-                        break
-                    g0 = group.stop
-                self._sync_unpacks()
+                first = job.first_chunk + num_ok  # the window's first chunk
+                if on_device:
+                    n = self._unpack_on_device(job, stage.index, wkeys, slots, n, first, layers)
+                else:
+                    n = self._unpack_on_host(job, stage.index, slots, n, first, layers)
                 window_ok = n
                 stage_s[i] += time.perf_counter() - t
                 if n == 0:
@@ -407,40 +415,139 @@ class PoolWorker(KVConnectorWorker):
         end = min((job.first_chunk + num_ok) * cs, job.token_end)
         return end - job.token_start
 
-    def _verified_copies(
-        self, stage: int, keys: list[ChunkKey], slots: list[int], group: range
-    ) -> list[torch.Tensor]:
-        """Copy the payloads of slots[j] (j in group) to the device staging buffer, checksum
-        each there, compare with its header's value; returns the device payloads
-        ([L_s, P, n, H, D]) of the leading verified ones. Mismatching objects are damaged:
-        counted and removed (client.discard)."""
-        assert self._stream is not None
+    def _chunk_blocks(self, job: PoolLoad, c: int) -> tuple[int, int]:
+        """Blocks [b0, b1) of chunk c that the load writes: those before token_start (a
+        GPU prefix ending inside the chunk, whole blocks) are not touched."""
+        bpc = self.blocks_per_chunk
+        bs = self.chunk_size // bpc
+        return max(job.token_start // bs, c * bpc), (c + 1) * bpc
+
+    def _unpack_on_host(
+        self, job: PoolLoad, stage: int, slots: list[int], n: int, first: int, layers: list
+    ) -> int:
+        """Unpack the n verified payloads in `slots` (chunks first, first + 1, ...) from
+        host memory (a CPU engine: read() checked their payloads)."""
         spec = self.client.specs[stage]
+        bpc = self.blocks_per_chunk
+        bs = self.chunk_size // bpc
+        for j in range(n):
+            c = first + j
+            b0, b1 = self._chunk_blocks(job, c)
+            src = self.client.buffer.payload(slots[j], spec)
+            unpack_blocks(src[:, :, (b0 - c * bpc) * bs :], layers, _ids(job.block_ids[b0:b1]))
+        return n
+
+    def _unpack_on_device(
+        self,
+        job: PoolLoad,
+        stage: int,
+        keys: list[ChunkKey],
+        slots: list[int],
+        n: int,
+        first: int,
+        layers: list,
+    ) -> int:
+        """CUDA: copy the n payloads in `slots` to the device in groups of VERIFY_GROUP,
+        checksum each group there, compare with the headers and unpack the group, the next
+        group's copy running meanwhile. Returns how many leading payloads were verified
+        and unpacked (a damaged one ends the run and is discarded)."""
+        groups = [range(g, min(g + VERIFY_GROUP, n)) for g in range(0, n, VERIFY_GROUP)]
+        if not groups:
+            return 0
+        spec = self.client.specs[stage]
+        bpc = self.blocks_per_chunk
+        bs = self.chunk_size // bpc
+        assert self._stream is not None
+        staged = self._stage_group(stage, slots, groups[0], 0)
+        self._sum_group(staged)
+        for gi in range(len(groups)):
+            last = gi + 1 == len(groups)
+            nxt = None if last else self._stage_group(stage, slots, groups[gi + 1], gi + 1)
+            staged.summed.synchronize()
+            got = checksums_of_sums(staged.sums)
+            want = [self.client.stored_checksum(slots[j]) for j in staged.group]
+            ok = [a == b for a, b in zip(got, want, strict=True)]
+            good = len(ok) if all(ok) else ok.index(False)
+            self.client.discard(
+                stage, [keys[j] for j, o in zip(staged.group, ok, strict=True) if not o]
+            )
+            payloads = staged.payloads.view(getattr(torch, spec.dtype))
+            payloads = payloads.view(len(staged.group), *spec.shape)
+            with torch.cuda.stream(self._stream):
+                k0 = 0
+                j0 = staged.group.start
+                b0, b1 = self._chunk_blocks(job, first + j0)
+                if good and b0 != (first + j0) * bpc:  # a partial first chunk: on its own
+                    off = (b0 - (first + j0) * bpc) * bs
+                    unpack_blocks(payloads[0, :, :, off:], layers, _ids(job.block_ids[b0:b1]))
+                    k0 = 1
+                if good > k0:
+                    c0, c1 = first + j0 + k0, first + j0 + good
+                    ids = job.block_ids[c0 * bpc : c1 * bpc]
+                    unpack_chunks(payloads[k0:good], layers, _ids(ids))
+                free = torch.cuda.Event()
+                free.record()
+                self._staging_free[gi % 2] = free
+            if good < len(staged.group):
+                return staged.group.start + good
+            if nxt is None:
+                break
+            self._sum_group(nxt)  # behind this group's unpacks on the unpack stream
+            staged = nxt
+        return n
+
+    def _stage_group(self, stage: int, slots: list[int], group: range, k: int) -> _Staged:
+        """Queue group's H2D copies into staging buffer k % 2 on the copy stream, once the
+        unpacks that read that buffer last are done."""
+        assert self._copy_stream is not None
+        nbytes = self.client.specs[stage].payload_bytes
         buf = self.client.buffer
-        nbytes = spec.payload_bytes
         dev = self.kv_caches[0].device
-        with torch.cuda.stream(self._stream):
-            if self._staging is None or self._staging.numel() < VERIFY_GROUP * nbytes:
-                self._staging = torch.empty(VERIFY_GROUP * nbytes, dtype=torch.uint8, device=dev)
-            staged = self._staging[: len(group) * nbytes].view(len(group), nbytes)
-            for k, j in enumerate(group):
+        b = k % 2
+        with torch.cuda.stream(self._copy_stream):
+            if not self._staging or self._staging[0].numel() < VERIFY_GROUP * nbytes:
+                self._sync_unpacks()  # nothing reads the old buffers any more
+                self._staging = [
+                    torch.empty(VERIFY_GROUP * nbytes, dtype=torch.uint8, device=dev)
+                    for _ in range(2)
+                ]
+            free = self._staging_free[b]
+            if free is not None:
+                self._copy_stream.wait_event(free)
+            payloads = self._staging[b][: len(group) * nbytes].view(len(group), nbytes)
+            for i, j in enumerate(group):
                 off = slots[j] * buf.slot_bytes + HEADER_BYTES
-                staged[k].copy_(buf.tensor[off : off + nbytes], non_blocking=True)
-            got = checksums_of_sums(payload_sums_t(staged))  # syncs the stream
-        want = [self.client.stored_checksum(slots[j]) for j in group]
-        ok = [g == w for g, w in zip(got, want, strict=True)]
-        bad = [keys[j] for j, good in zip(group, ok, strict=True) if not good]
-        self.client.discard(stage, bad)
-        dtype = getattr(torch, spec.dtype)
-        n = len(ok) if all(ok) else ok.index(False)
-        return [staged[k].view(dtype).view(spec.shape) for k in range(n)]
+                payloads[i].copy_(buf.tensor[off : off + nbytes], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        sums = torch.empty(len(group), 2, dtype=torch.int64, pin_memory=True)
+        return _Staged(group, payloads, sums, copied, copied)
+
+    def _sum_group(self, staged: _Staged) -> None:
+        """On the unpack stream, once the group's copies are done: its payload sums and
+        their copy to pinned host memory (`summed` follows). The copy stream only copies,
+        so the DMA engine moves the next group meanwhile."""
+        assert self._stream is not None
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(staged.copied)
+            staged.sums.copy_(payload_sums_t(staged.payloads), non_blocking=True)
+            staged.summed = torch.cuda.Event()
+            staged.summed.record()
 
     def _unpack_stream(self) -> contextlib.AbstractContextManager[object]:
         if self._stream is None:
             return contextlib.nullcontext()
         return torch.cuda.stream(self._stream)
 
+    def _sync_copies(self) -> None:
+        """Wait for the H2D copies out of the load slots (CUDA)."""
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+
     def _sync_unpacks(self) -> None:
+        """Wait for the copies out of the load slots and the unpacks (CUDA)."""
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
         if self._stream is not None:
             self._stream.synchronize()
 

@@ -1,7 +1,8 @@
 """The GPU engine path on CUDA (pytest -m gpu on the lent GPU machine): the "flex"
 attention backend, decode CUDA graphs, device block tables and sampling on the device.
 
-Tiny random float32 models: the flex engine (graphs on and off) gives the same greedy
+Tiny random float32 models: the flex engine (graphs on and off, layers fused by
+torch.compile or not) gives the same greedy
 tokens as the torch reference backend, through prefix hits, chunked prefill, mixed
 batches and preemption; every sampling parameter works on CUDA. The backend's kernel
 conformance runs in tests/test_attention_backends.py (its cuda cases)."""
@@ -60,7 +61,17 @@ def test_flex_with_and_without_graphs_equals_torch(tiny_llama_dir, weights_cache
         tiny_llama_dir, weights_cache_dir, max_num_batched_tokens=37, attention_backend="flex"
     )
     assert _runner(graphs).graphs is not None
+    assert _runner(graphs).model.layers[0].ops.fused  # compile_layers: on by default
     assert _workload(graphs) == ref
+    unfused = _engine(
+        tiny_llama_dir,
+        weights_cache_dir,
+        max_num_batched_tokens=37,
+        attention_backend="flex",
+        compile_layers=False,
+    )
+    assert not _runner(unfused).model.layers[0].ops.fused
+    assert _workload(unfused) == ref
     eager = _engine(
         tiny_llama_dir,
         weights_cache_dir,

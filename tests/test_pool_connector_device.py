@@ -52,10 +52,13 @@ def _connector(address: str, kv: list[torch.Tensor]) -> tuple[PoolScheduler, Poo
 
 def _save(conn: tuple[PoolScheduler, PoolWorker], req: Request, blocks: list[int]) -> None:
     sched, worker = conn
-    meta = sched.build_step_meta([StepKV(req, 0, req.num_prompt_tokens, blocks)])  # type: ignore[arg-type]
-    worker.start_loads(meta)
-    worker.start_saves(meta)
-    assert worker.drain_saves(10)
+    step = 4 * CHUNK  # the save queue holds 4 chunks: save as prefill steps do, 4 at a time
+    for start in range(0, req.num_prompt_tokens, step):
+        end = min(start + step, req.num_prompt_tokens)
+        meta = sched.build_step_meta([StepKV(req, start, end, blocks)])  # type: ignore[arg-type]
+        worker.start_loads(meta)
+        worker.start_saves(meta)
+        assert worker.drain_saves(10)
     deadline = time.monotonic() + 10
     while sched.has_pending() and time.monotonic() < deadline:
         sched.update_from_workers([worker.get_finished()])
@@ -82,15 +85,20 @@ def _count(metric, **labels) -> float:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_verified_restore_stops_before_a_damaged_object(device: str) -> None:
+@pytest.mark.parametrize(("num_chunks", "victim"), [(3, 1), (10, 6)])
+def test_verified_restore_stops_before_a_damaged_object(
+    device: str, num_chunks: int, victim: int
+) -> None:
+    """10 chunks: the GPU restore verifies and unpacks groups of 4 while the next group's
+    copy runs; the damaged chunk sits in the second group."""
     g = torch.Generator().manual_seed(0)
-    nblk = 64
+    nblk = num_chunks * CHUNK // 16 + 16
     kv_a = [torch.randn(2, nblk, 16, 2, 16, generator=g).to(device) for _ in range(4)]
     kv_b = [torch.zeros(2, nblk, 16, 2, 16, device=device) for _ in range(4)]
-    address = f"local-device-{device}"
+    address = f"local-device-{device}-{num_chunks}"
     a, b = _connector(address, kv_a), _connector(address, kv_b)
     try:
-        prompt = list(range(100, 100 + 3 * CHUNK + 10))
+        prompt = list(range(100, 100 + num_chunks * CHUNK + 10))
         req = Request(
             RequestId("r0"),
             prompt,
@@ -100,8 +108,8 @@ def test_verified_restore_stops_before_a_damaged_object(device: str) -> None:
         )
         blocks_a = list(range(nblk - 1, -1, -1))[: len(prompt) // 16 + 1]
         _save(a, req, blocks_a)
-        assert _count(a[0].metrics.save_chunks) == 3
-        blocks_b = list(range(3, 3 + 3 * CHUNK // 16))
+        assert _count(a[0].metrics.save_chunks) == num_chunks
+        blocks_b = list(range(3, 3 + num_chunks * CHUNK // 16))
 
         def same(chunks: int) -> bool:
             n = chunks * CHUNK // 16
@@ -110,30 +118,31 @@ def test_verified_restore_stops_before_a_damaged_object(device: str) -> None:
                 for ka, kb in zip(kv_a, kv_b, strict=True)
             )
 
-        assert _load(b, req, blocks_b, 3 * CHUNK) == 3 * CHUNK
-        assert same(3)
+        assert _load(b, req, blocks_b, num_chunks * CHUNK) == num_chunks * CHUNK
+        assert same(num_chunks)
         for k in kv_b:
             k.zero_()
-        # Flip one payload bit of chunk 1's stage-1 object and store it back.
+        # Flip one payload bit of chunk `victim`'s stage-1 object and store it back.
         client = a[0].client
-        keys = a[0]._keys(req, 0, 3)
-        victim = client.keys.object_key(keys[1], 1)
+        keys = a[0]._keys(req, 0, num_chunks)
+        victim_key = client.keys.object_key(keys[victim], 1)
         slot = client.buffer.load_slot_ids[0]
         n = client.specs[1].object_bytes
         assert client.backend.get_into(
-            [victim], [client.buffer.ptr(slot)], [client.buffer.slot_bytes]
+            [victim_key], [client.buffer.ptr(slot)], [client.buffer.slot_bytes]
         ) == [n]
         client.buffer.object(slot)[n - 5] ^= 0x08
-        client.backend.remove([victim])
+        client.backend.remove([victim_key])
         client.backend.put_from(
-            [victim], [client.buffer.ptr(slot)], [n], [client.keys.group_id(keys[1])]
+            [victim_key], [client.buffer.ptr(slot)], [n], [client.keys.group_id(keys[victim])]
         )
-        assert _load(b, req, blocks_b, 3 * CHUNK) == CHUNK  # chunk 0 only
-        assert same(1)
+        # The chunks before the damaged one only.
+        assert _load(b, req, blocks_b, num_chunks * CHUNK) == victim * CHUNK
+        assert same(victim)
         m = b[0].metrics
         assert _count(m.checksum_failures) == 1
         assert _count(m.failures, instance="test", op="load", reason="checksum") == 1
-        assert client.backend.exists([victim]) == [False]  # removed
+        assert client.backend.exists([victim_key]) == [False]  # removed
     finally:
         a[1].close()
         b[1].close()

@@ -379,3 +379,28 @@ def test_pool_lookup_never_blocks_the_engine_thread(tiny_llama_dir, weights_cach
     finally:
         release.set()
         e.close()
+
+
+def test_unpack_chunks_equals_unpack_blocks_per_chunk():
+    """The grouped unpack (one index_put per layer for several chunks, from strided
+    payload views as the GPU restore's staging holds them) writes what one unpack_blocks
+    per chunk writes, and nothing else."""
+    import torch
+
+    from prefill_worker.pool_pack import pack_blocks, unpack_blocks, unpack_chunks
+
+    g = torch.Generator().manual_seed(1)
+    layers = [torch.randn(2, 64, 16, 2, 8, generator=g) for _ in range(3)]
+    blocks = torch.randperm(64, generator=g)[:48].tolist()  # 3 chunks of 16 blocks
+    staging = torch.zeros(3, 3 * 2 * 256 * 2 * 8 + 40)  # payloads with a gap between them
+    payloads = staging[:, : 3 * 2 * 256 * 2 * 8].view(3, 3, 2, 256, 2, 8)
+    for c in range(3):
+        pack_blocks(layers, blocks[16 * c : 16 * (c + 1)], payloads[c])
+    dst = [torch.randn(2, 64, 16, 2, 8, generator=g) for _ in range(3)]
+    want = [x.clone() for x in dst]
+    target = torch.randperm(64, generator=g)[:48].tolist()
+    for c in range(3):
+        unpack_blocks(payloads[c], want, target[16 * c : 16 * (c + 1)])
+    unpack_chunks(payloads, dst, target)
+    for a, b in zip(want, dst, strict=True):
+        assert torch.equal(a, b)

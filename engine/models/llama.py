@@ -35,25 +35,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.models.layer_ops import EAGER, LayerOps, rms_norm
 from engine.models.mla_layer import MlaDecoderLayer
 from engine.models.moe import SparseMoeBlock
 from engine.models.params import assign as _assign
 from engine.models.params import meta_param as _param
-from engine.rope import RotaryEmbedding, apply_rotary
+from engine.rope import RotaryEmbedding
 from modelinfo.config import ModelConfig
 from protocol.errors import ModelLoadError
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """[..., D] -> [..., D]; computed in float32 and cast back before the weight, as HF does."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
 class LlamaDecoderLayer(nn.Module):
     """Owns one decoder layer's (fused) weights: attention with RoPE and a SwiGLU MLP, or
-    a mixture-of-experts MLP on the config's sparse layers."""
+    a mixture-of-experts MLP on the config's sparse layers. `ops` runs the element-wise
+    glue around the matmuls (engine/models/layer_ops.py: EAGER, or torch.compile'd on a
+    CUDA engine with decode graphs)."""
+
+    ops: LayerOps = EAGER
 
     def __init__(
         self,
@@ -92,25 +90,26 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        cfg = self.cfg
-        num_tokens = x.shape[0]
-        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [T, (Hq+2Hkv) D]
-        qk = qkv[:, : (hq + hkv) * d].view(num_tokens, hq + hkv, d)  # [T, Hq+Hkv, D]
-        v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)  # [T, Hkv, D]
-        if self.qk_norm_weight is not None:
-            qk = rms_norm(qk, self.qk_norm_weight, cfg.rms_norm_eps)
-        qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass
-        attn = self.backend.forward(qk[:, :hq], qk[:, hq:], v, kv_cache, meta, self.scale)
-        x = x + F.linear(attn.reshape(num_tokens, hq * d), self.o_weight)
-
-        h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
+        cfg, ops = self.cfg, self.ops
+        eps = cfg.rms_norm_eps
+        q, k, v = ops.attn_in(
+            x,
+            self.input_norm,
+            self.qkv_weight,
+            self.qkv_bias,
+            self.qk_norm_weight,
+            cos,
+            sin,
+            eps,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+        )
+        attn = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        x, h = ops.attn_out(x, attn, self.o_weight, self.post_norm, eps)
         if self.moe is not None:
             return x + self.moe(h)
         assert self.gate_up_weight is not None and self.down_weight is not None
-        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)  # [T, I] each
-        return x + F.linear(F.silu(gate) * up, self.down_weight)
+        return ops.mlp(x, h, self.gate_up_weight, self.down_weight)
 
     def load(
         self,
