@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from engine.faults import EngineFaults
+from protocol.kv_layout import KV_CACHE_DTYPES
 
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -27,7 +28,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int | None = None
     """Context limit (prompt + output); defaults to the model's max_position_embeddings."""
     dtype: str = "float32"
-    """Weights, activations and KV element type."""
+    """Weights and activations element type (and the KV's, with kv_cache_dtype "auto")."""
+    kv_cache_dtype: str = "auto"
+    """KV cache format: "auto" (dtype) or "fp8_e4m3" (float8 e4m3 with a float32 scale per
+    token and head; about half the bytes of bfloat16 KV: docs/kv_cache.md)."""
     device: str = "cpu"
     attention_backend: str = "torch"
     """"torch" (the reference; CPU and CUDA), "torch_lse" (reference with LSE, DCP) or
@@ -57,6 +61,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:

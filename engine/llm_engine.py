@@ -126,7 +126,12 @@ class ConnectorExecutor(Protocol):
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+    return {
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "uint8": torch.uint8,
+    }[name]
 
 
 def rope_key(info: ModelInfo) -> str:
@@ -145,7 +150,7 @@ def kv_namespace(
     of an instance computes the same one."""
     return KVNamespace(
         weights_fingerprint=info.fingerprint,
-        kv_dtype=config.dtype,
+        kv_dtype=config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
         block_size=config.block_size,
         chunk_size=config.chunk_size,
         layer_split=layer_split,
@@ -176,6 +181,7 @@ class LLMEngine:
             block_size=config.block_size,
             dtype=config.dtype,
             kind=mc.kv_kind,
+            cache_dtype=config.kv_cache_dtype,
         )
         self.runner: ModelExecutor = runner if runner is not None else self._local_runner()
         self.namespace = kv_namespace(info, config, self.runner.layer_split)

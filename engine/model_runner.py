@@ -78,14 +78,22 @@ class ModelRunner:
         self.layout = layout
         self.device = device
         self.backend = backend
-        use_graphs = cuda_graphs and device.type == "cuda" and backend.graph_safe_decode
+        # fp8 rows decode through the reference path (engine/attention/flex.py): no graphs
+        use_graphs = (
+            cuda_graphs
+            and device.type == "cuda"
+            and backend.graph_safe_decode
+            and layout.cache_dtype == "auto"
+        )
         # One extra block past those the scheduler hands out: CUDA-graph padding rows
         # write their K/V there.
         shape = layout.cache_shape(num_blocks + use_graphs)
-        # kv_caches[i]: [P, num_blocks(+1), block_size, Hkv, D], layer i of this model
-        # (P = 2 for K and V, 1 for an MLA latent; protocol/kv_layout.py).
+        store = dtype if layout.cache_dtype == "auto" else torch.uint8
+        # kv_caches[i]: [P, num_blocks(+1), block_size, Hkv, W], layer i of this model
+        # (P = 2 for K and V, 1 for an MLA latent; W = D, or D + 4 for fp8 rows with their
+        # scale; protocol/kv_layout.py).
         self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)
+            torch.zeros(shape, dtype=store, device=device) for _ in range(layout.num_layers)
         ]
         self.num_blocks = num_blocks
         self.layer_split: tuple[int, ...] = (layout.num_layers,)

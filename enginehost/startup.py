@@ -125,6 +125,7 @@ def engine_config(
         max_num_batched_tokens=max_batched_tokens,
         max_num_seqs=max_num_seqs,
         dtype=cluster.dtype,
+        kv_cache_dtype=cluster.kv_cache_dtype,
         device=name,
         cache_dir=cluster.cache.weights_cache_dir,
         faults=None

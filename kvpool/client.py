@@ -55,9 +55,9 @@ def object_spec(keys: PoolKeys, stage: StageSpec, layout: KVLayout, chunk_size: 
         layer_start=stage.layer_start,
         layer_end=stage.layer_end,
         num_tokens=chunk_size,
-        dtype=layout.dtype,
+        dtype=layout.storage_dtype,
         num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
+        head_dim=layout.row_width,
         num_parts=layout.num_parts,
     )
 

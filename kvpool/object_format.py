@@ -48,7 +48,9 @@ _HEADER = struct.Struct("<4sHH16s16sHHHHIB3x5IQQ")
 _HEADER_CHECK = struct.Struct("<Q")
 _USED = _HEADER.size + _HEADER_CHECK.size
 assert _USED <= HEADER_BYTES
-DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4}
+DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4, "uint8": 5}
+"""uint8: fp8_e4m3 KV rows with their scales (protocol/kv_layout.py); the namespace hash
+in the header tells the KV cache dtypes apart."""
 assert set(DTYPE_CODES) == set(DTYPE_BYTES)
 
 
@@ -65,6 +67,8 @@ class ObjectSpec:
     dtype: str
     num_kv_heads: int
     head_dim: int
+    """D: elements of `dtype` per head row (the layout's row_width: head_dim + 4 for fp8
+    rows with their scales)."""
     num_parts: int = 2
     """Cache parts per layer (protocol/kv_layout.py): 2 (K, V) or 1 (an MLA latent)."""
 

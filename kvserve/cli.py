@@ -20,6 +20,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-mb", type=int, default=512, help="paged KV cache size in MiB")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8_e4m3"],
+        help="KV cache format: auto (--dtype) or fp8_e4m3 (docs/kv_cache.md)",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -155,6 +161,7 @@ def _engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         device=args.device,
         dtype=args.dtype,
         kv_cache_bytes=args.kv_cache_mb * 1024**2,
+        kv_cache_dtype=args.kv_cache_dtype,
         cache_dir=args.cache_dir,
     )
     eng = LLMEngine.from_spec(args.model, config)

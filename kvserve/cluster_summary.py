@@ -17,9 +17,10 @@ def _devices(inst: PrefillConfig | DecodeConfig) -> str:
 def summarize(c: ClusterConfig, source: str) -> str:
     """Multi-line summary: model, nodes, pool, instances, router, what runs here."""
     local = {n.name for n in local_nodes(c)}
+    kv = "" if c.kv_cache_dtype == "auto" else f", KV cache {c.kv_cache_dtype}"
     lines = [
         f"cluster {c.name!r} is valid ({source})",
-        f"  model    {c.model} ({c.dtype}); block {c.cache.block_size}, chunk "
+        f"  model    {c.model} ({c.dtype}{kv}); block {c.cache.block_size}, chunk "
         f"{c.cache.chunk_size} tokens",
     ]
     for n in c.nodes:

@@ -36,7 +36,12 @@ from kvserve.run_state import ComponentState, RunDir, RunState
 from kvserve.supervisor import LaunchError, Supervisor
 from modelinfo.info import load_model_config
 from protocol.cluster import ClusterConfig, load_cluster, local_nodes
-from protocol.cluster_checks import check_model_layouts, cluster_ports, rank_kv_bytes_per_token
+from protocol.cluster_checks import (
+    check_model_layouts,
+    cluster_ports,
+    prefill_kv_bytes_per_token,
+    rank_kv_bytes_per_token,
+)
 from protocol.cluster_types import format_bytes
 from protocol.config_errors import ConfigError
 from protocol.device_budget import ModelBytes, check_device_budgets, shared_devices
@@ -340,9 +345,21 @@ def check_model(cluster: ClusterConfig, source: str) -> str:
         *gpu_lines,
     ]
     context = model.max_position_embeddings
+    kv_dtype = cluster.dtype if cluster.kv_cache_dtype == "auto" else cluster.kv_cache_dtype
+    for p in cluster.prefill:
+        per_token = prefill_kv_bytes_per_token(cluster, model, model.head_dim, p)
+        lines.append(
+            f"  kv cache {p.name}: {kv_dtype}, {per_token} bytes per token per stage; "
+            f"kv_cache_memory holds {int(p.kv_cache_memory) // per_token} tokens"
+        )
     for d in cluster.decode:
         per_token = rank_kv_bytes_per_token(
             cluster, model, model.head_dim, d.tensor_parallel, d.decode_context_parallel
+        )
+        lines.append(
+            f"  kv cache {d.name}: {kv_dtype}, {per_token} bytes per token per rank; "
+            f"kv_cache_memory holds {int(d.kv_cache_memory) // per_token * d.decode_context_parallel}"
+            " tokens"
         )
         need = -(-context // d.decode_context_parallel) * per_token
         region = landing_region_max(int(d.landing_memory))
@@ -352,5 +369,14 @@ def check_model(cluster: ClusterConfig, source: str) -> str:
         lines.append(
             f"  landing  {d.name}: a {context}-token context is {format_bytes(need)} per rank; "
             f"region {format_bytes(region)}: {how}"
+        )
+    names = [n for p in cluster.prefill for n in p.device_names]
+    names += [n for d in cluster.decode for n in d.device_names]
+    on_gpu = any(n != "cpu" for n in names)
+    if cluster.kv_cache_dtype == "fp8_e4m3" and on_gpu and cluster.attention_backend != "torch":
+        lines.append(
+            "  kv cache note: on GPUs fp8_e4m3 rows are read by the reference attention "
+            "(gather + dequantize, no decode CUDA graphs): about twice the tokens, slower "
+            "decode than bfloat16 KV (docs/kv_cache.md)"
         )
     return "\n".join(lines)

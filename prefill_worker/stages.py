@@ -98,6 +98,7 @@ def full_layout(info: ModelInfo, config: EngineConfig) -> KVLayout:
         block_size=config.block_size,
         dtype=config.dtype,
         kind=mc.kv_kind,
+        cache_dtype=config.kv_cache_dtype,
     )
 
 

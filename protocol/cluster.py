@@ -38,6 +38,7 @@ from protocol.config_errors import ConfigError
 from protocol.config_paths import translate_validation_error
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+KVCacheDtype = Literal["auto", "fp8_e4m3"]
 Protocol = Literal["tcp", "rdma"]
 HandoffProtocol = Literal["tcp", "rdma", "cuda_ipc"]
 AttentionBackendName = Literal["auto", "torch", "flex"]
@@ -320,6 +321,10 @@ class ClusterConfig(_Section, frozen=True, kw_only=True):
     every node)."""
     dtype: Dtype = "bfloat16"
     """Weight and activation dtype (float32 for CPU correctness runs)."""
+    kv_cache_dtype: KVCacheDtype = "auto"
+    """KV cache format of every instance (prefill, decode, pool objects and handoff carry
+    it): "auto" stores `dtype`; "fp8_e4m3" stores float8 e4m3 values with a float32 scale
+    per token and KV head, about half the bytes of bfloat16 (docs/kv_cache.md)."""
     attention_backend: AttentionBackendName = "auto"
     """Attention kernels of every engine process: "flex" (paged FlexAttention decode and
     flash prefill, CUDA only, with decode CUDA graphs), "torch" (the reference backend,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 from protocol.cluster_types import device_name
 from protocol.config_errors import ConfigError
 from protocol.device_budget import shared_devices
-from protocol.kv_layout import kv_kind_parts
+from protocol.kv_layout import kv_kind_parts, row_bytes
 from protocol.parallel import (
     decode_rank_shards,
     head_layout_error,
@@ -214,17 +214,29 @@ def check_model_layouts(c: ClusterConfig, model: ModelShape, only: str | None = 
             raise ConfigError(f"decode[{i}].landing_memory", problem)
 
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
 def rank_kv_bytes_per_token(
     c: ClusterConfig, model: ModelShape, head_dim: int, tp: int, dcp: int
 ) -> int:
     """KV bytes of one token (all layers; K and V, or the MLA latent, which every rank
-    holds whole) on a decode rank holding the most heads."""
+    holds whole) on a decode rank holding the most heads, in the cluster's KV cache dtype
+    (fp8 rows: head_dim + 4 bytes)."""
     shard = decode_rank_shards(model.num_heads, model.num_kv_heads, tp, dcp)[0]
     parts = kv_kind_parts(getattr(model, "kv_kind", "mha"))
-    return model.num_layers * parts * shard.num_kv_heads * head_dim * DTYPE_BYTES[c.dtype]
+    row = row_bytes(c.kv_cache_dtype, c.dtype, head_dim)
+    return model.num_layers * parts * shard.num_kv_heads * row
+
+
+def prefill_kv_bytes_per_token(
+    c: ClusterConfig, model: ModelShape, head_dim: int, p: PrefillConfig
+) -> int:
+    """KV bytes of one token (all parts) on the prefill stage holding the most layers."""
+    if p.layer_split is not None:
+        layers = max(p.layer_split)
+    else:
+        layers = -(-model.num_layers // p.pipeline_parallel)
+    parts = kv_kind_parts(getattr(model, "kv_kind", "mha"))
+    heads = 1 if parts == 1 else model.num_kv_heads
+    return layers * parts * heads * row_bytes(c.kv_cache_dtype, c.dtype, head_dim)
 
 
 def _check_gpu_sharing(c: ClusterConfig) -> None:

@@ -51,7 +51,8 @@ class LandingInfo(msgspec.Struct, frozen=True):
 
     Each prefill stage writes its layers' part of the rank's tokens as segments packed
     [stage layers, layout.num_parts (K, V; or the MLA latent), stripe tokens, num_kv_heads,
-    head_dim] of layout.dtype (an MLA layout has one head, which every rank holds); where
+    layout.row_width] of layout.storage_dtype (fp8 rows carry their scales; an MLA layout
+    has one head, which every rank holds); where
     they go is the writer's choice (KVSegment.offset_bytes), inside capacity_bytes.
     transfer/flows.py places stage s's segments of tokens [a, b) at
         n_rank * layer_start_s * B  +  stripe_len(0, a) * num_layers_s * B

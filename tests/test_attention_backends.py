@@ -1,6 +1,7 @@
 """Conformance suite of the AttentionBackend interface, run against every registered backend:
 outputs against a naive dense attention over the full K/V, and the paged cache contents
-after the write."""
+after the write; with an fp8_e4m3 cache (uint8 rows with scales), the cache holds each
+row quantized and attention equals the dense one over the dequantized K/V."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from flex_simulator import simulate_flex
 
 from engine.attention.base import _BACKENDS, AttentionBackend, AttentionMetadata, get_backend
 from engine.attention.flex import FlexAttentionBackend
+from engine.attention.kv_quant import dequantize, quantize
 
 HQ, HKV, D = 6, 2, 16
 NUM_BLOCKS = 200
@@ -43,7 +45,23 @@ def _dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # [q_len, Hq, D]
 
 
-def _run_step(backend_name: str, device: str, seqs: list[tuple[int, int]], num_layers: int = 2):
+def stored(x: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """What a cache holds for rows x: themselves, or their fp8 rows with scales."""
+    return quantize(x) if fp8 else x
+
+
+def seen(x: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """The values attention reads back for rows x."""
+    return dequantize(quantize(x), x.dtype) if fp8 else x
+
+
+def _run_step(
+    backend_name: str,
+    device: str,
+    seqs: list[tuple[int, int]],
+    num_layers: int = 2,
+    fp8: bool = False,
+):
     """seqs: (cached_len, new_len) per sequence, in batch order. Runs `num_layers` layers
     sharing one metadata (so backends exercise their per-step state) and checks both."""
     if device == "cuda" and not torch.cuda.is_available():
@@ -72,13 +90,14 @@ def _run_step(backend_name: str, device: str, seqs: list[tuple[int, int]], num_l
     )
     scale = D**-0.5
     for _ in range(num_layers):
-        cache = torch.randn(2, NUM_BLOCKS, block_size, HKV, D, generator=gen)  # garbage around
+        garbage = torch.randn(2, NUM_BLOCKS, block_size, HKV, D, generator=gen)
+        cache = stored(garbage, fp8)
         full_k = [torch.randn(c + n, HKV, D, generator=gen) for c, n in seqs]
         full_v = [torch.randn(c + n, HKV, D, generator=gen) for c, n in seqs]
         for (cached, _), table, k, v in zip(seqs, tables, full_k, full_v, strict=True):
             for p in range(cached):  # the cached prefix is already in the paged cache
-                cache[0, table[p // block_size], p % block_size] = k[p]
-                cache[1, table[p // block_size], p % block_size] = v[p]
+                cache[0, table[p // block_size], p % block_size] = stored(k[p], fp8)
+                cache[1, table[p // block_size], p % block_size] = stored(v[p], fp8)
         q = torch.randn(qsl[-1], HQ, D, generator=gen)
         new_k = torch.cat([k[c:] for (c, _), k in zip(seqs, full_k, strict=True)])
         new_v = torch.cat([v[c:] for (c, _), v in zip(seqs, full_v, strict=True)])
@@ -89,14 +108,15 @@ def _run_step(backend_name: str, device: str, seqs: list[tuple[int, int]], num_l
         cache = cache.cpu()
         assert out.shape == (qsl[-1], HQ, D)
         for b, ((cached, new), table) in enumerate(zip(seqs, tables, strict=True)):
-            want = _dense_reference(q[qsl[b] : qsl[b + 1]], full_k[b], full_v[b], scale)
+            k_b, v_b = seen(full_k[b], fp8), seen(full_v[b], fp8)
+            want = _dense_reference(q[qsl[b] : qsl[b + 1]], k_b, v_b, scale)
             torch.testing.assert_close(
                 out[qsl[b] : qsl[b + 1]].double(), want, atol=2e-5, rtol=1e-5
             )
             for p in range(cached + new):  # every position, old and new, sits at its slot
                 blk, off = table[p // block_size], p % block_size
-                assert torch.equal(cache[0, blk, off], full_k[b][p])
-                assert torch.equal(cache[1, blk, off], full_v[b][p])
+                assert torch.equal(cache[0, blk, off], stored(full_k[b][p], fp8))
+                assert torch.equal(cache[1, blk, off], stored(full_v[b][p], fp8))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -127,3 +147,11 @@ def test_long_prefills_span_query_tiles(backend_name: str, device: str) -> None:
     # 300 new tokens behind an unaligned 203-token prefix (query tiles of 128 straddle
     # blocks), a decode, and a fresh 129-token prompt (a one-row last tile)
     _run_step(backend_name, device, [(203, 300), (37, 1), (0, 129)], num_layers=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend_name", _backend_names())
+def test_fp8_cache_quantizes_on_write_and_reads_dequantized(backend_name: str, device: str) -> None:
+    seqs = [(8, 1), (5, 7), (0, 1), (0, 6), (8, 3), (16, 1)]
+    _run_step(backend_name, device, seqs, fp8=True)
+    _run_step(backend_name, device, [(3, 1), (12, 1), (7, 1), (20, 1)], fp8=True)

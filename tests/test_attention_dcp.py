@@ -1,7 +1,8 @@
 """Conformance of every LSEAttentionBackend (the DCP path) against dense attention:
 P ranks each hold the token stripe t ≡ r (mod P) in their own paged cache; their partial
 outputs merged by log-sum-exp must equal attention over all tokens, the LSE must equal
-the dense log-sum-exp, and each rank's cache must hold exactly its stripe."""
+the dense log-sum-exp, and each rank's cache must hold exactly its stripe (with an fp8
+cache: its rows quantized, the merge over the dequantized values)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import random
 
 import pytest
 import torch
-from test_attention_backends import make_backend
+from test_attention_backends import make_backend, seen, stored
 
 from engine.attention.base import (
     _BACKENDS,
@@ -40,7 +41,9 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     return out, torch.logsumexp(scores, -1).transpose(0, 1)
 
 
-def _run(backend_name: str, seqs: list[tuple[int, int]], dcp: int, seed: int = 0) -> None:
+def _run(
+    backend_name: str, seqs: list[tuple[int, int]], dcp: int, seed: int = 0, fp8: bool = False
+) -> None:
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     backend, block_size = make_backend(backend_name, "cpu")
@@ -58,7 +61,7 @@ def _run(backend_name: str, seqs: list[tuple[int, int]], dcp: int, seed: int = 0
     for rank in range(dcp):
         free = list(range(NUM_BLOCKS))
         rng.shuffle(free)
-        cache = torch.randn(2, NUM_BLOCKS, block_size, HKV, D, generator=gen)  # garbage
+        cache = stored(torch.randn(2, NUM_BLOCKS, block_size, HKV, D, generator=gen), fp8)
         tables, slots = [], []
         for b, (cached, new) in enumerate(seqs):
             num_local = len(range(rank, cached + new, dcp))
@@ -72,8 +75,9 @@ def _run(backend_name: str, seqs: list[tuple[int, int]], dcp: int, seed: int = 0
                 j = t // dcp
                 slot = table[j // block_size] * block_size + j % block_size
                 if t < cached:  # the cached prefix of the stripe is already here
-                    cache.view(2, -1, HKV, D)[0, slot] = full_k[b][t]
-                    cache.view(2, -1, HKV, D)[1, slot] = full_v[b][t]
+                    flat = cache.view(2, -1, HKV, cache.shape[-1])
+                    flat[0, slot] = stored(full_k[b][t], fp8)
+                    flat[1, slot] = stored(full_v[b][t], fp8)
                 else:
                     slots.append(slot)
         width = max(len(t) for t in tables)
@@ -94,7 +98,8 @@ def _run(backend_name: str, seqs: list[tuple[int, int]], dcp: int, seed: int = 0
     merged = merge_partials(torch.stack(outs), torch.stack(lses))
     lse_all = torch.logsumexp(torch.stack(lses).double(), dim=0)
     for b, _ in enumerate(seqs):
-        want, want_lse = _dense(q[qsl[b] : qsl[b + 1]], full_k[b], full_v[b], scale)
+        k_b, v_b = seen(full_k[b], fp8), seen(full_v[b], fp8)
+        want, want_lse = _dense(q[qsl[b] : qsl[b + 1]], k_b, v_b, scale)
         got = merged[qsl[b] : qsl[b + 1]].double()
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(lse_all[qsl[b] : qsl[b + 1]], want_lse, atol=2e-5, rtol=1e-5)
@@ -102,8 +107,8 @@ def _run(backend_name: str, seqs: list[tuple[int, int]], dcp: int, seed: int = 0
             rank, j = t % dcp, t // dcp
             table = all_tables[rank][b]
             blk, off = table[j // block_size], j % block_size
-            assert torch.equal(caches[rank][0, blk, off], full_k[b][t])
-            assert torch.equal(caches[rank][1, blk, off], full_v[b][t])
+            assert torch.equal(caches[rank][0, blk, off], stored(full_k[b][t], fp8))
+            assert torch.equal(caches[rank][1, blk, off], stored(full_v[b][t], fp8))
 
 
 @pytest.mark.parametrize("dcp", [1, 2, 4])
@@ -112,6 +117,13 @@ def test_striped_partials_merge_to_dense_attention(backend_name: str, dcp: int) 
     # decodes, prefills behind a prefix, a 1-token sequence (ranks > 0 hold none of it)
     seqs = [(8, 1), (5, 7), (0, 1), (0, 6), (8, 3), (16, 1), (2, 1)]
     _run(backend_name, seqs, dcp)
+
+
+@pytest.mark.parametrize("dcp", [1, 2, 3])
+@pytest.mark.parametrize("backend_name", _lse_backends())
+def test_fp8_stripes_merge_over_dequantized_values(backend_name: str, dcp: int) -> None:
+    seqs = [(8, 1), (5, 7), (0, 1), (0, 6), (8, 3), (16, 1), (2, 1)]
+    _run(backend_name, seqs, dcp, fp8=True)
 
 
 @pytest.mark.parametrize("dcp", [2, 3])

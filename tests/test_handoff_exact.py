@@ -4,7 +4,9 @@ transport into a decode landing ring; a decode engine whose receiver connector k
 request waiting inside the engine, scatters every landed piece into the pages it reserved
 and starts it once prefill's first token is in. The KV decode holds must be
 byte-identical to prefill's, every write ceil(bytes / 8 MiB) ops, and decoding must
-continue exactly as the single-process engine, in float32 and in bfloat16."""
+continue exactly as the single-process engine, in float32 and in bfloat16, and with an
+fp8_e4m3 KV cache (rows with their scales: the decode cache holds prefill's bytes, scales
+included)."""
 
 from __future__ import annotations
 
@@ -28,14 +30,25 @@ from transfer import MAX_OP_BYTES, LandingArena, TransportConfig, create_transpo
 MODEL = "builtin:smollm2-135m-instruct"
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(
+    scope="module",
+    params=[("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8_e4m3")],
+    ids=["float32", "bfloat16", "fp8_e4m3"],
+)
 def engines(request: pytest.FixtureRequest, weights_cache_dir: str):
-    """float32 (the exactness reference) and bfloat16 (the fast CPU dtype): the handoff
-    moves bytes, so either must land byte-identical."""
-    kw = {"cache_dir": weights_cache_dir, "kv_cache_bytes": 128 * 1024**2, "dtype": request.param}
+    """float32 (the exactness reference), bfloat16 (the fast CPU dtype) and an fp8 KV
+    cache: the handoff moves bytes, so each must land byte-identical."""
+    dtype, kv = request.param
+    kw = {
+        "cache_dir": weights_cache_dir,
+        "kv_cache_bytes": 128 * 1024**2,
+        "dtype": dtype,
+        "kv_cache_dtype": kv,
+    }
     prefill = LLMEngine.from_spec(MODEL, EngineConfig(max_num_batched_tokens=256, **kw))
     decode = LLMEngine.from_spec(MODEL, EngineConfig(**kw))
-    assert decode.runner.kv_caches[0].dtype == getattr(torch, request.param)
+    want = torch.uint8 if kv == "fp8_e4m3" else getattr(torch, dtype)
+    assert decode.runner.kv_caches[0].dtype == want
     return prefill, decode
 
 
@@ -139,6 +152,8 @@ def test_decode_receives_exactly_what_prefill_computed(engines, monkeypatch):
         )
         got = _tokens(decode.runner.kv_caches, pages, len(ids))
         assert torch.equal(got, held)  # byte-identical KV
+        # fp8 rows: values and scales in one uint8 row, compared above byte for byte
+        assert (got.dtype == torch.uint8) == (prefill.config.kv_cache_dtype == "fp8_e4m3")
         assert arena.used_bytes == 0  # every piece landed: the region is free again
 
         prefill.set_kv_connector(NoConnectorScheduler(), NoConnectorWorker())

@@ -1,7 +1,9 @@
 """DeepSeek (MLA) through the parallel engines, each rank a real process over gloo: a
 prefill pipeline (PP 2) and decode TP 2 x DCP 2 (the latent whole on every rank, tokens
 striped over the DCP pair, query heads split over the groups) give the single-process
-engine's greedy tokens, which are transformers' own."""
+engine's greedy tokens, which are transformers' own; with an fp8_e4m3 KV cache (each
+latent entry a row of fp8 values and its scale) both equal the single process with fp8
+KV."""
 
 from __future__ import annotations
 
@@ -41,10 +43,14 @@ def mla_model(request, tmp_path_factory, tiny_tokenizer_dir: Path, weights_cache
     return folder, prompts, want
 
 
-def _config(cache_dir: str) -> EngineConfig:
+def _config(cache_dir: str, kv: str = "auto") -> EngineConfig:
     # A 16-token budget splits the 37-token prompt into chunks that fill the pipeline.
     return EngineConfig(
-        cache_dir=cache_dir, block_size=4, num_blocks=128, max_num_batched_tokens=16
+        cache_dir=cache_dir,
+        block_size=4,
+        num_blocks=128,
+        max_num_batched_tokens=16,
+        kv_cache_dtype=kv,
     )
 
 
@@ -61,5 +67,31 @@ def test_mla_decode_tp_dcp(mla_model, weights_cache_dir: str, tp: int, dcp: int)
     folder, prompts, want = mla_model
     got = generate_parallel(
         str(folder), _config(weights_cache_dir), prompts, PARAMS, tp=tp, dcp=dcp
+    )
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    ("tp", "dcp", "pp"),
+    [(2, 2, 1), pytest.param(1, 1, 2, marks=pytest.mark.slow)],
+    ids=["tp2-dcp2", "pp2"],
+)
+def test_mla_fp8_kv_layouts_match_single_process_fp8(
+    mla_model, weights_cache_dir: str, tp: int, dcp: int, pp: int
+) -> None:
+    folder, prompts, _ = mla_model
+    config = EngineConfig(cache_dir=weights_cache_dir, kv_cache_dtype="fp8_e4m3")
+    engine = LLMEngine.from_spec(str(folder), config)
+    assert engine.layout.row_width == engine.layout.head_dim + 4  # the latent + its scale
+    want = [c.token_ids for c in engine.generate(prompts, PARAMS)]
+    got = generate_parallel(
+        str(folder),
+        _config(weights_cache_dir, "fp8_e4m3"),
+        prompts,
+        PARAMS,
+        tp=tp,
+        dcp=dcp,
+        pp=pp,
+        layer_split=(2, 1) if pp == 2 else None,
     )
     assert got == want

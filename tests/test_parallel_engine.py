@@ -188,3 +188,26 @@ def test_kv_heads_replicated_when_ranks_outnumber_them(
     want = [c.token_ids for c in engine.generate(prompts, PARAMS)]
     got = generate_parallel(str(model), _config(weights_cache_dir), prompts, PARAMS, tp=2)
     assert got == want
+
+
+@pytest.fixture(scope="module")
+def fp8_reference(tiny_parallel_dir: Path, prompts, weights_cache_dir: str) -> list[list[int]]:
+    """The single-process engine with an fp8_e4m3 KV cache (the 4-token blocks of
+    _config: rows are quantized one by one, so the block size does not change them)."""
+    config = EngineConfig(cache_dir=weights_cache_dir, kv_cache_dtype="fp8_e4m3")
+    engine = LLMEngine.from_spec(str(tiny_parallel_dir), config)
+    return [c.token_ids for c in engine.generate(prompts, PARAMS)]
+
+
+@pytest.mark.parametrize(("tp", "dcp", "pp"), [(2, 2, 1), (1, 1, 2)], ids=["tp2-dcp2", "pp2"])
+def test_fp8_kv_layouts_match_single_process_fp8(
+    tiny_parallel_dir, prompts, fp8_reference, weights_cache_dir, tp, dcp, pp
+):
+    """TP x DCP (each rank quantizes its heads of its token stripe; the LSE merge runs
+    over dequantized values) and a 2-stage pipeline give the tokens of one process."""
+    config = _config(weights_cache_dir, kv_cache_dtype="fp8_e4m3")
+    split = (3, 1) if pp == 2 else None
+    got = generate_parallel(
+        str(tiny_parallel_dir), config, prompts, PARAMS, tp=tp, dcp=dcp, pp=pp, layer_split=split
+    )
+    assert got == fp8_reference

@@ -48,9 +48,15 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     p.stop()
 
 
-def _engine(model: Path, cache_dir: str, pool: Pool | None, dtype: str = "float32") -> LLMEngine:
+def _engine(
+    model: Path, cache_dir: str, pool: Pool | None, dtype: str = "float32", kv: str = "auto"
+) -> LLMEngine:
     cfg = EngineConfig(
-        cache_dir=cache_dir, num_blocks=512, max_num_batched_tokens=1024, dtype=dtype
+        cache_dir=cache_dir,
+        num_blocks=512,
+        max_num_batched_tokens=1024,
+        dtype=dtype,
+        kv_cache_dtype=kv,
     )
     e = LLMEngine.from_spec(str(model), cfg)
     if pool is not None:
@@ -110,8 +116,6 @@ def _run(e: LLMEngine, prompt: list[int]) -> Completion:
 
 
 def _chunk_keys(e: LLMEngine, prompt: list[int]) -> list[ChunkKey]:
-    from protocol.hashing import hash_chain, namespace_seed
-
     root = namespace_seed(e.namespace.key())
     hashes = hash_chain(prompt, 16, root)
     return [ChunkKey(bytes(k)) for k in chunk_keys(hashes, CHUNK // 16)]
@@ -221,10 +225,40 @@ def test_bfloat16_kv_restores_bitwise(tiny_llama_dir: Path, weights_cache_dir: s
             e.close()
 
 
+def test_fp8_kv_restores_the_computed_bytes(
+    engines, pool: Pool, tiny_llama_dir: Path, weights_cache_dir: str
+):
+    """fp8_e4m3 KV through the pool: the rows an engine restores (fp8 values and their
+    scales) are byte for byte those another engine computed, and the tokens those of a
+    cold fp8 run; its namespace is not the float32 KV's."""
+    a32 = engines[0]
+    a, b, cold = (
+        _engine(tiny_llama_dir, weights_cache_dir, where, kv="fp8_e4m3")
+        for where in (pool, pool, None)
+    )
+    try:
+        assert a.namespace.key() != a32.namespace.key()
+        p = _prompt(5, 700)
+        first = _run(a, p)
+        got = _run(b, p)
+        assert got.num_pool_tokens == 2 * CHUNK and got.num_cached_tokens == 0
+        assert got.token_ids == first.token_ids == _run(cold, p).token_ids
+        hashes = hash_chain(p, 16, namespace_seed(a.namespace.key()))[: 2 * CHUNK // 16]
+        blocks_a = [a.pool.lookup(h) for h in hashes]
+        blocks_b = [b.pool.lookup(h) for h in hashes]
+        assert None not in blocks_a and None not in blocks_b
+        ia, ib = torch.tensor(blocks_a), torch.tensor(blocks_b)
+        for ca, cb in zip(a.runner.kv_caches, b.runner.kv_caches, strict=True):
+            assert ca.dtype == torch.uint8
+            assert torch.equal(ca.index_select(1, ia), cb.index_select(1, ib))
+    finally:
+        for e in (a, b, cold):
+            e.close()
+
+
 def _pin_filler(pool: Pool, nbytes: int) -> None:
     """Hard-pinned objects (never evicted) that shrink the pool to what is left."""
     import mooncake.store as mc
-    import torch
 
     store = mc.MooncakeDistributedStore()
     assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", pool.master_address) == 0
@@ -286,8 +320,6 @@ def test_forced_eviction_many_sessions(engines, pool: Pool):
 
 
 def test_block_pack_equals_kv_pack_and_unpack_inverts_it():
-    import torch
-
     from prefill_worker.pool_connector import pack_blocks, unpack_blocks
     from transfer.kv_pack import gather
 

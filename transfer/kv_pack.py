@@ -73,7 +73,8 @@ FULL = KVShard()
 
 
 def torch_dtype(layout: KVLayout) -> torch.dtype:
-    dtype = getattr(torch, layout.dtype)
+    """Element type of the layout's caches and packed segments (uint8 for fp8 rows)."""
+    dtype = getattr(torch, layout.storage_dtype)
     assert isinstance(dtype, torch.dtype)
     return dtype
 

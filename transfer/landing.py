@@ -243,7 +243,7 @@ def scatter_segments(
         start = max(seg.token_start, skip_below)
         if start >= seg.token_end or n == 0:
             continue
-        shape = (l1 - l0, layout.num_parts, n, layout.num_kv_heads, layout.head_dim)
+        shape = (l1 - l0, layout.num_parts, n, layout.num_kv_heads, layout.row_width)
         src = packed_view(region.buffer, seg.offset_bytes, shape, dtype)
         skipped = shard.num_tokens(seg.token_start, start)
         if skipped:

@@ -78,7 +78,7 @@ class HandoffSender:
         self.notify = notify
         self.faults = faults or HandoffFaults()
         self.device = kv_caches[0].device
-        _, self.block_size, self.num_heads, self.head_dim = cache_geometry(kv_caches)
+        _, self.block_size, self.num_heads, self.row_width = cache_geometry(kv_caches)
         self.num_parts = kv_caches[0].shape[0]
         """Cache parts per layer: 2 (K, V) or 1 (an MLA latent)."""
         self.slot_bytes = staging_bytes // num_slots // 4096 * 4096
@@ -201,13 +201,13 @@ class HandoffSender:
             len(self.kv_caches) != l1 - l0
             or not 0 <= l0 < l1 <= layout.num_layers
             or h1 - h0 != layout.num_kv_heads
-            or self.head_dim != layout.head_dim
+            or self.row_width != layout.row_width
             or self.num_parts != layout.num_parts
             or self.kv_caches[0].dtype != torch_dtype(layout)
         ):
             raise PackLayoutError(
                 f"landing layout {layout} does not match the cache: {len(self.kv_caches)} "
-                f"layers as [{l0}, {l1}), heads [{h0}, {h1}), head_dim {self.head_dim}, "
+                f"layers as [{l0}, {l1}), heads [{h0}, {h1}), row width {self.row_width}, "
                 f"{self.kv_caches[0].dtype}"
             )
         if info.transport != self.transport.name:
@@ -320,7 +320,7 @@ class HandoffSender:
         if n:
             base = slot * self.slot_bytes
             rows = self.num_parts * nl
-            out = packed_view(self.staging, base, (rows, n, h1 - h0, self.head_dim), dtype)
+            out = packed_view(self.staging, base, (rows, n, h1 - h0, self.row_width), dtype)
             positions = shard.tokens(piece.token_start, piece.token_end)
             self._gather(table, positions, (h0, h1), out, ready)
         with self._lock:

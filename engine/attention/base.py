@@ -12,7 +12,10 @@ tokens, the last (q_len) of which are the new ones:
 KV of every layer lives in a paged cache tensor [2, num_blocks, block_size, Hkv, D]
 (see protocol/kv_layout.py); block_tables[b, i] is the block holding tokens
 i*block_size .. (i+1)*block_size-1 of seq b, and slot_mapping[t] is the flat slot
-(block_id * block_size + offset) where new token t's K/V must be written.
+(block_id * block_size + offset) where new token t's K/V must be written. A uint8 cache
+holds fp8_e4m3 rows, D values and their float32 scale each (last dim D + 4): backends
+write rows quantized and attend over the values read back dequantized
+(engine/attention/kv_quant.py), the new tokens' own included.
 
 Multi-head latent attention (MLA, DeepSeek) keeps one entry per token instead, in a cache
 [1, num_blocks, block_size, 1, C]: `forward_mla` attends with every query head over the

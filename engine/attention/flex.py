@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata, LSEAttentionBackend, register_backend
+from engine.attention.kv_quant import is_fp8_cache
 from engine.attention.torch_lse import TorchLSEAttentionBackend
 
 _Q_BLOCK = 128
@@ -112,7 +113,7 @@ class FlexAttentionBackend(LSEAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
-        if meta.dcp_size > 1:
+        if meta.dcp_size > 1 or is_fp8_cache(kv_cache):
             return self.forward_with_lse(q, k, v, kv_cache, meta, scale)[0]
         return self._run(q, k, v, kv_cache, meta, scale)[0]
 
@@ -125,7 +126,8 @@ class FlexAttentionBackend(LSEAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hq] float32
-        if any(n > 1 for n in meta.query_lens()):
+        if is_fp8_cache(kv_cache) or any(n > 1 for n in meta.query_lens()):
+            # fp8 rows (engine/attention/kv_quant.py) are dequantized by the reference
             return self._reference.forward_with_lse(q, k, v, kv_cache, meta, scale)
         out, lse = self._run(q, k, v, kv_cache, meta, scale)
         assert lse is not None

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.base import AttentionMetadata, LSEAttentionBackend, register_backend
+from engine.attention.kv_quant import from_cache, head_dim_of, to_cache
 from protocol.parallel import stripe_len
 
 
@@ -98,11 +99,12 @@ def _attend(
     return torch.einsum("bhgqk,bhkd->bhgqd", probs, v.float()), lse
 
 
-def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """[P, blocks, bs, Hkv, D] x [n] -> [P, n * bs, Hkv, D] (whole-block row copies)."""
-    parts, _, bs, hkv, d = kv_cache.shape
+def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[P, blocks, bs, Hkv, W] x [n] -> [P, n * bs, Hkv, D] values of `dtype` (whole-block
+    row copies, fp8 rows dequantized)."""
+    parts, _, bs, hkv, width = kv_cache.shape
     out = kv_cache.view(parts, kv_cache.shape[1], -1).index_select(1, blocks)
-    return out.view(parts, blocks.numel() * bs, hkv, d)
+    return from_cache(out.view(parts, blocks.numel() * bs, hkv, width), dtype)
 
 
 def _split(kv: torch.Tensor, value_dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,12 +130,12 @@ class TorchLSEAttentionBackend(LSEAttentionBackend):
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hq]
         plan = self._plan(q, kv_cache, meta)
-        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-        flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        num_kv_heads, width = kv_cache.shape[3], kv_cache.shape[4]
+        flat = kv_cache.view(2, -1, num_kv_heads, width)
         k_new = k if plan.write_rows is None else k.index_select(0, plan.write_rows)
         v_new = v if plan.write_rows is None else v.index_select(0, plan.write_rows)
-        flat[0].index_copy_(0, plan.write_slots, k_new.to(kv_cache.dtype))
-        flat[1].index_copy_(0, plan.write_slots, v_new.to(kv_cache.dtype))
+        flat[0].index_copy_(0, plan.write_slots, to_cache(k_new, kv_cache))
+        flat[1].index_copy_(0, plan.write_slots, to_cache(v_new, kv_cache))
         return self._attend_all(q, kv_cache, plan, scale, None)
 
     supports_mla = True
@@ -150,7 +152,7 @@ class TorchLSEAttentionBackend(LSEAttentionBackend):
         plan = self._plan(q, kv_cache, meta)
         new = latent if plan.write_rows is None else latent.index_select(0, plan.write_rows)
         flat = kv_cache.view(-1, 1, kv_cache.shape[-1])
-        flat.index_copy_(0, plan.write_slots, new.to(kv_cache.dtype))
+        flat.index_copy_(0, plan.write_slots, to_cache(new, kv_cache))
         return self._attend_all(q, kv_cache, plan, scale, value_dim)
 
     def _plan(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> _Plan:
@@ -168,7 +170,8 @@ class TorchLSEAttentionBackend(LSEAttentionBackend):
         scale: float,
         value_dim: int | None,  # MLA: values are the entries' leading value_dim dims
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, Dv], [T, Hq]
-        parts, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        parts, _, block_size, num_kv_heads, _ = kv_cache.shape
+        head_dim = head_dim_of(kv_cache)
         num_tokens, num_heads, _ = q.shape
         group = num_heads // num_kv_heads
         out_dim = head_dim if value_dim is None else value_dim
@@ -178,7 +181,7 @@ class TorchLSEAttentionBackend(LSEAttentionBackend):
             assert plan.decode_blocks is not None and plan.decode_mask is not None
             rows = plan.decode_rows
             num_seqs, max_blocks = plan.decode_blocks.shape
-            kv = _gather(kv_cache, plan.decode_blocks.reshape(-1))
+            kv = _gather(kv_cache, plan.decode_blocks.reshape(-1), q.dtype)
             kv = kv.view(parts, num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
             kv = kv.permute(0, 1, 3, 2, 4)  # [P, Bd, Hkv, L, D]
             q_dec = q.index_select(0, rows).view(num_seqs, num_kv_heads, group, 1, head_dim)
@@ -190,7 +193,7 @@ class TorchLSEAttentionBackend(LSEAttentionBackend):
             if seq.num_local == 0:
                 continue  # no key of this sequence on this rank: out 0, lse -inf
             q_len = seq.q_end - seq.q_start
-            kv = _gather(kv_cache, seq.blocks)[:, : seq.num_local]  # [P, n, Hkv, D]
+            kv = _gather(kv_cache, seq.blocks, q.dtype)[:, : seq.num_local]  # [P, n, Hkv, D]
             kv = kv.permute(0, 2, 1, 3).unsqueeze(1)  # [P, 1, Hkv, n, D]
             q_s = q[seq.q_start : seq.q_end].view(q_len, num_kv_heads, group, head_dim)
             q_s = q_s.permute(1, 2, 0, 3).unsqueeze(0)  # [1, Hkv, G, q_len, D]

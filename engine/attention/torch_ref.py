@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, register_backend
+from engine.attention.kv_quant import from_cache, to_cache
 
 
 @dataclass
@@ -112,10 +113,10 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
-        _, _, _, num_kv_heads, head_dim = kv_cache.shape
-        flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, slots, Hkv, D]
-        flat[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-        flat[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+        _, _, _, num_kv_heads, width = kv_cache.shape
+        flat = kv_cache.view(2, -1, num_kv_heads, width)  # [2, slots, Hkv, W]
+        flat[0].index_copy_(0, meta.slot_mapping, to_cache(k, kv_cache))
+        flat[1].index_copy_(0, meta.slot_mapping, to_cache(v, kv_cache))
         return self._attend(q, k, v, kv_cache, meta, scale, None)
 
     supports_mla = True
@@ -130,7 +131,7 @@ class TorchAttentionBackend(AttentionBackend):
         value_dim: int,
     ) -> torch.Tensor:  # [T, Hq, value_dim]
         flat = kv_cache.view(-1, 1, kv_cache.shape[-1])  # [slots, 1, C]
-        flat.index_copy_(0, meta.slot_mapping, latent.to(kv_cache.dtype))
+        flat.index_copy_(0, meta.slot_mapping, to_cache(latent, kv_cache))
         return self._attend(q, latent, latent[..., :value_dim], kv_cache, meta, scale, value_dim)
 
     def _attend(
@@ -175,10 +176,10 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [Bd, Hq, Dv]
         assert plan.decode_blocks is not None and plan.decode_mask is not None
         num_seqs, num_heads, head_dim = q.shape
-        parts, num_kv_heads = kv_cache.shape[0], kv_cache.shape[3]
-        kv = _gather_blocks(kv_cache, plan.decode_blocks.reshape(-1)).to(q.dtype)
-        # [P, Bd, Hkv, L, D]
-        kv = kv.view(parts, num_seqs, -1, num_kv_heads, head_dim).transpose(2, 3)
+        parts, num_kv_heads, width = kv_cache.shape[0], kv_cache.shape[3], kv_cache.shape[4]
+        kv = _gather_blocks(kv_cache, plan.decode_blocks.reshape(-1))
+        # [P, Bd, Hkv, L, D] (fp8 rows dequantized)
+        kv = from_cache(kv.view(parts, num_seqs, -1, num_kv_heads, width), q.dtype).transpose(2, 3)
         k, v = _split_kv(kv, value_dim)
         # GQA without copying KV: the G query heads of one KV head act as G query rows.
         q4 = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -197,13 +198,14 @@ class TorchAttentionBackend(AttentionBackend):
         q_s = q[seq.q_start : seq.q_end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
         if seq.mask is None and kv_cache.dtype == q.dtype:
             # No cached prefix: the new tokens are the whole sequence, and the cache holds
-            # exactly these values, so skip the gather.
+            # exactly these values, so skip the gather (not for fp8 rows: attention reads
+            # the values the cache holds, as every later step and every restore will).
             k_s = k[seq.q_start : seq.q_end].transpose(0, 1)[None]  # [1, Hkv, seq_len, D]
             v_s = v[seq.q_start : seq.q_end].transpose(0, 1)[None]
         else:
-            parts, num_kv_heads, head_dim = kv_cache.shape[0], kv_cache.shape[3], kv_cache.shape[4]
-            kv = _gather_blocks(kv_cache, seq.blocks).to(q.dtype)
-            kv = kv.view(parts, -1, num_kv_heads, head_dim)[:, : seq.seq_len].transpose(1, 2)
+            parts, num_kv_heads, width = kv_cache.shape[0], kv_cache.shape[3], kv_cache.shape[4]
+            kv = _gather_blocks(kv_cache, seq.blocks).view(parts, -1, num_kv_heads, width)
+            kv = from_cache(kv, q.dtype)[:, : seq.seq_len].transpose(1, 2)
             k_s, v_s = (t[None] for t in _split_kv(kv, v.shape[-1] if parts == 1 else None))
         o = F.scaled_dot_product_attention(
             q_s,

@@ -122,6 +122,7 @@ def stage_num_blocks(config: EngineConfig, info: ModelInfo, layer_split: tuple[i
         block_size=config.block_size,
         dtype=config.dtype,
         kind=mc.kv_kind,
+        cache_dtype=config.kv_cache_dtype,
     )
     return max(1, config.kv_cache_bytes // widest.bytes_per_block)
 
@@ -160,10 +161,12 @@ def build_stage(
         block_size=config.block_size,
         dtype=config.dtype,
         kind=mc.kv_kind,
+        cache_dtype=config.kv_cache_dtype,
     )
     num_blocks = stage_num_blocks(config, info, layer_split)
     shape = layout.cache_shape(num_blocks)
-    caches = [torch.zeros(shape, dtype=dtype, device=ctx.device) for _ in range(end - start)]
+    store = torch_dtype(layout.storage_dtype)
+    caches = [torch.zeros(shape, dtype=store, device=ctx.device) for _ in range(end - start)]
     return PPStage(
         ctx.rank,
         len(layer_split),

@@ -95,10 +95,12 @@ def build_tp_rank(
         block_size=config.block_size,
         dtype=config.dtype,
         kind=mc.kv_kind,
+        cache_dtype=config.kv_cache_dtype,
     )
     num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // layout.bytes_per_block)
     shape = layout.cache_shape(num_blocks)
-    caches = [torch.zeros(shape, dtype=dtype, device=ctx.device) for _ in range(mc.num_layers)]
+    store = torch_dtype(layout.storage_dtype)
+    caches = [torch.zeros(shape, dtype=store, device=ctx.device) for _ in range(mc.num_layers)]
     return TPRank(shard, model, layout, num_blocks, caches)
 
 
