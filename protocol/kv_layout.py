@@ -17,7 +17,7 @@ and whose rows (one token, one part, one head) depend on the KV cache dtype:
     "auto":      head_dim values of the model dtype              (row_width = head_dim)
     "fp8_e4m3":  head_dim float8 e4m3 bytes | float32 scale (4 B), stored as uint8
                  (row_width = head_dim + 4); the value is fp8 * scale, the scale the row's
-                 absolute maximum / 448 (engine/attention/kv_quant.py)
+                 absolute maximum × (1/448) (engine/attention/kv_quant.py)
 
 so the KV of token t of a request lives at
     block_id = block_table[t // block_size], offset = t % block_size,

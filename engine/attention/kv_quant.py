@@ -4,11 +4,14 @@ A cache of KV cache dtype "fp8_e4m3" is uint8 (protocol/kv_layout.py); each head
 K or V of one token is
 
     bytes 0 .. D-1: float8_e4m3fn values q_i | bytes D .. D+3: float32 scale s
-    value_i = q_i * s,   s = max_i |x_i| / 448   (1.0 for an all-zero row)
+    value_i = q_i * s,   s = max_i |x_i| * (1 / 448)   (1.0 for an all-zero row)
 
 A scale per (token, head) follows the row's own range, so no calibration is needed and a
 row's bytes depend on that row only: the prefix cache, the pool and the handoff move
 rows without re-quantizing, and every rank computes the bytes the single process would.
+The scale is a product with the constant 1/448, not a division by 448: CUDA divides a
+tensor by a scalar as a product with its reciprocal, the CPU divides exactly, and the two
+differed in the scale's last bit; a product rounds the same on both.
 Backends tell the formats apart by the cache's dtype: uint8 means fp8 rows.
 """
 
@@ -37,7 +40,7 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     """[..., D] values -> [..., D + 4] uint8 fp8 rows (values, then the float32 scale)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * (1.0 / FP8_MAX), torch.ones_like(amax))
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
 
