@@ -210,11 +210,14 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[li
     return outs
 
 
-def check_tiny(device: torch.device, report: dict[str, Any]) -> None:
-    hf = hf_model(TINY, torch.float32, device)
+def greedy_vs_transformers(
+    hf: Any, runner: ModelRunner, vocab: int, device: torch.device
+) -> tuple[list[list[int]], list[list[int]]]:
+    """16 greedy tokens of 3 seeded prompts (5, 40, 130 tokens): the engine's (one mixed
+    prefill step, then batched decodes) and transformers' generate."""
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 4096, (n,), generator=gen).tolist() for n in (5, 40, 130)]
-    got = greedy(make_runner(ours(hf, TINY, torch.float32, device), 128, device), prompts, 16)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 40, 130)]
+    got = greedy(runner, prompts, 16)
     ref = []
     for p in prompts:
         ids = torch.tensor([p], device=device)
@@ -228,6 +231,13 @@ def check_tiny(device: torch.device, report: dict[str, Any]) -> None:
                 pad_token_id=0,
             )
         ref.append(out[0, len(p) :].tolist())
+    return got, ref
+
+
+def check_tiny(device: torch.device, report: dict[str, Any]) -> None:
+    hf = hf_model(TINY, torch.float32, device)
+    runner = make_runner(ours(hf, TINY, torch.float32, device), 128, device)
+    got, ref = greedy_vs_transformers(hf, runner, 4096, device)
     report["tiny_fp32_greedy_identical"] = got == ref
     print("tiny float32 DeepSeek-V2 greedy tokens == transformers:", got == ref, flush=True)
     assert got == ref, (got, ref)

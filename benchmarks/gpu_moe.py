@@ -40,7 +40,7 @@ from benchmarks.gpu_mla import (
     BLOCK,
     SPEC_TFLOPS,
     bandwidth,
-    greedy,
+    greedy_vs_transformers,
     hub_names,
     time_decode,
     time_prefill,
@@ -150,22 +150,7 @@ def check_tiny(device: torch.device, report: dict[str, Any]) -> None:
         backend=get_backend("torch"),
         weights=hub_names(dict(hf.state_dict())),
     )
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 4096, (n,), generator=gen).tolist() for n in (5, 40, 130)]
-    got = greedy(runner_for(model, "torch", 128, device), prompts, 16)
-    ref = []
-    for p in prompts:
-        ids = torch.tensor([p], device=device)
-        with torch.no_grad():
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=16,
-                min_new_tokens=16,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        ref.append(out[0, len(p) :].tolist())
+    got, ref = greedy_vs_transformers(hf, runner_for(model, "torch", 128, device), 4096, device)
     report["tiny_fp32_greedy_identical"] = got == ref
     print("tiny float32 Qwen3-MoE greedy tokens == transformers:", got == ref, flush=True)
     assert got == ref, (got, ref)
