@@ -29,7 +29,8 @@ from fastapi.responses import Response, StreamingResponse
 from decode_worker.metrics import DecodeMetrics
 from decode_worker.ranks import RankLandings
 from decode_worker.receiver import HandoffReceiver
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 from enginehost.app import base_app, error_response, read_message
 from enginehost.host import EngineHost
 from enginehost.kv_events import KVReporter

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from itertools import count
 from typing import Protocol, runtime_checkable
 
@@ -33,8 +32,10 @@ from engine.kv_connector import (
     NoConnectorWorker,
     WorkerPlace,
 )
+from engine.kv_identity import kv_namespace, torch_dtype
 from engine.model_runner import ModelExecutor, ModelRunner
 from engine.models.registry import build_model
+from engine.outputs import Completion, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, SamplingState, TopLogprobs
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerCounters, SchedulerOutput
@@ -46,55 +47,7 @@ from protocol.errors import InvalidRequestError, PromptTooLongError
 from protocol.hashing import namespace_seed
 from protocol.ids import RequestId
 from protocol.kv_layout import KVLayout
-from protocol.namespace import KVNamespace
 from protocol.sampling import SamplingParams
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: RequestId
-    new_token_ids: list[int]
-    new_logprobs: list[float | None]
-    text_delta: str
-    finish_reason: str | None
-    """None while running; "stop", "length" or "abort" when finished."""
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    """Prompt tokens served from this engine's prefix cache."""
-    num_output_tokens: int
-    num_pool_tokens: int = 0
-    """Prompt tokens loaded through the KV connector (the pool); gpu + pool + computed =
-    prompt, so computed = num_prompt_tokens - num_cached_tokens - num_pool_tokens."""
-    prefill_done: bool = False
-    """A prefill-only request sampled its first token and left the engine (its KV was
-    handed on through the KV connector); finish_reason stays None: decode continues it."""
-    new_top_logprobs: list[TopLogprobs | None] | None = None
-    """Per new token, its top_logprobs alternatives when the request asked for them."""
-    error: str | None = None
-    """Set (finish_reason "error", no new tokens) when this request alone made its step
-    fail (engine/step_isolation.py): it left the engine, its KV freed; the others of
-    the step went on."""
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None or self.prefill_done
-
-
-@dataclass
-class Completion:
-    """A finished request, as `generate` returns it."""
-
-    request_id: RequestId
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    logprobs: list[float | None]
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_pool_tokens: int = 0
-
 
 log = logging.getLogger(__name__)
 
@@ -123,39 +76,6 @@ class ConnectorExecutor(Protocol):
     def poll_kv(self, kv_meta: bytes) -> list[bytes]:
         """A step with nothing to compute: every worker gets `kv_meta` and reports."""
         ...
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return {
-        "float32": torch.float32,
-        "float16": torch.float16,
-        "bfloat16": torch.bfloat16,
-        "uint8": torch.uint8,
-    }[name]
-
-
-def rope_key(info: ModelInfo) -> str:
-    c = info.config
-    s = c.rope_scaling
-    return (
-        f"theta={c.rope_theta},kind={s.kind},f={s.factor},lo={s.low_freq_factor},"
-        f"hi={s.high_freq_factor},orig={s.original_max_position_embeddings}"
-    )
-
-
-def kv_namespace(
-    info: ModelInfo, config: EngineConfig, layer_split: tuple[int, ...]
-) -> KVNamespace:
-    """The namespace of an engine's KV (what may share cached KV with it): every process
-    of an instance computes the same one."""
-    return KVNamespace(
-        weights_fingerprint=info.fingerprint,
-        kv_dtype=config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
-        block_size=config.block_size,
-        chunk_size=config.chunk_size,
-        layer_split=layer_split,
-        rope=rope_key(info),
-    )
 
 
 class LLMEngine:

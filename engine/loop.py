@@ -21,7 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

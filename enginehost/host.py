@@ -14,8 +14,9 @@ import logging
 from collections.abc import Callable
 from typing import TypeVar
 
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
 from engine.loop import EngineLoop
+from engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

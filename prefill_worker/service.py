@@ -19,7 +19,8 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 from enginehost.app import base_app, error_response, read_message
 from enginehost.host import EngineHost
 from enginehost.kv_events import KVReporter

@@ -24,7 +24,8 @@ from prometheus_client import CollectorRegistry
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnectorWorker
 from engine.kv_connector_multi import MultiConnectorScheduler, MultiConnectorWorker
-from engine.llm_engine import LLMEngine, kv_namespace
+from engine.kv_identity import kv_namespace
+from engine.llm_engine import LLMEngine
 from engine.parallel.comm import init_parallel
 from engine.parallel.pp_engine import build_pp_engine
 from engine.parallel.procs import ChildProcesses, rendezvous

@@ -25,7 +25,8 @@ from parallel_harness import (
 )
 
 from engine.config import EngineConfig
-from engine.llm_engine import Completion, LLMEngine
+from engine.llm_engine import LLMEngine
+from engine.outputs import Completion
 from protocol.parallel import even_layer_split
 from protocol.sampling import SamplingParams
 

@@ -21,7 +21,8 @@ from pool_harness import Pool, start_pool
 from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig
-from engine.llm_engine import Completion, LLMEngine
+from engine.llm_engine import LLMEngine
+from engine.outputs import Completion
 from kvpool.backend import BackendConfig, create_backend
 from kvpool.client import PoolClient
 from kvpool.metrics import PoolMetrics

@@ -14,7 +14,8 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.faults import EngineFaults
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 from engine.step_isolation import find_culprits
 from prefill_worker.handoff import HandoffScheduler
 from protocol.handoff_messages import FlowOpen, FlowSend, HandoffMeta

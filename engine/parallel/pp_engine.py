@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnectorScheduler, KVConnectorWorker
-from engine.llm_engine import LOAD_POLL_S, LLMEngine, RequestOutput
+from engine.llm_engine import LOAD_POLL_S, LLMEngine
+from engine.outputs import RequestOutput
 from engine.parallel.comm import ParallelContext
 from engine.parallel.pp_runner import PipelineExecutor, build_stage
 from engine.parallel.step_inputs import build_batch

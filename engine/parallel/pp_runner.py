@@ -38,7 +38,7 @@ from engine.faults import EngineFaults
 from engine.grammar import GrammarCompiler
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnectorWorker, NoConnectorWorker, WorkerPlace
-from engine.llm_engine import torch_dtype
+from engine.kv_identity import torch_dtype
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import build_model
 from engine.parallel.comm import Outbox, ParallelContext, recv_bytes

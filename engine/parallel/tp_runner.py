@@ -30,7 +30,8 @@ from engine.attention.base import LSEAttentionBackend, get_backend
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnectorWorker, NoConnectorWorker, WorkerPlace
-from engine.llm_engine import LLMEngine, torch_dtype
+from engine.kv_identity import torch_dtype
+from engine.llm_engine import LLMEngine
 from engine.parallel.comm import ParallelContext, broadcast_bytes, recv_bytes, send_bytes
 from engine.parallel.step_inputs import batch_tensors, build_batch
 from engine.parallel.tp_model import TPLlamaModel
