@@ -30,7 +30,7 @@ from router.admission import AdmissionGate, AdmissionSettings
 from router.cluster_view import ClusterView, KVWatcher
 from router.config import RouterSettings
 from router.errors import APIError, InvalidRequest, NotFound
-from router.fast_path import GenerationRoutes
+from router.fast_path import RouterApp
 from router.health import HealthMonitor
 from router.instances import Instance, InstanceRegistry
 from router.metrics import RouterMetrics
@@ -38,6 +38,7 @@ from router.openapi import install_openapi
 from router.policies import make_policy
 from router.preprocess import Preprocessor
 from router.relay import RelayServices
+from router.request_body import RawRequest
 from router.serving import ServingContext, error_response, serve_generation
 from router.worker_client import WorkerClient
 
@@ -114,25 +115,25 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
             await health.stop()
             await client.aclose()
 
-    app = FastAPI(title="kvserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = RouterApp(title="kvserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_openapi(app)
     app.state.serving = ctx
     app.state.registry = registry
     app.state.metrics = metrics
     app.state.view = view
 
-    # POSTs to the generation routes are served by GenerationRoutes before FastAPI's
-    # routing; these declarations keep them in /openapi.json (and serve them should a
-    # request reach the router another way).
-    app.add_middleware(GenerationRoutes, ctx=ctx)
+    # POSTs to the generation routes are served by RouterApp before FastAPI's routing;
+    # these declarations keep them in /openapi.json (and serve them should a request
+    # reach the router another way).
+    app.serving = ctx
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await serve_generation(ctx, request, "chat")
+        return await serve_generation(ctx, RawRequest(request.scope, request.receive), "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await serve_generation(ctx, request, "completion")
+        return await serve_generation(ctx, RawRequest(request.scope, request.receive), "completion")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

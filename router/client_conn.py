@@ -9,15 +9,13 @@ so the relay's cleanup aborts the workers within one event-loop turn.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-_T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 
@@ -33,22 +31,98 @@ async def wait_disconnect(receive: Receive) -> None:
             return
 
 
-async def race_disconnect(receive: Receive, awaitable: Awaitable[_T]) -> _T:
-    """`awaitable`'s result, or ClientDisconnected (after cancelling it) if the client
-    leaves first."""
-    work = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(wait_disconnect(receive))
-    try:
-        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-    if work.cancelled():
-        raise ClientDisconnected()
-    return work.result()
+class DisconnectWatch:
+    """One watcher task for a request's whole life: when the client goes away it cancels
+    the task it guards (wherever that task is waiting: a worker's first token, the next
+    decode batch, a socket write), so the request's own `finally` blocks abort the
+    workers within one event-loop turn. The request's work runs in its own task, not in
+    a task per phase raced against a watcher (two tasks and a wait per phase).
+
+        watch.guard()        the current task is cancelled if the client leaves
+        ... await ...        CancelledError: `watch.caught()` says whether it left
+        watch.unguard()      still watching; a departure is only noted
+        watch.stop()         no more watching
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._task: asyncio.Task[None] | None = None
+        self._owner: asyncio.Task[Any] | None = None
+        self._cancelled_owner = False
+        self.gone = False
+        """The client has left (noted whether or not a task was guarded)."""
+
+    def guard(self) -> bool:
+        """Guard the current task; False when the client has already left."""
+        if self.gone:
+            return False
+        self._owner = asyncio.current_task()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._watch())
+        return True
+
+    def unguard(self) -> None:
+        self._owner = None
+
+    def stop(self) -> None:
+        self._owner = None
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    def caught(self) -> bool:
+        """In the guarded task's `except CancelledError`: True when the cancellation is
+        this watch's (the client left); it is then undone, so the task may go on."""
+        if not self._cancelled_owner:
+            return False
+        self._cancelled_owner = False
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        return True
+
+    async def _watch(self) -> None:
+        await wait_disconnect(self._receive)
+        self._task = None
+        self.gone = True
+        if self._owner is not None:
+            self._cancelled_owner = True
+            self._owner.cancel()
+
+
+class JSONReply(Response):
+    """A whole JSON body; `on_sent` runs once it was handed to the connection (metrics
+    then stay off the time to the client's last byte)."""
+
+    def __init__(
+        self,
+        body: bytes,
+        on_sent: Callable[[], None] | None = None,
+        status_code: int = 200,
+    ) -> None:
+        # Not Response.__init__: headers are known, nothing to guess or validate.
+        self.status_code = status_code
+        self.background = None
+        self.body = body
+        self.raw_headers = [
+            (b"content-length", b"%d" % len(body)),
+            (b"content-type", b"application/json"),
+        ]
+        self._on_sent = on_sent
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            await send({"type": "http.response.body", "body": self.body})
+        finally:
+            if self._on_sent is not None:
+                self._on_sent()
 
 
 class SSEResponse(Response):
@@ -56,15 +130,17 @@ class SSEResponse(Response):
 
     `body` turns its own errors into SSE error events; an exception escaping it is a bug
     (logged). `on_end(disconnected)` runs exactly once when the stream is over; when the
-    client left first, `body` was cancelled and closed before it.
+    client left first, `body` was cancelled and closed before it. `watch` (the request's
+    DisconnectWatch) notices the client leaving; it is stopped at the end.
     """
 
     media_type = "text/event-stream"
 
     def __init__(
         self,
-        body: AsyncIterator[bytes],
+        body: AsyncGenerator[bytes, None],
         on_end: Callable[[bool], None],
+        watch: DisconnectWatch,
         headers: dict[str, str] | None = None,
     ) -> None:
         # Not Response.__init__: it would add a content-length for an empty body.
@@ -77,36 +153,29 @@ class SSEResponse(Response):
         ]
         self._body = body
         self._on_end = on_end
+        self._watch = watch
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = True
+        watch = self._watch
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            pump = asyncio.ensure_future(self._pump(send))
-            watcher = asyncio.ensure_future(wait_disconnect(receive))
+            if watch.guard():
+                try:
+                    async for chunk in self._body:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    disconnected = False
+                except asyncio.CancelledError:
+                    if not watch.caught():
+                        raise
+                except OSError:
+                    pass
+                except Exception:
+                    log.exception("streaming a response failed")
+        finally:
+            watch.stop()
             try:
-                await asyncio.wait((pump, watcher), return_when=asyncio.FIRST_COMPLETED)
+                await self._body.aclose()
             finally:
-                watcher.cancel()
-                if not pump.done():
-                    pump.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, OSError):
-                        await pump
-            if not pump.cancelled():
-                error = pump.exception()
-                disconnected = error is not None
-                if error is not None and not isinstance(error, OSError):
-                    log.error("streaming a response failed", exc_info=error)
-        finally:
-            self._on_end(disconnected)
-
-    async def _pump(self, send: Send) -> None:
-        body = self._body
-        try:
-            async for chunk in body:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            aclose: Any = getattr(body, "aclose", None)
-            if aclose is not None:
-                await aclose()
+                self._on_end(disconnected)

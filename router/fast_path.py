@@ -1,40 +1,43 @@
 """The two generation routes served straight from ASGI, ahead of FastAPI's routing.
 
-Why: per request, the layers between uvicorn and the handler (Starlette's exception
-middleware and routing, FastAPI's exit stack, request/response wrapper, body limit and
-telemetry) took ~18% of the router's CPU in benchmarks/router_overhead.py, as much as
+Why: per request, the layers between uvicorn and the handler (Starlette's error
+middleware and routing, FastAPI's telemetry, body limit, exit stack, request/response
+wrappers) took ~18% of the router's CPU in benchmarks/router_overhead.py, as much as
 relaying the two worker calls. `serve_generation` needs none of them: it answers every
 client and worker fault itself in OpenAI's shape and never raises but for cancellation.
 
-Everything else (/v1/models, /health, /metrics, admin, 404 / 405, /openapi.json, which
-still lists the generation routes) goes through the FastAPI app as before. Installed
-with `app.add_middleware(GenerationRoutes, ctx=...)`: Starlette's outermost error
-middleware still wraps it.
+`RouterApp` is the FastAPI app with its `__call__` looking at the request first: a POST
+to a generation route goes to `serve_generation` with a `RawRequest` (headers and
+`receive`, nothing parsed that the route does not read); everything else (/v1/models,
+/health, /metrics, admin, 404 / 405, /openapi.json, which still lists the generation
+routes) goes through FastAPI as before.
 """
 
 from __future__ import annotations
 
-from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
+from router.request_body import RawRequest
 from router.serving import ServingContext, serve_generation
 
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 """POST path -> serve_generation's endpoint name."""
 
 
-class GenerationRoutes:
-    """ASGI middleware: POST to a generation route is served here, the rest passes on."""
+class RouterApp(FastAPI):
+    """FastAPI, with POSTs to the generation routes served before its middleware stack.
+    `serving` must be set before the first request."""
 
-    def __init__(self, app: ASGIApp, ctx: ServingContext) -> None:
-        self.app = app
-        self.ctx = ctx
+    serving: ServingContext | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == "http" and scope["method"] == "POST" and self.serving is not None:
             endpoint = ROUTES.get(scope["path"])
             if endpoint is not None:
-                response = await serve_generation(self.ctx, Request(scope, receive), endpoint)
+                response = await serve_generation(
+                    self.serving, RawRequest(scope, receive), endpoint
+                )
                 await response(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+        await super().__call__(scope, receive, send)

@@ -79,6 +79,26 @@ class Response:
             finally:
                 self._waiter = None
 
+    async def read_some(self) -> bytes:
+        """Every body byte that arrived since the last call (waiting for some), b"" once
+        the body is complete. One await per socket read, where `chunks()` is one async
+        generator step per parser callback: the serving path reads streams this way."""
+        while not self._chunks:
+            if self.error is not None:
+                raise self.error
+            if self.complete:
+                return b""
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._conn.resume()
+        return data
+
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.chunks()])
 

@@ -13,12 +13,15 @@ import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from modelinfo.detokenizer import RequestOutputText
 from router.relay import RequestRun, WorkerTokens
 
+_V = TypeVar("_V")
 
-@dataclass
+
+@dataclass(slots=True)
 class OutputDelta:
     """What to send the client next: new text, the tokens behind it, their logprobs."""
 
@@ -76,22 +79,24 @@ class OutputStream:
                     return
 
     def _convert(self, batch: WorkerTokens) -> OutputDelta:
-        self.timing.on_tokens(len(batch.token_ids))
+        token_ids = batch.token_ids
+        self.timing.on_tokens(len(token_ids))
+        append = self.text.append
         parts: list[str] = []
-        ids: list[int] = []
-        logprobs: list[float | None] = []
-        tops: list[list[tuple[int, float]] | None] = []
         finish: str | None = None
-        for i, token_id in enumerate(batch.token_ids):
-            delta = self.text.append(token_id)
+        taken = 0
+        for token_id in token_ids:
+            delta = append(token_id)
             parts.append(delta.text)
-            ids.append(token_id)
-            logprobs.append(batch.logprobs[i] if i < len(batch.logprobs) else None)
-            top = batch.top_logprobs
-            tops.append(top[i] if top is not None and i < len(top) else None)
+            taken += 1
             if delta.finish_reason is not None:
                 finish = delta.finish_reason
                 break
+        if taken < len(token_ids):
+            token_ids = token_ids[:taken]
+        logprobs = _fit(batch.logprobs, taken)
+        top = batch.top_logprobs
+        tops = [None] * taken if top is None else _fit(top, taken)
         if finish is None and batch.finish_reason is not None:
             # The worker finished for a reason the router's rules did not see (yet).
             worker = batch.finish_reason
@@ -100,4 +105,12 @@ class OutputStream:
             finish = rest.finish_reason if worker in ("stop", "length") else worker
         elif finish is not None and batch.finish_reason is None:
             self.run.finish_early()
-        return OutputDelta("".join(parts), ids, logprobs, finish, tops)
+        text = parts[0] if len(parts) == 1 else "".join(parts)
+        return OutputDelta(text, list(token_ids), logprobs, finish, tops)
+
+
+def _fit(values: list[_V], n: int) -> list[_V | None]:
+    """`values` cut or padded with None to `n` entries (a worker may send fewer)."""
+    if len(values) == n:
+        return list(values)
+    return [*values[:n], *([None] * (n - len(values)))]

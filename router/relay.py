@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -50,10 +50,8 @@ from router.worker_client import AbortReason, InstanceUnreachable, WorkerClient
 if TYPE_CHECKING:
     from router.admission import AdmissionGate, Reservation
 
-_T = TypeVar("_T")
 
-
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class WorkerTokens:
     """Tokens as a worker reported them; finish_reason is the worker's view."""
 
@@ -110,11 +108,62 @@ class RequestRun:
         return self.ctx.request_id
 
     async def events(self) -> AsyncGenerator[WorkerTokens, None]:
-        """First token, then decode's token batches, until a worker reports a finish."""
+        """First token, then decode's token batches, until a worker reports a finish.
+
+        One generator from the worker streams to the caller (no layers in between): a
+        streamed token passes through this frame, the worker client's and the caller's."""
         reason: AbortReason = "error"
+        decode_events: AsyncIterator[DecodeEvent] | None = None
         try:
-            async for tokens in self._run():
-                yield tokens
+            ready: DecodeReady | None = None
+            if self.params.max_tokens > 1:
+                decode_events, ready = await self._open_decode()
+            first = None
+            async for event in self._prefill_events(ready):
+                if isinstance(event, FirstToken):
+                    first = event
+                    self.usage = event.usage
+                    self._done(self.prefill)
+                    if event.finish_reason is not None:
+                        self._release(self.decode)  # its pages and landing are not needed
+                        self._completed = True
+                    top: list[list[tuple[int, float]] | None] | None = None
+                    if event.top_logprobs is not None:
+                        top = [event.top_logprobs]
+                    yield WorkerTokens([event.token_id], [event.logprob], event.finish_reason, top)
+                else:
+                    raise WorkerError(event.status, event.message)
+            self._done(self.prefill)
+            if first is None:
+                raise WorkerFailed(f"{_name(self.prefill)} ended its stream without a FirstToken")
+            if first.finish_reason is not None:
+                self._completed = True
+                return
+            if decode_events is None:
+                raise WorkerFailed(f"{_name(self.prefill)} did not finish a max_tokens=1 request")
+            decode = self.decode
+            assert decode is not None
+            next_batch = decode_events.__anext__
+            while True:
+                try:
+                    batch = await next_batch()
+                except StopAsyncIteration:
+                    break
+                except WorkerFailed as e:  # the worker broke mid-stream
+                    self._s.registry.mark_unhealthy(decode, e.message)
+                    raise
+                if isinstance(batch, ErrorEvent):
+                    raise WorkerError(batch.status, batch.message)
+                if not isinstance(batch, TokenBatch):
+                    raise WorkerFailed(f"{_name(decode)} sent a second DecodeReady")
+                finish = batch.finish_reason
+                if finish is not None:
+                    self._done(decode)
+                    self._completed = True
+                yield WorkerTokens(batch.token_ids, batch.logprobs, finish, batch.top_logprobs)
+                if finish is not None:
+                    return
+            raise WorkerFailed(f"{_name(decode)} ended its stream without a finish_reason")
         except (asyncio.CancelledError, GeneratorExit):
             reason = "client_disconnected"
             raise
@@ -130,6 +179,8 @@ class RequestRun:
             self._closed = True
             if self._reservation is not None:
                 self._reservation.release()
+            if decode_events is not None:
+                await decode_events.aclose()  # type: ignore[attr-defined]
 
     def close(self, reason: AbortReason) -> None:
         """The run failed: abort every instance that was sent it. Idempotent."""
@@ -147,61 +198,6 @@ class RequestRun:
                 self._s.client.abort_soon(inst, self.request_id, "finished")
 
     # -- the serving path -------------------------------------------------------------------
-
-    async def _run(self) -> AsyncIterator[WorkerTokens]:
-        needs_decode = self.params.max_tokens > 1
-        decode_events: AsyncIterator[DecodeEvent] | None = None
-        ready: DecodeReady | None = None
-        if needs_decode:
-            decode_events, ready = await self._open_decode()
-        try:
-            async for tokens in self._serve(decode_events, ready):
-                yield tokens
-        finally:
-            if decode_events is not None:
-                await decode_events.aclose()  # type: ignore[attr-defined]
-
-    async def _serve(
-        self, decode_events: AsyncIterator[DecodeEvent] | None, ready: DecodeReady | None
-    ) -> AsyncIterator[WorkerTokens]:
-        first = None
-        async for event in self._prefill_events(ready):
-            if isinstance(event, FirstToken):
-                first = event
-                self.usage = event.usage
-                self._done(self.prefill)
-                if event.finish_reason is not None:
-                    self._release(self.decode)  # its pages and landing are not needed
-                    self._completed = True
-                top: list[list[tuple[int, float]] | None] | None = None
-                if event.top_logprobs is not None:
-                    top = [event.top_logprobs]
-                yield WorkerTokens([event.token_id], [event.logprob], event.finish_reason, top)
-            else:
-                raise WorkerError(event.status, event.message)
-        self._done(self.prefill)
-        if first is None:
-            raise WorkerFailed(f"{_name(self.prefill)} ended its stream without a FirstToken")
-        if first.finish_reason is not None:
-            self._completed = True
-            return
-        if decode_events is None:
-            raise WorkerFailed(f"{_name(self.prefill)} did not finish a max_tokens=1 request")
-        assert self.decode is not None
-        async for batch in self._guard(self.decode, decode_events):
-            if isinstance(batch, ErrorEvent):
-                raise WorkerError(batch.status, batch.message)
-            if not isinstance(batch, TokenBatch):
-                raise WorkerFailed(f"{_name(self.decode)} sent a second DecodeReady")
-            if batch.finish_reason is not None:
-                self._done(self.decode)
-                self._completed = True
-            yield WorkerTokens(
-                batch.token_ids, batch.logprobs, batch.finish_reason, batch.top_logprobs
-            )
-            if batch.finish_reason is not None:
-                return
-        raise WorkerFailed(f"{_name(self.decode)} ended its stream without a finish_reason")
 
     async def _open_decode(self) -> tuple[AsyncIterator[DecodeEvent], DecodeReady]:
         """Open decode's stream and read its DecodeReady (the request then waits there)."""
@@ -281,15 +277,16 @@ class RequestRun:
             view.on_prefill_sent(inst, self.request_id, n or len(self.ctx.prompt_token_ids))
             usage: PromptUsage | None = None
             try:
-                async for event in self._guard(
-                    inst, self._s.client.prefill(inst, req, self.deadline)
-                ):
+                async for event in self._s.client.prefill(inst, req, self.deadline):
                     started = True
                     if isinstance(event, FirstToken):
                         usage = event.usage
                         self._prefilled(inst, usage)
                     yield event
                 return
+            except WorkerFailed as e:  # the worker broke mid-stream
+                self._s.registry.mark_unhealthy(inst, e.message)
+                raise
             except InstanceUnreachable as e:
                 assert not started
                 self._forget(inst, e, tried)
@@ -306,15 +303,6 @@ class RequestRun:
         self._s.view.on_prefill_done(
             inst, self.request_id, self.ctx.prompt_token_ids, hashes, usage
         )
-
-    async def _guard(self, inst: Instance, events: AsyncIterator[_T]) -> AsyncIterator[_T]:
-        """Pass events through; a worker that broke mid-stream is marked unhealthy."""
-        try:
-            async for event in events:
-                yield event
-        except WorkerFailed as e:
-            self._s.registry.mark_unhealthy(inst, e.message)
-            raise
 
     def _pick(self, role: Role, tried: set[str]) -> Instance:
         return self._choose(role, self._candidates(role, tried))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.types import Receive, Scope
 
 from router.client_conn import ClientDisconnected
 from router.errors import APIError, InvalidRequest
@@ -23,7 +23,46 @@ class UnsupportedMediaType(APIError):
     type = "invalid_request_error"
 
 
-async def read_json_body(request: Request) -> bytes:
+class Headers:
+    """A request's headers as the server gave them (names lower-case); first match wins."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self._raw = raw
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        key = name.lower().encode("latin-1")
+        for k, v in self._raw:
+            if k == key:
+                return v.decode("latin-1")
+        return default
+
+
+class RawRequest:
+    """What serving a generation request reads of it: headers, body, ASGI `receive`.
+    Leaner than starlette's Request (no URL, cookies or form parsing on the hot path)."""
+
+    __slots__ = ("headers", "receive", "scope")
+
+    def __init__(self, scope: Scope, receive: Receive) -> None:
+        self.scope = scope
+        self.receive = receive
+        self.headers = Headers(scope["headers"])
+
+    async def body(self) -> bytes:
+        """The whole body; ClientDisconnected if the client leaves before its end."""
+        chunks = []
+        while True:
+            message = await self.receive()
+            if message["type"] != "http.request":
+                raise ClientDisconnected()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def read_json_body(request: RawRequest) -> bytes:
     """The whole body. A Content-Type other than JSON is a 415 (no Content-Type is taken as
     JSON, as curl-less clients send); a client that leaves mid-body is ClientDisconnected,
     not a server error."""
@@ -36,10 +75,7 @@ async def read_json_body(request: Request) -> bytes:
                 "application/json (curl: -H 'content-type: application/json')",
                 code="unsupported_media_type",
             )
-    try:
-        return await request.body()
-    except ClientDisconnect:
-        raise ClientDisconnected() from None
+    return await request.body()
 
 
 def decode_json(decode: Callable[[bytes], _T], body: bytes) -> _T:

@@ -30,8 +30,14 @@ class NoDelayHttpToolsProtocol(GuardedHttpToolsProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        coalescing = CoalescingTransport(transport, asyncio.get_running_loop())
-        super().connection_made(coalescing)  # type: ignore[arg-type]
+        self._coalescing = CoalescingTransport(transport, asyncio.get_running_loop())
+        super().connection_made(self._coalescing)  # type: ignore[arg-type]
+
+    def on_response_complete(self) -> None:
+        # The response is whole: send it now rather than at the next loop turn, so what
+        # the handler does after its last byte (metrics) is not in the client's way.
+        self._coalescing.flush()
+        super().on_response_complete()
 
 
 def uvicorn_config(
@@ -49,6 +55,7 @@ def uvicorn_config(
         http=guarded_protocol(limits or HttpLimits(), NoDelayHttpToolsProtocol),
         log_level=log_level,
         access_log=False,
+        proxy_headers=False,  # nothing reads the client address: no middleware for it
         timeout_keep_alive=30,
         backlog=4096,
     )

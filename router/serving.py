@@ -12,10 +12,11 @@ A client that disconnects at any point cancels what is awaited; the run aborts i
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from starlette.requests import Request
@@ -36,7 +37,7 @@ from router.choices import (
     stream_body,
     usage_of,
 )
-from router.client_conn import ClientDisconnected, SSEResponse, race_disconnect
+from router.client_conn import ClientDisconnected, DisconnectWatch, JSONReply, SSEResponse
 from router.errors import APIError, Unauthorized
 from router.metrics import CLIENT_CLOSED_STATUS, RequestRecord, RouterMetrics
 from router.openai_format import ResponseFormatter, formatter_for
@@ -44,7 +45,7 @@ from router.output import OutputStream, RequestTiming
 from router.policies import RouteContext
 from router.preprocess import PreparedRequest, Preprocessor
 from router.relay import RelayServices, RequestRun
-from router.request_body import decode_json, read_json_body
+from router.request_body import RawRequest, decode_json, read_json_body
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +63,14 @@ class ServingContext:
     session_headers: tuple[str, ...] = ()
     """Headers naming the client's session, in order of preference (RouterSettings)."""
 
-    def session_of(self, request: Request, user: str | None) -> str | None:
+    def session_of(self, request: Request | RawRequest, user: str | None) -> str | None:
         for name in self.session_headers:
             value = request.headers.get(name)
             if value:
                 return value
         return user
 
-    def check_auth(self, request: Request) -> None:
+    def check_auth(self, request: Request | RawRequest) -> None:
         if self.api_key is None:
             return
         header = request.headers.get("authorization", "")
@@ -92,10 +93,15 @@ def error_response(error: APIError) -> Response:
     )
 
 
-async def serve_generation(ctx: ServingContext, request: Request, endpoint: str) -> Response:
-    """The whole life of one generation request; never raises for client or worker faults."""
+async def serve_generation(ctx: ServingContext, request: RawRequest, endpoint: str) -> Response:
+    """The whole life of one generation request; never raises for client or worker faults.
+
+    The work runs in the caller's task, guarded by one DisconnectWatch from the end of
+    the body to the end of the response (a streamed one included)."""
     record = RequestRecord(ctx.metrics, endpoint)
     choices: list[Choice] = []
+    watch = DisconnectWatch(request.receive)
+    streaming = False
     try:
         ctx.check_auth(request)
         body = await read_json_body(request)
@@ -113,27 +119,27 @@ async def serve_generation(ctx: ServingContext, request: Request, endpoint: str)
 
         stream, fmt = open_choice(0)
         deltas = stream.deltas()
-
-        async def answer() -> bytes | None:
-            """The whole JSON body, or None once every choice streams (one disconnect
-            race for all of it: a race costs two tasks)."""
+        try:
+            if not watch.guard():
+                raise ClientDisconnected()
             first = await first_delta(deltas)
             choices.append(Choice(stream, deltas, first, fmt))
             if prepared.n > 1:  # after choice 0's first token: its prompt KV is cached
                 await open_rest(prepared, open_choice, choices)
-            return None if prepared.stream else await full_body(choices)
-
-        try:
-            reply = await race_disconnect(request.receive, answer())
-        except BaseException:
+            reply = None if prepared.stream else await full_body(choices)
+        except BaseException as e:
             await deltas.aclose()
             for c in choices:
                 await c.deltas.aclose()
+            if isinstance(e, asyncio.CancelledError) and watch.caught():
+                raise ClientDisconnected() from None
             raise
         if reply is None:
-            return _streaming_reply(prepared, choices, record)
-        record.finish(200, *_counts(choices))
-        return Response(reply, media_type="application/json")
+            watch.unguard()  # the stream guards itself again (SSEResponse)
+            streaming = True
+            return _streaming_reply(prepared, choices, record, watch)
+        usage, num_tokens = _counts(choices)
+        return JSONReply(reply, on_sent=lambda: record.finish(200, usage, num_tokens))
     except APIError as e:
         if e.code == "context_length_exceeded":
             ctx.metrics.on_rejected("input_too_long")
@@ -146,6 +152,9 @@ async def serve_generation(ctx: ServingContext, request: Request, endpoint: str)
         log.exception("request failed")
         record.finish(500, *_counts(choices))
         return error_response(APIError(f"internal router error: {type(e).__name__}: {e}"))
+    finally:
+        if not streaming:
+            watch.stop()
 
 
 def _open_stream(
@@ -164,11 +173,11 @@ def _open_stream(
 
 
 def _streaming_reply(
-    req: PreparedRequest, choices: list[Choice], record: RequestRecord
+    req: PreparedRequest, choices: list[Choice], record: RequestRecord, watch: DisconnectWatch
 ) -> Response:
     status = [200]
 
-    async def body() -> AsyncIterator[bytes]:
+    async def body() -> AsyncGenerator[bytes, None]:
         try:
             async for chunk in stream_body(req, choices):
                 yield chunk
@@ -182,7 +191,7 @@ def _streaming_reply(
     def on_end(disconnected: bool) -> None:
         record.finish(CLIENT_CLOSED_STATUS if disconnected else status[0], *_counts(choices))
 
-    return SSEResponse(body(), on_end)
+    return SSEResponse(body(), on_end, watch)
 
 
 def _counts(choices: list[Choice]) -> tuple[PromptUsage | None, int]:

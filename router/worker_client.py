@@ -200,10 +200,12 @@ class WorkerClient:
         async with self._post(inst, path, msg, deadline) as resp:
             resp.expire_at(deadline)  # one timer per stream, not an asyncio.timeout per chunk
             pending = b""
-            async for chunk in resp.chunks():
-                pending += chunk
-                while (end := pending.find(b"\n")) >= 0:
-                    line, pending = pending[:end], pending[end + 1 :]
+            while data := await resp.read_some():
+                pending += data
+                if b"\n" not in data:
+                    continue
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
                     if line.strip():
                         yield _decode_event(inst, decoder, line)
             if pending.strip():
