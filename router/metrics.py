@@ -129,6 +129,13 @@ class RouterMetrics:
         )
         for reason in ADMISSION_REJECTION_REASONS:
             self.admission_rejections.labels(reason)
+        # Labelled children resolved once: `labels()` takes a lock and builds a key tuple
+        # on every call, several times per request otherwise.
+        self._routed: dict[tuple[str, str], Counter] = {}
+        self._requests: dict[tuple[str, int], Counter] = {}
+        self.prompt_gpu = self.prompt_tokens.labels("gpu")
+        self.prompt_pool = self.prompt_tokens.labels("pool")
+        self.prompt_computed = self.prompt_tokens.labels("computed")
         self.admission_waiting = Gauge(
             p + "admission_waiting", "Requests queued by the admission gate", registry=r
         )
@@ -149,7 +156,19 @@ class RouterMetrics:
             self.routed.labels(self.policy, inst.role, inst.name)
 
     def on_route(self, inst: Instance) -> None:
-        self.routed.labels(self.policy, inst.role, inst.name).inc()
+        key = (inst.role, inst.name)
+        child = self._routed.get(key)
+        if child is None:
+            child = self._routed[key] = self.routed.labels(self.policy, inst.role, inst.name)
+        child.inc()
+
+    def requests_of(self, endpoint: str, status: int) -> Counter:
+        """The finished-requests counter of (endpoint, status)."""
+        key = (endpoint, status)
+        child = self._requests.get(key)
+        if child is None:
+            child = self._requests[key] = self.requests.labels(endpoint, str(status))
+        return child
 
     def on_rejected(self, reason: str) -> None:
         """The admission gate turned a request away (one of ADMISSION_REJECTION_REASONS)."""
@@ -174,7 +193,7 @@ class RequestRecord:
         self._finished = True
         m, t = self._m, self.timing
         m.in_flight.dec()
-        m.requests.labels(self.endpoint, str(status)).inc()
+        m.requests_of(self.endpoint, status).inc()
         if t.first_token is not None:
             m.ttft.observe(t.first_token - t.arrival)
         for gap in t.token_gaps:
@@ -182,8 +201,8 @@ class RequestRecord:
         if status == 200:
             m.e2e.observe((t.last_token or time.monotonic()) - t.arrival)
         if usage is not None:
-            m.prompt_tokens.labels("gpu").inc(max(0, usage.gpu_tokens))
-            m.prompt_tokens.labels("pool").inc(max(0, usage.pool_tokens))
-            m.prompt_tokens.labels("computed").inc(max(0, usage.computed_tokens))
+            m.prompt_gpu.inc(max(0, usage.gpu_tokens))
+            m.prompt_pool.inc(max(0, usage.pool_tokens))
+            m.prompt_computed.inc(max(0, usage.computed_tokens))
         if num_output_tokens:
             m.generation_tokens.inc(num_output_tokens)

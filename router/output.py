@@ -10,7 +10,7 @@ the worker has not matched yet), iteration ends and the run aborts the worker.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -96,7 +96,9 @@ class OutputStream:
             token_ids = token_ids[:taken]
         logprobs = _fit(batch.logprobs, taken)
         top = batch.top_logprobs
-        tops = [None] * taken if top is None else _fit(top, taken)
+        tops: list[list[tuple[int, float]] | None] = (
+            [None] * taken if top is None else _fit(top, taken)
+        )
         if finish is None and batch.finish_reason is not None:
             # The worker finished for a reason the router's rules did not see (yet).
             worker = batch.finish_reason
@@ -109,7 +111,7 @@ class OutputStream:
         return OutputDelta(text, list(token_ids), logprobs, finish, tops)
 
 
-def _fit(values: list[_V], n: int) -> list[_V | None]:
+def _fit(values: Sequence[_V | None], n: int) -> list[_V | None]:
     """`values` cut or padded with None to `n` entries (a worker may send fewer)."""
     if len(values) == n:
         return list(values)

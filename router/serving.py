@@ -73,7 +73,7 @@ class ServingContext:
     def check_auth(self, request: Request | RawRequest) -> None:
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
+        header = request.headers.get("authorization") or ""
         scheme, _, token = header.partition(" ")
         presented = token.strip().encode()
         # Constant time: a key must not leak through how fast a wrong guess is refused.

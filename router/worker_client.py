@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any, Literal, TypeVar
 
 import httpx
@@ -167,11 +166,11 @@ class WorkerClient:
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    @asynccontextmanager
     async def _post(
         self, inst: Instance, path: str, msg: msgspec.Struct, deadline: float
-    ) -> AsyncIterator[Response]:
-        """POST `msg`; yields the 200 response with its body unread. Typed errors out."""
+    ) -> Response:
+        """POST `msg`; the 200 response with its body unread (the caller closes it).
+        Typed errors out; a non-200 answer is read, closed and raised."""
         try:
             async with asyncio.timeout_at(deadline):
                 resp = await self._pool.post(inst.url + path, msgspec.json.encode(msg))
@@ -179,10 +178,10 @@ class WorkerClient:
             raise InstanceUnreachable(inst, e) from None
         except ConnectionBroken as e:
             raise _failed(inst, path, e) from None
+        if resp.status == 200:
+            return resp
         try:
-            if resp.status != 200:
-                raise _error_answer(inst, path, resp.status, await _read_body(resp, deadline))
-            yield resp
+            raise _error_answer(inst, path, resp.status, await _read_body(resp, deadline))
         except ConnectionBroken as e:
             raise _failed(inst, path, e) from None
         finally:
@@ -197,7 +196,8 @@ class WorkerClient:
         deadline: float,
     ) -> AsyncIterator[_E]:
         """Decoded NDJSON events of a streaming POST, each read bounded by `deadline`."""
-        async with self._post(inst, path, msg, deadline) as resp:
+        resp = await self._post(inst, path, msg, deadline)
+        try:
             resp.expire_at(deadline)  # one timer per stream, not an asyncio.timeout per chunk
             pending = b""
             while data := await resp.read_some():
@@ -210,6 +210,10 @@ class WorkerClient:
                         yield _decode_event(inst, decoder, line)
             if pending.strip():
                 yield _decode_event(inst, decoder, pending)
+        except ConnectionBroken as e:
+            raise _failed(inst, path, e) from None
+        finally:
+            resp.close()
 
 
 async def _read_body(resp: Response, deadline: float) -> bytes:
