@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from protocol.messages import PromptUsage
 from router.instances import Instance, InstanceRegistry
+from router.lean_histogram import LeanHistogram
 from router.output import RequestTiming
 
 _TTFT_BUCKETS = (
@@ -92,23 +93,14 @@ class RouterMetrics:
         self.requests = Counter(
             p + "requests", "Finished requests", ["endpoint", "status"], registry=r
         )
-        self.ttft = Histogram(
-            p + "time_to_first_token_seconds",
-            "Time to first token",
-            buckets=_TTFT_BUCKETS,
-            registry=r,
+        self.ttft = LeanHistogram(
+            p + "time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS, r
         )
-        self.itl = Histogram(
-            p + "inter_token_latency_seconds",
-            "Inter-token latency",
-            buckets=_ITL_BUCKETS,
-            registry=r,
+        self.itl = LeanHistogram(
+            p + "inter_token_latency_seconds", "Inter-token latency", _ITL_BUCKETS, r
         )
-        self.e2e = Histogram(
-            p + "e2e_request_latency_seconds",
-            "End-to-end latency",
-            buckets=_E2E_BUCKETS,
-            registry=r,
+        self.e2e = LeanHistogram(
+            p + "e2e_request_latency_seconds", "End-to-end latency", _E2E_BUCKETS, r
         )
         self.prompt_tokens = Counter(
             p + "prompt_tokens", "Prompt tokens by source", ["source"], registry=r
