@@ -10,8 +10,8 @@ What it does: keep-alive connections pooled per (host, port); POST with a body;
 response status and body, the body streamed as it arrives (chunked or Content-Length),
 parsed by httptools (the parser uvicorn uses). A reused idle connection that turns out
 closed before any response byte is retried once on a fresh one (the server never read
-the request). Timeouts: connecting is bounded here; a body's reading by `Response.expire_at`;
-everything else by the caller's asyncio timeout (cancelling closes the connection).
+the request). Timeouts: connecting is bounded here; with a deadline, the whole exchange by one timer
+(`Response.expire_at`); cancelling closes the connection.
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ class Response:
         self._timer: asyncio.TimerHandle | None = None
 
     def expire_at(self, deadline: float) -> None:
-        """Reading the body past `deadline` (loop time) raises TimeoutError: one timer for
-        the whole body, not one per chunk (a streamed answer has a chunk per token)."""
+        """Waiting for the headers or reading the body past `deadline` (loop time) raises
+        TimeoutError: one timer for the whole response, not one per chunk (a streamed
+        answer has a chunk per token)."""
         if self._timer is None and not self.complete:
             self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
 
@@ -103,10 +104,13 @@ class Response:
         return b"".join([chunk async for chunk in self.chunks()])
 
     def close(self) -> None:
+        self._disarm()
+        self._conn.release(self)
+
+    def _disarm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._conn.release(self)
 
     # -- fed by the connection ---------------------------------------------------------------
 
@@ -224,9 +228,15 @@ class Http1Pool:
         self._addresses: dict[str, tuple[str, int]] = {}
 
     async def post(
-        self, url: str, body: bytes, content_type: bytes = b"application/json"
+        self,
+        url: str,
+        body: bytes,
+        content_type: bytes = b"application/json",
+        deadline: float | None = None,
     ) -> Response:
-        """POST `body` to `url`; returns once the response headers arrived."""
+        """POST `body` to `url`; returns once the response headers arrived. With a
+        `deadline` (loop time), connecting, the headers and the body's reading all end by
+        then (TimeoutError): one timer for the whole exchange, no timeout scope."""
         key, path = self._split(url)
         head = (
             b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n"
@@ -235,24 +245,33 @@ class Http1Pool:
         conn = self._take_idle(key)
         if conn is not None:
             try:
-                return await self._exchange(conn, head + body)
+                return await self._exchange(conn, head + body, deadline)
             except ConnectionBroken as e:
                 if e.args[0] != _STALE:
                     raise
                 # A stale keep-alive connection: the server never read the request.
-        return await self._exchange(await self._connect(key), head + body)
+        if deadline is None:
+            conn = await self._connect(key)
+        else:
+            async with asyncio.timeout_at(deadline):  # new connections only: rare
+                conn = await self._connect(key)
+        return await self._exchange(conn, head + body, deadline)
 
     @staticmethod
-    async def _exchange(conn: _Connection, request: bytes) -> Response:
+    async def _exchange(conn: _Connection, request: bytes, deadline: float | None) -> Response:
         resp = conn.send(request)
+        if deadline is not None:
+            resp.expire_at(deadline)
         try:
             await resp._headers_done
         except ConnectionBroken:
+            resp._disarm()
             conn._abandon(None)
             if not resp.got_bytes:
                 raise ConnectionBroken(_STALE) from None
             raise
-        except BaseException:  # cancelled (deadline, client gone): the exchange is lost
+        except BaseException:  # deadline, cancelled (client gone): the exchange is lost
+            resp._disarm()
             conn._abandon(None)
             raise
         return resp

@@ -172,8 +172,9 @@ class WorkerClient:
         """POST `msg`; the 200 response with its body unread (the caller closes it).
         Typed errors out; a non-200 answer is read, closed and raised."""
         try:
-            async with asyncio.timeout_at(deadline):
-                resp = await self._pool.post(inst.url + path, msgspec.json.encode(msg))
+            resp = await self._pool.post(
+                inst.url + path, msgspec.json.encode(msg), deadline=deadline
+            )
         except ConnectFailed as e:
             raise InstanceUnreachable(inst, e) from None
         except ConnectionBroken as e:
@@ -181,7 +182,7 @@ class WorkerClient:
         if resp.status == 200:
             return resp
         try:
-            raise _error_answer(inst, path, resp.status, await _read_body(resp, deadline))
+            raise _error_answer(inst, path, resp.status, await resp.read())
         except ConnectionBroken as e:
             raise _failed(inst, path, e) from None
         finally:
@@ -196,9 +197,8 @@ class WorkerClient:
         deadline: float,
     ) -> AsyncIterator[_E]:
         """Decoded NDJSON events of a streaming POST, each read bounded by `deadline`."""
-        resp = await self._post(inst, path, msg, deadline)
+        resp = await self._post(inst, path, msg, deadline)  # `deadline` bounds its reading
         try:
-            resp.expire_at(deadline)  # one timer per stream, not an asyncio.timeout per chunk
             pending = b""
             while data := await resp.read_some():
                 pending += data
@@ -214,11 +214,6 @@ class WorkerClient:
             raise _failed(inst, path, e) from None
         finally:
             resp.close()
-
-
-async def _read_body(resp: Response, deadline: float) -> bytes:
-    async with asyncio.timeout_at(deadline):
-        return await resp.read()
 
 
 def _decode_event(inst: Instance, decoder: msgspec.json.Decoder[_E], line: bytes) -> _E:
