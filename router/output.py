@@ -9,8 +9,10 @@ the worker has not matched yet), iteration ends and the run aborts the worker.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -55,28 +57,54 @@ class RequestTiming:
 
 
 class OutputStream:
-    """Owns one request's RequestOutputText; turns `run.events()` into OutputDeltas."""
+    """Owns one request's RequestOutputText; turns `run.events()` into OutputDeltas.
 
-    def __init__(self, run: RequestRun, text: RequestOutputText, timing: RequestTiming) -> None:
+    The RequestOutputText (its detokenizer primed with the prompt's last tokens) is built
+    by `make_text` while the run waits for its first worker answer, not before the run's
+    first call: that work is then off the request's critical path."""
+
+    def __init__(
+        self,
+        run: RequestRun,
+        make_text: Callable[[], RequestOutputText],
+        timing: RequestTiming,
+    ) -> None:
         self.run = run
-        self.text = text
+        self._make_text = make_text
+        self._text: RequestOutputText | None = None
         self.timing = timing
         self.finish_reason: str | None = None
 
     @property
+    def text(self) -> RequestOutputText:
+        if self._text is None:
+            self._text = self._make_text()
+        return self._text
+
+    def _build_text(self) -> None:
+        # A failure here is raised again, in the request, where the text is first used.
+        with contextlib.suppress(Exception):
+            _ = self.text
+
+    @property
     def num_output_tokens(self) -> int:
-        return self.text.num_output_tokens
+        return self._text.num_output_tokens if self._text is not None else 0
 
     async def deltas(self) -> AsyncGenerator[OutputDelta, None]:
         """Deltas until a finish; the last one carries the finish reason. Closing this
         generator closes the run's event stream (which aborts the workers if unfinished)."""
-        async with aclosing(self.run.events()) as events:
-            async for batch in events:
-                delta = self._convert(batch)
-                yield delta
-                if delta.finish_reason is not None:
-                    self.finish_reason = delta.finish_reason
-                    return
+        # Runs once this task first waits on a worker (the loop's next turn).
+        build = asyncio.get_running_loop().call_soon(self._build_text)
+        try:
+            async with aclosing(self.run.events()) as events:
+                async for batch in events:
+                    delta = self._convert(batch)
+                    yield delta
+                    if delta.finish_reason is not None:
+                        self.finish_reason = delta.finish_reason
+                        return
+        finally:
+            build.cancel()
 
     def _convert(self, batch: WorkerTokens) -> OutputDelta:
         token_ids = batch.token_ids

@@ -162,14 +162,18 @@ def _open_stream(
 ) -> OutputStream:
     route = RouteContext(req.request_id, req.prompt_token_ids, req.user, session_id)
     run = RequestRun(ctx.services, route, req.params, ctx.request_timeout_s)
-    text = RequestOutputText(
-        ctx.model.tokenizer,
-        req.params,
-        ctx.model.eos_token_ids,
-        prompt_token_ids=req.prompt_token_ids,
-        skip_special_tokens=req.skip_special_tokens,
-    )
-    return OutputStream(run, text, timing)
+    model = ctx.model
+
+    def make_text() -> RequestOutputText:
+        return RequestOutputText(
+            model.tokenizer,
+            req.params,
+            model.eos_token_ids,
+            prompt_token_ids=req.prompt_token_ids,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+
+    return OutputStream(run, make_text, timing)
 
 
 def _streaming_reply(
