@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from starlette.responses import Response
@@ -129,9 +129,10 @@ class SSEResponse(Response):
     """A text/event-stream response fed by `body`, an async iterator of ready-made bytes.
 
     `body` turns its own errors into SSE error events; an exception escaping it is a bug
-    (logged). `on_end(disconnected)` runs exactly once when the stream is over; when the
-    client left first, `body` was cancelled and closed before it. `watch` (the request's
-    DisconnectWatch) notices the client leaving; it is stopped at the end.
+    (logged). `on_end(disconnected)` runs exactly once when the stream is over, after
+    `body` was closed and `close()` awaited (what `body` would close, for when it never
+    started: the client left first). `watch` (the request's DisconnectWatch) notices the
+    client leaving; it is stopped at the end.
     """
 
     media_type = "text/event-stream"
@@ -141,6 +142,7 @@ class SSEResponse(Response):
         body: AsyncGenerator[bytes, None],
         on_end: Callable[[bool], None],
         watch: DisconnectWatch,
+        close: Callable[[], Awaitable[None]] | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         # Not Response.__init__: it would add a content-length for an empty body.
@@ -154,6 +156,7 @@ class SSEResponse(Response):
         self._body = body
         self._on_end = on_end
         self._watch = watch
+        self._close = close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = True
@@ -177,5 +180,7 @@ class SSEResponse(Response):
             watch.stop()
             try:
                 await self._body.aclose()
+                if self._close is not None:
+                    await self._close()
             finally:
                 self._on_end(disconnected)

@@ -128,6 +128,7 @@ async def serve_generation(ctx: ServingContext, request: RawRequest, endpoint: s
                 await open_rest(prepared, open_choice, choices)
             reply = None if prepared.stream else await full_body(choices)
         except BaseException as e:
+            watch.unguard()  # the cleanup's awaits are not the client's to cancel
             await deltas.aclose()
             for c in choices:
                 await c.deltas.aclose()
@@ -195,7 +196,11 @@ def _streaming_reply(
     def on_end(disconnected: bool) -> None:
         record.finish(CLIENT_CLOSED_STATUS if disconnected else status[0], *_counts(choices))
 
-    return SSEResponse(body(), on_end, watch)
+    async def close() -> None:  # also when `body` never started (the client left first)
+        for c in choices:
+            await c.deltas.aclose()
+
+    return SSEResponse(body(), on_end, watch, close)
 
 
 def _counts(choices: list[Choice]) -> tuple[PromptUsage | None, int]:
