@@ -5,9 +5,11 @@ as many; a prefill and a decode process on one small host then oversubscribe the
 OpenMP's spinning barriers make each step many times slower, and the kernel migrates
 threads between cores (cold caches). The plan gives the node's engine processes
 disjoint slices of the CPUs this process may run on, in a fixed order (prefill
-instances' stages, then decode instances' ranks, as cluster.yaml lists them):
+instances' stages, then decode instances' ranks, then unified instances, as cluster.yaml
+lists them):
 
     2 CPUs, prefill-0 + decode-0        prefill-0 -> {0}, decode-0 -> {1}
+    2 CPUs, unified-0                   unified-0 -> {0, 1}
     8 CPUs, prefill (PP 2) + decode     stage 0 -> {0,1}, stage 1 -> {2,3}, decode -> {4..7}
 
 with one torch thread per CPU of its slice and one inter-op thread. With more engine
@@ -54,6 +56,7 @@ def engine_processes(cluster: ClusterConfig, node: str) -> list[tuple[str, int]]
         for r, dev in enumerate(d.devices)
         if str(dev) == "cpu"
     ]
+    procs += [(u.name, 0) for u in cluster.unified if u.node == node and str(u.devices[0]) == "cpu"]
     return procs
 
 

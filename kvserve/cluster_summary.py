@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from kvpool.topology import master_component, master_nodes, store_component
-from protocol.cluster import ClusterConfig, DecodeConfig, PrefillConfig, local_nodes
+from protocol.cluster import (
+    ClusterConfig,
+    DecodeConfig,
+    Instance,
+    PrefillConfig,
+    UnifiedConfig,
+    local_nodes,
+)
 from protocol.cluster_types import format_bytes
 
 
-def _devices(inst: PrefillConfig | DecodeConfig) -> str:
+def _devices(inst: PrefillConfig | DecodeConfig | UnifiedConfig) -> str:
     names = inst.device_names
     if all(n == "cpu" for n in names):
         return "cpu" if len(names) == 1 else f"cpu x{len(names)}"
@@ -51,6 +58,12 @@ def summarize(c: ClusterConfig, source: str) -> str:
             f"{format_bytes(d.kv_cache_memory)}/device  landing "
             f"{format_bytes(d.landing_memory)}  transfer {d.transfer.protocol}"
         )
+    for u in c.unified:
+        lines.append(
+            f"  unified  {u.name} on {u.node} {c.instance_url(u)}  devices {_devices(u)}  "
+            f"prefill + decode in one engine  kv {format_bytes(u.kv_cache_memory)}  "
+            f"batch {u.max_batched_tokens} tokens"
+        )
     r = c.router
     auth = (
         "api key"
@@ -61,9 +74,8 @@ def summarize(c: ClusterConfig, source: str) -> str:
         f"  router   {c.api_base_url} on {c.router_node.name} (binds {c.router_bind_host}); "
         f"policy {r.policy}; {auth}"
     )
-    here_names = [p.name for p in c.prefill if p.node in local] + [
-        d.name for d in c.decode if d.node in local
-    ]
+    instances: tuple[Instance, ...] = (*c.prefill, *c.decode, *c.unified)
+    here_names = [i.name for i in instances if i.node in local]
     if c.router_node.name in local:
         here_names.insert(0, "router")
     if pool is not None and pool.enabled:

@@ -370,8 +370,17 @@ def check_model(cluster: ClusterConfig, source: str) -> str:
             f"  landing  {d.name}: a {context}-token context is {format_bytes(need)} per rank; "
             f"region {format_bytes(region)}: {how}"
         )
+    for u in cluster.unified:
+        per_token = prefill_kv_bytes_per_token(cluster, model, model.head_dim, u)
+        held = int(u.kv_cache_memory) // per_token
+        fits = "" if held >= context else f" (less than one {context}-token context)"
+        lines.append(
+            f"  kv cache {u.name}: {kv_dtype}, {per_token} bytes per token; "
+            f"kv_cache_memory holds {held} tokens{fits}, prefill and decode together"
+        )
     names = [n for p in cluster.prefill for n in p.device_names]
     names += [n for d in cluster.decode for n in d.device_names]
+    names += [n for u in cluster.unified for n in u.device_names]
     on_gpu = any(n != "cpu" for n in names)
     if cluster.kv_cache_dtype == "fp8_e4m3" and on_gpu and cluster.attention_backend != "torch":
         lines.append(

@@ -43,7 +43,7 @@ from kvpool.stats import StageCounters
 from kvpool.topology import master_address
 from prefill_worker.pool_pack import pack_blocks, unpack_blocks
 from prefill_worker.pool_worker import PoolWorker
-from protocol.cluster import ClusterConfig, PrefillConfig
+from protocol.cluster import ClusterConfig, PoolInstance
 from protocol.hashing import chunk_keys
 from protocol.ids import BlockId, ChunkKey, RequestId
 from protocol.kv_layout import KVLayout
@@ -345,7 +345,7 @@ class PoolScheduler(KVConnectorScheduler):
 
 def build_pool_client(
     cluster: ClusterConfig,
-    inst: PrefillConfig,
+    inst: PoolInstance,
     namespace: KVNamespace,
     layout: KVLayout,
     counters: StageCounters,
@@ -379,7 +379,7 @@ def build_pool_client(
 
 def build_pool_connector(
     cluster: ClusterConfig,
-    inst: PrefillConfig,
+    inst: PoolInstance,
     namespace: KVNamespace,
     layout: KVLayout,
     config: EngineConfig,

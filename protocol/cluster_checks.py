@@ -20,7 +20,7 @@ from protocol.parallel import (
 )
 
 if TYPE_CHECKING:
-    from protocol.cluster import ClusterConfig, DecodeConfig, PrefillConfig
+    from protocol.cluster import ClusterConfig, DecodeConfig, PrefillConfig, UnifiedConfig
 
 _WILDCARDS = ("0.0.0.0", "::", "")
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.:%-]+$")
@@ -39,10 +39,7 @@ def check_cluster(c: ClusterConfig) -> None:
             f"{c.cache.chunk_size} is not a multiple of block_size {c.cache.block_size}",
         )
     _check_nodes(c)
-    if not c.prefill:
-        raise ConfigError("prefill", "at least one prefill instance is required")
-    if not c.decode:
-        raise ConfigError("decode", "at least one decode instance is required")
+    _check_topology(c)
     seen: dict[str, str] = {}
     for path, inst in _instances(c):
         if inst.name in seen:
@@ -62,6 +59,8 @@ def check_cluster(c: ClusterConfig) -> None:
         _check_prefill_layout(f"prefill[{i}]", p)
     for i, d in enumerate(c.decode):
         _check_decode_layout(f"decode[{i}]", d)
+    for i, u in enumerate(c.unified):
+        _check_devices(f"unified[{i}]", u.devices, 1, "one engine process")
     _check_gpu_sharing(c)
     _check_router(c)
     _check_auth(c)
@@ -69,11 +68,36 @@ def check_cluster(c: ClusterConfig) -> None:
     _check_ports(c)
 
 
-def _instances(c: ClusterConfig) -> Iterator[tuple[str, PrefillConfig | DecodeConfig]]:
+def _check_topology(c: ClusterConfig) -> None:
+    """Disaggregated (prefill + decode) or unified instances: one serving path."""
+    if c.unified:
+        if c.prefill or c.decode:
+            section = "prefill" if c.prefill else "decode"
+            raise ConfigError(
+                section,
+                "a cluster serves through unified instances or through prefill + decode "
+                "instances, not both; remove one of them",
+            )
+        return
+    if not c.prefill:
+        raise ConfigError(
+            "prefill",
+            "at least one prefill instance is required (or unified instances instead of "
+            "prefill + decode)",
+        )
+    if not c.decode:
+        raise ConfigError("decode", "at least one decode instance is required")
+
+
+def _instances(
+    c: ClusterConfig,
+) -> Iterator[tuple[str, PrefillConfig | DecodeConfig | UnifiedConfig]]:
     for i, p in enumerate(c.prefill):
         yield f"prefill[{i}]", p
     for i, d in enumerate(c.decode):
         yield f"decode[{i}]", d
+    for i, u in enumerate(c.unified):
+        yield f"unified[{i}]", u
 
 
 def _check_model(c: ClusterConfig) -> None:
@@ -227,9 +251,10 @@ def rank_kv_bytes_per_token(
 
 
 def prefill_kv_bytes_per_token(
-    c: ClusterConfig, model: ModelShape, head_dim: int, p: PrefillConfig
+    c: ClusterConfig, model: ModelShape, head_dim: int, p: PrefillConfig | UnifiedConfig
 ) -> int:
-    """KV bytes of one token (all parts) on the prefill stage holding the most layers."""
+    """KV bytes of one token (all parts) on the prefill stage holding the most layers (a
+    unified instance: its one process, every layer)."""
     if p.layer_split is not None:
         layers = max(p.layer_split)
     else:
@@ -280,10 +305,12 @@ def _check_gpu_sharing(c: ClusterConfig) -> None:
             )
 
 
-def _instance_at(c: ClusterConfig, path: str) -> PrefillConfig | DecodeConfig:
+def _instance_at(c: ClusterConfig, path: str) -> PrefillConfig | DecodeConfig | UnifiedConfig:
     """The instance of a key path such as decode[0].devices[1]."""
     kind, rest = path.split("[", 1)
     index = int(rest.split("]", 1)[0])
+    if kind == "unified":
+        return c.unified[index]
     return c.prefill[index] if kind == "prefill" else c.decode[index]
 
 
@@ -368,10 +395,12 @@ def _check_pool(c: ClusterConfig) -> None:
                 )
             numas.add(numa)
     if pool.enabled and not pool.shared:
-        for i, p in enumerate(c.prefill):
+        for path, p in _instances(c):
+            if path.startswith("decode"):
+                continue
             if p.node not in per_node:
                 raise ConfigError(
-                    f"prefill[{i}].node",
+                    f"{path}.node",
                     f"pool.shared is false but node {p.node} has no store; add one to pool.stores",
                 )
 

@@ -156,6 +156,21 @@ PrefillEvent = FirstToken | ErrorEvent
 DecodeEvent = DecodeReady | TokenBatch | ErrorEvent
 
 
+class GenerateRequest(msgspec.Struct, frozen=True):
+    """Router -> unified instance POST /generate: the whole request in one call. The
+    instance prefills (restoring history from the pool) and decodes it in one engine and
+    answers with an NDJSON stream of GenerateEvent: FirstToken (with the prompt's usage),
+    then TokenBatch ... until one carries a finish_reason (or an ErrorEvent)."""
+
+    version: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+GenerateEvent = FirstToken | TokenBatch | ErrorEvent
+
+
 # -- prefill -> decode, POST DecodeReady.notify_url ----------------------------------------
 
 

@@ -12,12 +12,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-Role = Literal["prefill", "decode"]
+Role = Literal["prefill", "decode", "unified"]
+"""unified: an instance that prefills and decodes in one engine (router/unified.py)."""
 
 
 @dataclass(eq=False)
 class Instance:
-    """One prefill or decode instance: its address and its health as the router sees it.
+    """One prefill, decode or unified instance: its address and its health as the router sees it.
 
     Mutated only on the router's event loop (no locks needed). Compared by identity.
     """
@@ -36,12 +37,18 @@ class Instance:
 
 
 class InstanceRegistry:
-    """Owns the Instance records of both roles; answers "who can take work now"."""
+    """Owns the Instance records of every role; answers "who can take work now"."""
 
-    def __init__(self, prefill: Iterable[Instance], decode: Iterable[Instance]) -> None:
+    def __init__(
+        self,
+        prefill: Iterable[Instance],
+        decode: Iterable[Instance],
+        unified: Iterable[Instance] = (),
+    ) -> None:
         self._by_role: dict[Role, list[Instance]] = {
             "prefill": list(prefill),
             "decode": list(decode),
+            "unified": list(unified),
         }
         for role, instances in self._by_role.items():
             assert all(i.role == role for i in instances), f"mislabelled {role} instance"
@@ -50,7 +57,7 @@ class InstanceRegistry:
         return self._by_role[role]
 
     def all(self) -> list[Instance]:
-        return [*self._by_role["prefill"], *self._by_role["decode"]]
+        return [*self._by_role["prefill"], *self._by_role["decode"], *self._by_role["unified"]]
 
     def candidates(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[Instance]:
         """Healthy instances of `role`, minus those named in `exclude` (already tried)."""
@@ -80,4 +87,5 @@ class InstanceRegistry:
                 ],
             }
             for role, instances in self._by_role.items()
+            if instances or role != "unified"  # P/D clusters: the body they always had
         }

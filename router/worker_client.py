@@ -6,7 +6,10 @@ Endpoints the router calls (JSON bodies are the msgspec structs named):
                                DecodeReady first, then TokenBatch ...
     prefill  POST /prefill     PrefillRequest -> 200 NDJSON stream of PrefillEvent
              POST /admin/reset_prefix_cache   -> 200 (any JSON)
-    both     POST /abort       AbortRequest   -> 2xx (body ignored)
+    unified  POST /generate    GenerateRequest -> 200 NDJSON stream of GenerateEvent:
+                               FirstToken first, then TokenBatch ...
+             POST /admin/reset_prefix_cache   -> 200 (any JSON)
+    all      POST /abort       AbortRequest   -> 2xx (body ignored)
              GET  /health                     -> 200 when ready
 
 Serving calls go over router/http1.py (keep-alive HTTP/1.1), control calls over httpx;
@@ -34,6 +37,8 @@ from protocol.messages import (
     DecodeEvent,
     DecodeRequest,
     ErrorEvent,
+    GenerateEvent,
+    GenerateRequest,
     PrefillEvent,
     PrefillRequest,
 )
@@ -45,6 +50,7 @@ log = logging.getLogger(__name__)
 
 DECODE_PATH = "/decode"
 PREFILL_PATH = "/prefill"
+GENERATE_PATH = "/generate"
 ABORT_PATH = "/abort"
 HEALTH_PATH = "/health"
 RESET_PREFIX_CACHE_PATH = "/admin/reset_prefix_cache"
@@ -85,6 +91,7 @@ class WorkerClient:
         self._control_timeout_s = control_timeout_s
         self._prefill_decoder = msgspec.json.Decoder(PrefillEvent)
         self._decode_decoder = msgspec.json.Decoder(DecodeEvent)
+        self._generate_decoder = msgspec.json.Decoder(GenerateEvent)
         self._background: set[asyncio.Task[None]] = set()
 
     async def aclose(self) -> None:
@@ -106,6 +113,12 @@ class WorkerClient:
     ) -> AsyncIterator[DecodeEvent]:
         """The decode instance's event stream for `req` (DecodeReady first)."""
         return self._events(inst, DECODE_PATH, req, self._decode_decoder, deadline)
+
+    def generate(
+        self, inst: Instance, req: GenerateRequest, deadline: float
+    ) -> AsyncIterator[GenerateEvent]:
+        """A unified instance's event stream for `req` (FirstToken, then TokenBatch ...)."""
+        return self._events(inst, GENERATE_PATH, req, self._generate_decoder, deadline)
 
     def abort_soon(
         self,
