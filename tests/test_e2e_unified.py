@@ -243,7 +243,7 @@ def test_client_disconnect_frees_its_kv(cluster, reference):
     body = {
         "model": cluster.served_name,
         "prompt": _prompt(reference, 40, 200),
-        "max_tokens": 3000,
+        "max_tokens": 1500,
         "temperature": 0,
         "stream": True,
         "ignore_eos": True,
