@@ -83,7 +83,7 @@ def test_route_context_hashes_once() -> None:
 
 
 def _cluster_yaml(prefill_port: int, decode_port: int, router_port: int, policy: str) -> str:
-    text = (REPO / "deploy/examples/local.yaml").read_text()
+    text = (REPO / "deploy/examples/local-pd.yaml").read_text()
     text = text.replace("port: 8100", f"port: {prefill_port}").replace(
         "port: 8200", f"port: {decode_port}"
     )
