@@ -25,8 +25,6 @@ import logging
 import os
 from dataclasses import dataclass
 
-import torch
-
 from protocol.cluster import ClusterConfig
 
 log = logging.getLogger(__name__)
@@ -89,6 +87,8 @@ def apply_slot(slot: CpuSlot) -> None:
     """Pin this process (all its threads created from now on inherit the mask) and size
     torch's pools. Call before the engine is built: the OpenMP pool starts on the first
     parallel op."""
+    import torch  # here: `kvserve check` reads the plan without loading torch
+
     if slot.cpus is not None:
         try:
             os.sched_setaffinity(0, slot.cpus)
@@ -100,6 +100,16 @@ def apply_slot(slot: CpuSlot) -> None:
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
     log.info("CPU engine: %d thread(s), CPUs %s", slot.threads, slot.cpus or "not pinned")
+
+
+def describe_plan(cluster: ClusterConfig, node: str, cpus: list[int] | None = None) -> list[str]:
+    """One line per CPU engine process of `node`: its CPUs and torch threads (kvserve check)."""
+    lines = []
+    for name, index in engine_processes(cluster, node):
+        slot = plan_slot(cluster, node, name, index, cpus)
+        where = f"CPUs {list(slot.cpus)}" if slot.cpus is not None else "not pinned"
+        lines.append(f"{name} process {index}: {where}, {slot.threads} torch thread(s)")
+    return lines
 
 
 def setup_cpu_engine(cluster: ClusterConfig, node: str, name: str, index: int) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from enginehost.cpu_plan import describe_plan
 from kvserve.cluster_secret import describe_secret_source, secret_for_launch
 from kvserve.cluster_status import status
 from kvserve.cluster_summary import summarize
@@ -295,8 +296,20 @@ def check(config_path: str | Path, out: IO[str] = sys.stdout) -> int:
     auth = check_secret(cluster, str(config_path))
     print(summarize(cluster, str(config_path)), file=out)
     print(note, file=out)
+    for line in check_cpus(cluster):
+        print(line, file=out)
     print(auth, file=out)
     return 0
+
+
+def check_cpus(cluster: ClusterConfig) -> list[str]:
+    """How the CPU engine processes of this machine's nodes are pinned and threaded
+    (enginehost/cpu_plan.py), as `kvserve up` will start them."""
+    return [
+        f"  cpus     {node.name}: {line}"
+        for node in local_nodes(cluster)
+        for line in describe_plan(cluster, node.name)
+    ]
 
 
 def check_secret(cluster: ClusterConfig, source: str) -> str:

@@ -213,3 +213,18 @@ def test_a_unified_copy_of_the_pd_example_keeps_the_namespace() -> None:
     for key in ("model", "dtype", "cache"):
         assert pd[key] == uni[key]
     assert copy.deepcopy(pd["pool"]) == uni["pool"]
+
+
+def test_kvserve_check_describes_the_unified_instance() -> None:
+    import io
+    import os
+
+    from kvserve.launcher import check
+
+    out = io.StringIO()
+    assert check(LOCAL, out) == 0
+    text = out.getvalue()
+    assert "unified  unified-0 on local http://127.0.0.1:8100  devices cpu" in text
+    assert "kv cache unified-0: bfloat16, 23040 bytes per token" in text
+    cpus = sorted(os.sched_getaffinity(0))
+    assert f"cpus     local: unified-0 process 0: CPUs {cpus}, {len(cpus)} torch thread(s)" in text
