@@ -26,7 +26,7 @@ from router.cluster_view import ClusterView
 from router.config import settings_from_cluster
 from router.instances import Instance, InstanceRegistry
 from router.kv_aware import KVAwarePolicy, SessionPolicy
-from router.policies import RouteContext, RoundRobinPolicy
+from router.policies import RoundRobinPolicy, RouteContext
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL = ROOT / "deploy" / "examples" / "local.yaml"
