@@ -7,7 +7,8 @@ Greedy output equals the single-process engine's, whose tokens are transformers'
 choice (one teacher-forced float32 forward); concurrent requests share steps (chunked
 prefill beside decodes) and stay exact; a prompt restores its history from the pool after
 the instance's own cache is reset and after the instance is killed and restarted; a store
-killed mid-run fails no request; a client that disconnects mid-stream frees its KV; usage,
+killed mid-run fails no request; a request that fails in the engine fails alone; a client
+that disconnects mid-stream frees its KV; usage,
 /health, /metrics and the Prometheus scrape config speak of the unified role.
 """
 
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.timeout(900)
 CHUNK = 256
 MODEL = "builtin:smollm2-135m-instruct"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+POISON = 4242
 
 
 class UnifiedCluster(Cluster):
@@ -80,6 +82,8 @@ def cluster(tmp_path_factory, weights_cache_dir: str):
                 "max_num_seqs": 16,
                 "kv_cache_memory": "96MiB",
                 "pool_buffer_memory": "96MiB",
+                # test-only: every step holding a request seeded POISON fails its forward
+                "engine_faults": {"fail_seed": POISON, "place": "forward"},
             }
         ],
         "router": {
@@ -262,6 +266,32 @@ def test_client_disconnect_frees_its_kv(cluster, reference):
 
     assert wait_until(freed, timeout_s=10)
     assert cluster.metric(url, "kvserve_unified_requests_total", outcome="aborted") == aborted + 1
+
+
+def test_a_failing_request_fails_alone(cluster, client, reference):
+    """A request whose forward fails (injected) gets a 5xx naming the instance; the
+    requests sharing its steps finish with exact tokens."""
+    prompts = [_prompt(reference, 60 + i, 120) for i in range(3)]
+    want = [_ref_text(reference, ids, 16) for ids in prompts]
+    failed = cluster.metric(cluster.unified_url, "kvserve_unified_requests_total", outcome="failed")
+
+    def poisoned() -> int:
+        try:
+            client.completions.create(
+                model="e2e-model", prompt=prompts[0], max_tokens=16, temperature=0, seed=POISON
+            )
+        except openai.APIStatusError as e:
+            assert "unified instance unified-0" in str(e.message), e.message
+            return e.status_code
+        return 200
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        bad = pool.submit(poisoned)
+        good = [pool.submit(_complete, client, ids, 16) for ids in prompts]
+        assert bad.result() >= 500
+        assert [f.result()[0] for f in good] == want
+    after = cluster.metric(cluster.unified_url, "kvserve_unified_requests_total", outcome="failed")
+    assert after == failed + 1
 
 
 def test_bad_input_is_a_400(cluster, client):
