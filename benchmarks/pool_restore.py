@@ -58,11 +58,11 @@ def free_port() -> int:
 
 
 class LocalPool:
-    """A master and two store services on 127.0.0.1, for the length of a `with`."""
+    """A master and `num_stores` store services on 127.0.0.1, for the length of a `with`."""
 
-    def __init__(self, store_bytes: int) -> None:
+    def __init__(self, store_bytes: int, num_stores: int = 2) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="pool-bench-"))
-        ports = [free_port() for _ in range(6)]
+        ports = [free_port() for _ in range(4 + num_stores)]
         cfg = {
             "name": "poolbench",
             "model": "builtin:smollm2-135m-instruct",
@@ -71,16 +71,17 @@ class LocalPool:
                 "master": {"node": "local", "port": ports[0], "metrics_port": ports[1]},
                 "stores": [
                     {"node": "local", "numa_node": i, "size": store_bytes, "metrics_port": p}
-                    for i, p in enumerate(ports[2:4])
+                    for i, p in enumerate(ports[4:])
                 ],
             },
-            "prefill": [{"name": "p", "node": "local", "port": ports[4], "devices": ["cpu"]}],
-            "decode": [{"name": "d", "node": "local", "port": ports[5], "devices": ["cpu"]}],
+            "prefill": [{"name": "p", "node": "local", "port": ports[2], "devices": ["cpu"]}],
+            "decode": [{"name": "d", "node": "local", "port": ports[3], "devices": ["cpu"]}],
         }
         self.config = self.tmp / "pool.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
         self.master_address = f"{HOST}:{ports[0]}"
-        self.health = [f"http://{HOST}:{p}/health" for p in ports[1:4]]
+        self.health = [f"http://{HOST}:{p}/health" for p in [ports[1], *ports[4:]]]
+        self.num_stores = num_stores
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> LocalPool:
@@ -88,7 +89,7 @@ class LocalPool:
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         cmds = [["kvpool.master", "--node", "local"]] + [
-            ["kvpool.store", "--index", str(i)] for i in range(2)
+            ["kvpool.store", "--index", str(i)] for i in range(self.num_stores)
         ]
         for i, cmd in enumerate(cmds):
             log = open(self.tmp / f"{i}.log", "ab")
