@@ -1,8 +1,11 @@
 """Pool save and restore throughput per prefill stage, on CPU over Mooncake tcp (loopback).
 
     python -m benchmarks.pool_restore [--chunks 8] [--split 8,8,7,7] [--reps 3] [--threads 1]
+                                      [--in-prefill]
 
 Starts a real pool (`python -m kvpool.master` + two `python -m kvpool.store`, 127.0.0.1),
+(`--in-prefill`: the client also mounts its own segment, as a prefill
+with `pool.stores[].prefill` does, so its objects are saved and restored in-process),
 then for SmolLM2-135M-shaped KV (30 layers x 3 KV heads x head_dim 64, float32: 11.8 MB
 per 256-token chunk) split into PP stages, per stage:
 
@@ -153,6 +156,11 @@ def main() -> None:
         default=1,
         help="torch threads (a prefill on a 2-core node gets 1; more oversubscribe here)",
     )
+    p.add_argument(
+        "--in-prefill",
+        action="store_true",
+        help="the client mounts its own segment (pool.stores[].prefill): saves land there",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     split = tuple(int(x) for x in args.split.split(","))
@@ -169,7 +177,10 @@ def main() -> None:
     os.environ["MC_TCP_BIND_ADDRESS"] = HOST
 
     with LocalPool(store_bytes) as pool:
-        backend = create_backend("mooncake", BackendConfig(HOST, pool.master_address))
+        segment = store_bytes if args.in_prefill else 0
+        backend = create_backend(
+            "mooncake", BackendConfig(HOST, pool.master_address, segment_bytes=segment)
+        )
         metrics = PoolMetrics(CollectorRegistry(), "bench")
         max_stage = max(split) * chunk_bytes // LAYOUT.num_layers + 8192
         client = PoolClient(
@@ -267,7 +278,9 @@ def main() -> None:
     print(
         f"machine: {cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__} "
         f"({args.threads} thread(s)); "
-        f"Mooncake {mooncake_version()} tcp on 127.0.0.1, 2 store services\n"
+        f"Mooncake {mooncake_version()} tcp on 127.0.0.1, 2 store services"
+        + (", the client's own segment (--in-prefill)" if args.in_prefill else "")
+        + "\n"
     )
     print(
         "| stage | layers | MB | pack GB/s | write GB/s | save GB/s | read+verify GB/s "

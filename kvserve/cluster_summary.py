@@ -37,7 +37,7 @@ def summarize(c: ClusterConfig, source: str) -> str:
             f"  pool     {state}, {mode}, {pool.protocol}; master {pool.master.node}:"
             f"{pool.master.port}; {len(pool.stores)} store(s), {format_bytes(total)}"
             + "".join(
-                f"; {format_bytes(st.size)} in prefill {st.prefill}"
+                f"; {format_bytes(st.size)} of it in {st.prefill}"
                 for st in pool.stores
                 if st.prefill is not None
             )
