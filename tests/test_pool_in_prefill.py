@@ -191,3 +191,54 @@ def test_segment_in_a_process_is_the_pools_and_dies_like_a_store(
         time.sleep(0.2)
     assert owner["segment"] not in _segments(pool)
     assert all(b.exists(mine))
+
+
+def test_every_stage_process_of_a_pp_prefill_puts_into_its_own_segment(pool: Pool, tmp_path: Path):
+    """The connector hook (build_pool_client) as each stage process of a PP 2 prefill calls
+    it: a segment of size / 2 per stage, each stage's objects in its own segment; a
+    graceful close unmounts it at once."""
+    from kvpool.stats import StageCounters
+    from prefill_worker.pool_connector import build_pool_client
+    from protocol.ids import ChunkKey
+    from protocol.kv_layout import KVLayout
+    from protocol.namespace import KVNamespace
+
+    cfg = yaml.safe_load(pool.config.read_text())
+    cfg["pool"]["stores"].append({"node": "local", "size": "32MiB", "prefill": "p"})
+    cfg["prefill"][0].update(devices=["cpu", "cpu"], pipeline_parallel=2)
+    path = tmp_path / "pp.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cluster = load_cluster(path)
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    ns = KVNamespace(
+        weights_fingerprint="inprefill",
+        kv_dtype="float32",
+        block_size=16,
+        layer_split=(2, 2),
+        rope="-",
+    )
+    before = _segments(pool)
+    clients = [
+        build_pool_client(
+            cluster, cluster.prefill[0], ns, layout, StageCounters(), stage, torch.device("cpu")
+        )
+        for stage in (0, 1)
+    ]
+    try:
+        segs = [c.backend.segment for c in clients]  # type: ignore[attr-defined]
+        assert None not in segs and len(set(segs)) == 2
+        detail = httpx.get(pool.metrics_url + "/get_segments_detail", timeout=5).json()
+        sizes = {s["segment_name"]: int(s["size_bytes"]) for s in detail["segments"]}
+        assert [sizes[s] for s in segs] == [16 * MiB, 16 * MiB]
+        keys = [ChunkKey(bytes([i]) * 16) for i in range(3)]
+        for stage, c in enumerate(clients):
+            slots = c.buffer.save_slot_ids[:3]
+            assert c.write(stage, keys, slots) == [True] * 3
+        used = _segments(pool)
+        obj = clients[0].specs[0].object_bytes
+        assert all(used[s] >= 3 * obj for s in segs), used
+        assert {k: v for k, v in used.items() if k not in segs} == before
+    finally:
+        for c in clients:
+            c.close()
+    assert set(_segments(pool)) == set(before)  # unmounted at close, not after client_ttl
