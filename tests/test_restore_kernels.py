@@ -50,10 +50,11 @@ def test_unpack_equals_torch_unpack_chunks(dtype: torch.dtype) -> None:
     ref = [t.clone() for t in layers]
     # payloads 1 element apart beyond their size (a staging buffer's stride)
     flat = torch.randn(chunks * (num_layers * parts * nblk * bs * h * d + 1), generator=g)
+    tokens = nblk * bs
+    payload = num_layers * parts * tokens * h * d
     src = flat.to(DEVICE, dtype).as_strided(
-        (chunks, num_layers, parts, nblk * bs, h, d),
-        (num_layers * parts * nblk * bs * h * d + 1, parts * nblk * bs * h * d)
-        + (nblk * bs * h * d, h * d, d, 1),
+        (chunks, num_layers, parts, tokens, h, d),
+        (payload + 1, parts * tokens * h * d, tokens * h * d, h * d, d, 1),
     )
     ids = torch.randperm(num_blocks, generator=g)[: chunks * nblk]
     restore_kernels.unpack_chunks(src, restore_kernels.LayerTable(layers), ids.to(DEVICE))
