@@ -88,26 +88,28 @@ def kernel_table(step: Any, top: int = 14) -> tuple[float, list[tuple[str, int, 
     return total, [(n, int(c) // reps, t / reps) for n, (c, t) in ranked]
 
 
-def split_variants(runner: ModelRunner, batch: int, ctx: int, num_blocks: int) -> None:
-    """The compiled flex decode kernel alone on layer 0's cache (CUDA events, 50 calls)."""
+def kernel_variants(
+    runner: ModelRunner, batch: int, ctx: int, bs: int, options: list[dict[str, Any]]
+) -> None:
+    """The compiled flex decode kernel alone on layer 0's cache viewed in blocks of `bs`
+    slots (random tables), under each kernel_options (CUDA events, 50 calls)."""
     cache = runner.kv_caches[0]
-    _, nb, bs, hkv, d = cache.shape
+    _, nb, cache_bs, hkv, d = cache.shape
+    num_slots = nb * cache_bs
     gen = torch.Generator().manual_seed(3)
     per_seq = -(-(ctx + 1) // bs)
-    tables = torch.randperm(num_blocks, generator=gen)[: batch * per_seq].view(batch, per_seq)
+    blocks = torch.randperm(num_slots // bs, generator=gen)[: batch * per_seq]
+    tables = blocks.view(batch, per_seq)
     width = 1 << (per_seq - 1).bit_length()
     tables = torch.nn.functional.pad(tables, (0, width - per_seq)).to("cuda", torch.int32)
     lens = torch.full((batch,), ctx + 1, dtype=torch.int32, device="cuda")
-    mask = flex.decode_block_mask(tables, lens, bs, nb * bs)
+    mask = flex.decode_block_mask(tables, lens, bs, num_slots)
     q = torch.randn(batch, 32, 1, d, device="cuda", dtype=cache.dtype)
     keys = cache[0].view(1, -1, hkv, d).transpose(1, 2)
     values = cache[1].view(1, -1, hkv, d).transpose(1, 2)
     kernel = flex._flex()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    default = max(1, -(-4 * sms // (batch * hkv)))
     kv_bytes = batch * (ctx + 1) * hkv * d * 2 * cache.element_size()
-    for split in sorted({default, 2 * default, 4 * default, 8 * default}):
-        opts = {"BLOCK_N": bs, "SPLIT_KV": split}
+    for opts in options:
 
         def call(opts: dict[str, Any] = opts) -> Any:
             return kernel(
@@ -121,7 +123,11 @@ def split_variants(runner: ModelRunner, batch: int, ctx: int, num_blocks: int) -
                 kernel_options=opts,
             )
 
-        call()
+        try:
+            call()
+        except Exception as e:  # an option the kernel does not take: say so, go on
+            print(f"flex decode b{batch} ctx{ctx} block {bs} {opts}: failed ({e!r:.120})")
+            continue
         torch.cuda.synchronize()
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0.record()
@@ -131,8 +137,7 @@ def split_variants(runner: ModelRunner, batch: int, ctx: int, num_blocks: int) -
         torch.cuda.synchronize()
         ms = t0.elapsed_time(t1) / 50
         print(
-            f"flex decode alone b{batch} ctx{ctx} SPLIT_KV={split}"
-            f"{' (default)' if split == default else ''}: {ms * 1e3:.0f} us, "
+            f"flex decode alone b{batch} ctx{ctx} block {bs} {opts}: {ms * 1e3:.0f} us, "
             f"{kv_bytes / ms / 1e6:.0f} GB/s",
             flush=True,
         )
@@ -141,7 +146,8 @@ def split_variants(runner: ModelRunner, batch: int, ctx: int, num_blocks: int) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache-gb", type=float, default=88.0)
-    ap.add_argument("--no-splits", action="store_true")
+    ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--only-variants", action="store_true")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     bw, tflops = ceilings()
@@ -159,7 +165,8 @@ def main() -> None:
     for c in runner.kv_caches:
         c.normal_()
     print("| batch | context | ms/step | MBU | host ms (execute) | kernel ms | top kernels |")
-    for batch, ctx in ((1, 1024), (32, 1024), (128, 1024), (1, 32768)):
+    cases = () if args.only_variants else ((1, 1024), (32, 1024), (128, 1024), (1, 32768))
+    for batch, ctx in cases:
         step, sched, kv = decode_case(runner, batch, ctx, num_blocks)
         ms = sync_time(step, 20, warmup=3) * 1e3
         c = model.config
@@ -170,9 +177,16 @@ def main() -> None:
         print(f"| {batch} | {ctx} | {ms:.2f} | {mbu:.0%} | {h:.2f} | {total:.2f} |", flush=True)
         for name, count, kms in kernels:
             print(f"    {kms:7.3f} ms  x{count:<4d} {name}", flush=True)
-    if not args.no_splits:
-        for batch in (128, 32):
-            split_variants(runner, batch, 1024, num_blocks)
+    if args.no_variants:
+        return
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for bs in (16, 32, 64):
+        split = max(1, -(-4 * sms // (128 * 8)))
+        opts = [{"BLOCK_N": min(bs, 64), "SPLIT_KV": split}]
+        if bs == 16:
+            opts += [{**opts[0], "num_stages": s} for s in (1, 3, 4)]
+            opts += [{**opts[0], "num_warps": w} for w in (2, 8)]
+        kernel_variants(runner, 128, 1024, bs, opts)
 
 
 if __name__ == "__main__":

@@ -202,7 +202,8 @@ class ModelRunner:
         if size is None:
             return False
         rows = self.tables.update(row_tables)
-        if graphs.block_tables.table is not graphs.source:  # reallocated by this update
+        if graphs.block_tables.table is not graphs.source:  # cannot happen: sized above
+            log.warning("the device block tables were reallocated: decode runs eagerly")
             return False
         ids, pos, slots, lens = [], [], [], []
         for s, (_, table) in zip(scheduled, row_tables, strict=True):
