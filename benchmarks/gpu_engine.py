@@ -402,7 +402,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write report.json here")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--cache-gb", type=float, default=88.0)
-    ap.add_argument("--block-size", type=int, default=BLOCK, help="KV cache block (tokens)")
+    ap.add_argument("--block-size", type=int, default=16, help="KV cache block (tokens)")
     ap.add_argument(
         "--skip-prefill", action="store_true", help="decode timings only (prefill unchanged)"
     )
