@@ -180,13 +180,10 @@ def main() -> None:
     if args.no_variants:
         return
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for bs in (16, 32, 64):
-        split = max(1, -(-4 * sms // (128 * 8)))
-        opts = [{"BLOCK_N": min(bs, 64), "SPLIT_KV": split}]
-        if bs == 16:
-            opts += [{**opts[0], "num_stages": s} for s in (1, 3, 4)]
-            opts += [{**opts[0], "num_warps": w} for w in (2, 8)]
-        kernel_variants(runner, 128, 1024, bs, opts)
+    for batch, ctx in ((1, 1024), (32, 1024), (128, 1024), (1, 32768), (32, 16384)):
+        base = {"BLOCK_N": 16, "SPLIT_KV": max(1, -(-4 * sms // (batch * 8)))}
+        opts = [base] + [{**base, "num_stages": s} for s in (1, 2, 3)]
+        kernel_variants(runner, batch, ctx, 16, opts)
 
 
 if __name__ == "__main__":
