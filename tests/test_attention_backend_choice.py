@@ -20,8 +20,8 @@ def _cluster(tmp_path: Path, extra: str = "") -> object:
     return load_cluster(path)
 
 
-@pytest.mark.parametrize(("device", "backend"), [("cpu", "torch"), (0, "flex"), (3, "flex")])
-def test_auto_is_flex_on_gpus_and_torch_on_cpus(
+@pytest.mark.parametrize(("device", "backend"), [("cpu", "cpu"), (0, "flex"), (3, "flex")])
+def test_auto_is_flex_on_gpus_and_cpu_on_cpus(
     tmp_path: Path, device: object, backend: str
 ) -> None:
     cluster = _cluster(tmp_path)

@@ -105,7 +105,7 @@ def test_matches_reference_on_random_paged_layouts(
     assert torch.equal(ours_cache, ref_cache)  # the same writes, and only those
 
 
-def test_several_threads_split_the_items(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_several_threads_split_the_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_kernel, "MIN_KEYS_PER_THREAD", 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(3)

@@ -7,17 +7,17 @@
  *
  * of a cache laid out [num_blocks][bs][Hkv][D] (K and V each; protocol/kv_layout.py).
  * The G = Hq / Hkv query heads of one KV head share every key and value row read (GQA),
- * so each row of the cache is read once per step. Per (sequence, KV head), three passes
- * over the sequence's keys:
+ * and a token's rows of all heads are read together, a block at a time (prefetched a few
+ * blocks ahead: block ids jump around the cache, which stops the hardware prefetcher), so
+ * each byte of the sequence's KV is read once per step. Per sequence, three passes:
  *
- *     1. s[g][t] = scale * <q[g], k_t>           (float32, into `scores`)
- *     2. m[g] = max_t s, p = exp(s - m), l[g] = sum_t p
- *     3. out[g] = sum_t p[g][t] v_t / l[g],  lse[g] = m[g] + log(l[g])
+ *     1. s[i][t] = scale * <q[i], k_t[i / G]>     (query head i; float32, into `scores`)
+ *     2. m[i] = max_t s, p = exp(s - m), l[i] = sum_t p
+ *     3. out[i] = sum_t p[i][t] v_t[i / G] / l[i],  lse[i] = m[i] + log(l[i])
  *
- * A call runs the work items [item_begin, item_end) of the step, item b * Hkv + h being
- * (sequence b, KV head h): callers split a step across threads, each thread with its own
- * `scores` scratch of at least G * max(seq_lens) floats. q, out: [B][Hq][D] float32
- * (query head h * G + g reads KV head h); lse: [B][Hq] float32, natural log.
+ * A call runs the sequences [seq_begin, seq_end) of the step: callers split a step across
+ * threads, each thread with its own `scores` scratch of at least Hq * max(seq_lens)
+ * floats. q, out: [B][Hq][D] float32; lse: [B][Hq] float32, natural log.
  *
  * Everything accumulates in float32; bf16 rows widen exactly (a 16-bit shift). A
  * sequence without keys (a decode-context-parallel rank holding none of its tokens)
@@ -59,76 +59,92 @@ static inline float exp_nonpos(float x) {
     return x < -87.0f ? 0.0f : e;
 }
 
-#define MAX_GROUP 64
+#define MAX_HEADS 256
+#define PREFETCH_BLOCKS 2
+
+/* Blocks sit anywhere in the cache, so the hardware prefetcher stops at every block
+ * boundary: fetch the block PREFETCH_BLOCKS ahead of the one being read, whole. */
+static inline void prefetch_block(const void *base, int64_t bytes) {
+    const char *p = (const char *)base;
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
 
 #define DEFINE_KERNEL(NAME, T, LOAD)                                                        \
-    static inline void NAME##_head(                                                         \
+    static inline void NAME##_seq(                                                          \
         const float *q, const T *k_cache, const T *v_cache, const int32_t *table,           \
-        int64_t len, int64_t group, int64_t hkv, int64_t h, int64_t D, int64_t bs,          \
-        float scale, float *scores, float *out, float *lse) {                               \
-        const int64_t row = hkv * D; /* elements per token of one cache part */             \
-        float m[MAX_GROUP], l[MAX_GROUP];                                                   \
-        for (int64_t g = 0; g < group; g++) m[g] = -INFINITY;                               \
+        int64_t len, int64_t hq, int64_t hkv, int64_t D, int64_t bs, float scale,           \
+        float *scores, float *out, float *lse) {                                            \
+        const int64_t group = hq / hkv, row = hkv * D; /* elements per token and part */   \
+        float m[MAX_HEADS], l[MAX_HEADS];                                                   \
+        for (int64_t i = 0; i < hq; i++) m[i] = -INFINITY;                                  \
+        const int64_t nblocks = (len + bs - 1) / bs, block_bytes = bs * row * sizeof(T);    \
         for (int64_t t = 0; t < len; t++) {                                                 \
-            const T *k = k_cache + ((int64_t)table[t / bs] * bs + t % bs) * row + h * D;    \
-            for (int64_t g = 0; g < group; g++) {                                           \
-                const float *qg = q + g * D;                                                \
+            if (t % bs == 0 && t / bs + PREFETCH_BLOCKS < nblocks)                          \
+                prefetch_block(k_cache + table[t / bs + PREFETCH_BLOCKS] * bs * row,        \
+                               block_bytes);                                                \
+            const T *k = k_cache + ((int64_t)table[t / bs] * bs + t % bs) * row;            \
+            for (int64_t i = 0; i < hq; i++) {                                              \
+                const float *qi = q + i * D;                                                \
+                const T *kh = k + (i / group) * D;                                          \
                 float s = 0.0f;                                                             \
-                for (int64_t d = 0; d < D; d++) s += qg[d] * LOAD(k[d]);                    \
+                for (int64_t d = 0; d < D; d++) s += qi[d] * LOAD(kh[d]);                   \
                 s *= scale;                                                                 \
-                scores[g * len + t] = s;                                                    \
-                m[g] = s > m[g] ? s : m[g];                                                 \
+                scores[i * len + t] = s;                                                    \
+                m[i] = s > m[i] ? s : m[i];                                                 \
             }                                                                               \
         }                                                                                   \
-        for (int64_t g = 0; g < group; g++) {                                               \
-            float *sg = scores + g * len, mg = m[g], sum = 0.0f;                            \
+        for (int64_t i = 0; i < hq; i++) {                                                  \
+            float *si = scores + i * len, mi = m[i], sum = 0.0f;                            \
             for (int64_t t = 0; t < len; t++) {                                             \
-                float e = exp_nonpos(sg[t] - mg);                                           \
-                sg[t] = e;                                                                  \
+                float e = exp_nonpos(si[t] - mi);                                           \
+                si[t] = e;                                                                  \
                 sum += e;                                                                   \
             }                                                                               \
-            l[g] = sum;                                                                     \
-            memset(out + g * D, 0, (size_t)D * sizeof(float));                              \
+            l[i] = sum;                                                                     \
         }                                                                                   \
+        memset(out, 0, (size_t)(hq * D) * sizeof(float));                                   \
+        for (int64_t b = 0; b < PREFETCH_BLOCKS && b < nblocks; b++)                        \
+            prefetch_block(v_cache + table[b] * bs * row, block_bytes);                     \
         for (int64_t t = 0; t < len; t++) {                                                 \
-            const T *v = v_cache + ((int64_t)table[t / bs] * bs + t % bs) * row + h * D;    \
-            for (int64_t g = 0; g < group; g++) {                                           \
-                float p = scores[g * len + t], *og = out + g * D;                           \
-                for (int64_t d = 0; d < D; d++) og[d] += p * LOAD(v[d]);                    \
+            if (t % bs == 0 && t / bs + PREFETCH_BLOCKS < nblocks)                          \
+                prefetch_block(v_cache + table[t / bs + PREFETCH_BLOCKS] * bs * row,        \
+                               block_bytes);                                                \
+            const T *v = v_cache + ((int64_t)table[t / bs] * bs + t % bs) * row;            \
+            for (int64_t i = 0; i < hq; i++) {                                              \
+                const T *vh = v + (i / group) * D;                                          \
+                float p = scores[i * len + t], *oi = out + i * D;                           \
+                for (int64_t d = 0; d < D; d++) oi[d] += p * LOAD(vh[d]);                   \
             }                                                                               \
         }                                                                                   \
-        for (int64_t g = 0; g < group; g++) {                                               \
-            float inv = 1.0f / l[g], *og = out + g * D;                                     \
-            for (int64_t d = 0; d < D; d++) og[d] *= inv;                                   \
-            lse[g] = m[g] + logf(l[g]);                                                     \
+        for (int64_t i = 0; i < hq; i++) {                                                  \
+            float inv = 1.0f / l[i], *oi = out + i * D;                                     \
+            for (int64_t d = 0; d < D; d++) oi[d] *= inv;                                   \
+            lse[i] = m[i] + logf(l[i]);                                                     \
         }                                                                                   \
     }                                                                                       \
                                                                                             \
     int NAME(const float *q, const T *k_cache, const T *v_cache,                            \
              const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,       \
              int64_t hq, int64_t hkv, int64_t D, int64_t bs, float scale,                   \
-             int64_t item_begin, int64_t item_end, float *scores, float *out, float *lse) { \
-        int64_t group = hq / hkv;                                                           \
-        if (group > MAX_GROUP || group * hkv != hq) return -1;                              \
-        for (int64_t item = item_begin; item < item_end; item++) {                          \
-            int64_t b = item / hkv, h = item % hkv, len = seq_lens[b];                      \
-            {                                                                               \
-                const float *qh = q + (b * hq + h * group) * D;                             \
-                float *oh = out + (b * hq + h * group) * D, *lh = lse + b * hq + h * group; \
-                if (len <= 0) {                                                             \
-                    memset(oh, 0, (size_t)(group * D) * sizeof(float));                     \
-                    for (int64_t g = 0; g < group; g++) lh[g] = -INFINITY;                  \
-                    continue;                                                               \
-                }                                                                           \
-                if (D == 64)                                                                \
-                    NAME##_head(qh, k_cache, v_cache, block_tables + b * bt_stride, len,    \
-                                group, hkv, h, 64, bs, scale, scores, oh, lh);              \
-                else if (D == 128)                                                          \
-                    NAME##_head(qh, k_cache, v_cache, block_tables + b * bt_stride, len,    \
-                                group, hkv, h, 128, bs, scale, scores, oh, lh);             \
-                else                                                                        \
-                    NAME##_head(qh, k_cache, v_cache, block_tables + b * bt_stride, len,    \
-                                group, hkv, h, D, bs, scale, scores, oh, lh);               \
+             int64_t seq_begin, int64_t seq_end, float *scores, float *out, float *lse) {   \
+        if (hq > MAX_HEADS || hkv <= 0 || hq % hkv != 0) return -1;                         \
+        for (int64_t b = seq_begin; b < seq_end; b++) {                                     \
+            int64_t len = seq_lens[b];                                                      \
+            const float *qb = q + b * hq * D;                                               \
+            float *ob = out + b * hq * D, *lb = lse + b * hq;                               \
+            const int32_t *table = block_tables + b * bt_stride;                            \
+            if (len <= 0) {                                                                 \
+                memset(ob, 0, (size_t)(hq * D) * sizeof(float));                            \
+                for (int64_t i = 0; i < hq; i++) lb[i] = -INFINITY;                         \
+            } else if (D == 64) {                                                           \
+                NAME##_seq(qb, k_cache, v_cache, table, len, hq, hkv, 64, bs, scale,        \
+                           scores, ob, lb);                                                 \
+            } else if (D == 128) {                                                          \
+                NAME##_seq(qb, k_cache, v_cache, table, len, hq, hkv, 128, bs, scale,       \
+                           scores, ob, lb);                                                 \
+            } else {                                                                        \
+                NAME##_seq(qb, k_cache, v_cache, table, len, hq, hkv, D, bs, scale,         \
+                           scores, ob, lb);                                                 \
             }                                                                               \
         }                                                                                   \
         return 0;                                                                           \

@@ -8,9 +8,9 @@ time an engine builds the "cpu" attention backend (start-up), never per request.
 a compiler `load()` raises KernelUnavailable and the engine falls back to the reference
 backend (engine/attention/cpu_paged.py says when).
 
-Threads: the kernel is single-threaded; `decode` splits a step's (sequence, KV head)
-items over torch's intra-op thread count with a small pool of Python threads (ctypes
-releases the GIL during the call), each with its own scratch.
+Threads: the kernel is single-threaded; `decode` splits a step's sequences over torch's
+intra-op thread count with a small pool of Python threads (ctypes releases the GIL during
+the call), each with its own scratch. One sequence runs on one thread.
 """
 
 from __future__ import annotations
@@ -48,16 +48,21 @@ _ARGTYPES = [
     ctypes.c_int64,  # D
     ctypes.c_int64,  # block size
     ctypes.c_float,  # scale
-    ctypes.c_int64,  # first item
-    ctypes.c_int64,  # end item
+    ctypes.c_int64,  # first sequence
+    ctypes.c_int64,  # end sequence
     ctypes.c_void_p,  # scores scratch
     ctypes.c_void_p,  # out
     ctypes.c_void_p,  # lse
 ]
 
 MIN_KEYS_PER_THREAD = 2048
-"""Keys (summed over a thread's items) below which another thread costs more than it
-saves (a pool hand-off is ~20 us, a 2K-key head ~15 us of kernel)."""
+"""Keys (summed over a thread's sequences) below which another thread costs more than it
+saves (a pool hand-off is ~20 us, 2K keys of SmolLM2's 9 heads ~30 us of kernel)."""
+
+
+MAX_HEADS = 256
+"""Query heads per sequence the kernel handles (its per-head running max and sum sit on
+the stack); the backend uses the reference beyond."""
 
 
 class KernelUnavailable(RuntimeError):
@@ -146,12 +151,12 @@ def decode(
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    group = num_heads // num_kv_heads
-    items = num_seqs * num_kv_heads
-    threads = max(1, min(torch.get_num_threads(), items, items * max_len // MIN_KEYS_PER_THREAD))
+    threads = max(
+        1, min(torch.get_num_threads(), num_seqs, num_seqs * max_len // MIN_KEYS_PER_THREAD)
+    )
     out = torch.empty_like(q)
     lse = torch.empty(num_seqs, num_heads, dtype=torch.float32)
-    scores = torch.empty(threads, group * max(max_len, 1), dtype=torch.float32)
+    scores = torch.empty(threads, num_heads * max(max_len, 1), dtype=torch.float32)
     args = (
         q.data_ptr(),
         kv_cache[0].data_ptr(),
@@ -167,11 +172,13 @@ def decode(
     )
     tail = (out.data_ptr(), lse.data_ptr())
     if threads == 1:
-        rc = fn(*args, 0, items, scores.data_ptr(), *tail)
+        rc = fn(*args, 0, num_seqs, scores.data_ptr(), *tail)
         if rc != 0:
-            raise ValueError(f"CPU attention kernel: unsupported heads {num_heads}/{num_kv_heads}")
+            raise ValueError(
+                f"CPU attention kernel: {num_heads} query heads over {num_kv_heads} KV heads"
+            )
         return out, lse
-    bounds = [items * i // threads for i in range(threads + 1)]
+    bounds = [num_seqs * i // threads for i in range(threads + 1)]
     # threads - 1 chunks on the pool, the last on this thread (it would wait anyway)
     jobs = [
         _pool(threads - 1).submit(fn, *args, bounds[i], bounds[i + 1], scores[i].data_ptr(), *tail)
@@ -179,5 +186,7 @@ def decode(
     ]
     last = fn(*args, bounds[-2], bounds[-1], scores[-1].data_ptr(), *tail)
     if last != 0 or any(j.result() != 0 for j in jobs):
-        raise ValueError(f"CPU attention kernel: unsupported heads {num_heads}/{num_kv_heads}")
+        raise ValueError(
+            f"CPU attention kernel: {num_heads} query heads over {num_kv_heads} KV heads"
+        )
     return out, lse

@@ -110,6 +110,9 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         if kv_cache.dtype not in (torch.bfloat16, torch.float32):
             self._fallback(f"KV cache rows of {kv_cache.dtype} (fp8)")
             return super()._attend(q, k, v, kv_cache, meta, scale, value_dim)
+        if q.shape[1] > cpu_kernel.MAX_HEADS:
+            self._fallback(f"{q.shape[1]} query heads")
+            return super()._attend(q, k, v, kv_cache, meta, scale, value_dim)
         plan = meta.backend_state.get(_PLAN_KEY)
         if plan is None:
             plan = _build_plan(meta, kv_cache.shape[2])
