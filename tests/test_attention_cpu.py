@@ -105,20 +105,30 @@ def test_matches_reference_on_random_paged_layouts(
     assert torch.equal(ours_cache, ref_cache)  # the same writes, and only those
 
 
-def test_several_threads_split_the_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "seqs", [DECODE, [(700, 1)], [(300, 1), (45, 1)]], ids=["by-seq", "by-keys", "both"]
+)
+def test_several_threads_split_the_step(monkeypatch: pytest.MonkeyPatch, seqs: list) -> None:
+    """3 threads: 5 sequences split by sequence; 1 or 2 sequences have their keys cut into
+    block-aligned parts merged by LSE."""
     monkeypatch.setattr(cpu_kernel, "MIN_KEYS_PER_THREAD", 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
-        ours, ref, _, _ = _both(DECODE, dtype=torch.float32, hq=9, hkv=3, d=64, block_size=16)
+        for dtype in (torch.float32, torch.bfloat16):
+            ours, ref, _, _ = _both(seqs, dtype=dtype, hq=9, hkv=3, d=64, block_size=16)
+            torch.testing.assert_close(ours.float(), ref.float(), **TOL[dtype])
     finally:
         torch.set_num_threads(threads)
-    torch.testing.assert_close(ours, ref, **TOL[torch.float32])
 
 
-def test_kernel_lse_and_rows_without_keys() -> None:
+@pytest.mark.parametrize("threads", [1, 6])
+def test_kernel_lse_and_rows_without_keys(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
     """lse = log sum exp(scale q k) over the keys; a sequence of 0 keys (a DCP rank
-    holding none of its tokens) gets out 0 and lse -inf."""
+    holding none of its tokens) gets out 0 and lse -inf, also when 6 threads cut the
+    keys into 2 parts (parts without keys merge away)."""
+    monkeypatch.setattr(cpu_kernel, "MIN_KEYS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     meta, tables = _layout([(40, 1), (0, 1), (7, 1)], 16, 50, 1)
     lens = torch.tensor([41, 0, 8], dtype=torch.int32)
     gen = torch.Generator().manual_seed(1)

@@ -8,9 +8,10 @@ time an engine builds the "cpu" attention backend (start-up), never per request.
 a compiler `load()` raises KernelUnavailable and the engine falls back to the reference
 backend (engine/attention/cpu_paged.py says when).
 
-Threads: the kernel is single-threaded; `decode` splits a step's sequences over torch's
-intra-op thread count with a small pool of Python threads (ctypes releases the GIL during
-the call), each with its own scratch. One sequence runs on one thread.
+Threads: the kernel is single-threaded; `decode` splits a step over torch's intra-op
+thread count (by sequence, and by key range when there are fewer sequences than threads)
+with a small pool of Python threads (ctypes releases the GIL during the call), each job
+with its own scratch.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from functools import cache
 from pathlib import Path
 
 import torch
+
+from engine.attention.base import merge_partials
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +146,14 @@ def decode(
     max_len: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, Hq, D] float32, [B, Hq] float32
-    """One query row per sequence over its first seq_lens[b] keys; out and lse."""
+    """One query row per sequence over its first seq_lens[b] keys; out and lse.
+
+    With T torch threads and enough keys, the step is split into jobs run at once: by
+    sequence when B >= T; otherwise each sequence's keys are also cut into P = T // B
+    block-aligned parts whose partial results merge by their LSE (base.merge_partials):
+
+        B = 1, T = 2:   keys [0 ........ n/2 | n/2 ........ n)  -> 2 jobs, 1 merge
+    """
     lib = load()
     fn = lib.paged_decode_bf16 if kv_cache.dtype == torch.bfloat16 else lib.paged_decode_f32
     assert kv_cache.dtype in (torch.bfloat16, torch.float32) and kv_cache.is_contiguous()
@@ -151,42 +161,56 @@ def decode(
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    threads = max(
-        1, min(torch.get_num_threads(), num_seqs, num_seqs * max_len // MIN_KEYS_PER_THREAD)
-    )
-    out = torch.empty_like(q)
-    lse = torch.empty(num_seqs, num_heads, dtype=torch.float32)
-    scores = torch.empty(threads, num_heads * max(max_len, 1), dtype=torch.float32)
-    args = (
-        q.data_ptr(),
-        kv_cache[0].data_ptr(),
-        kv_cache[1].data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        seq_lens.data_ptr(),
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        scale,
-    )
-    tail = (out.data_ptr(), lse.data_ptr())
-    if threads == 1:
-        rc = fn(*args, 0, num_seqs, scores.data_ptr(), *tail)
-        if rc != 0:
-            raise ValueError(
-                f"CPU attention kernel: {num_heads} query heads over {num_kv_heads} KV heads"
+    threads = max(1, min(torch.get_num_threads(), num_seqs * max_len // MIN_KEYS_PER_THREAD))
+    num_blocks = max(1, -(-max_len // block_size))
+    parts = max(1, min(threads // num_seqs, num_blocks))
+    per_part = -(-num_blocks // parts)  # blocks per part
+    parts = -(-num_blocks // per_part)
+    if parts == 1:
+        jobs = [(0, num_seqs * i // threads, num_seqs * (i + 1) // threads) for i in range(threads)]
+        part_len, lens = max(max_len, 1), seq_lens.view(1, -1)
+    else:
+        jobs = [(p, b, b + 1) for p in range(parts) for b in range(num_seqs)]
+        part_len = per_part * block_size
+        starts = torch.arange(parts, dtype=torch.int32).view(-1, 1) * part_len
+        lens = (seq_lens.view(1, -1) - starts).clamp(0, part_len).contiguous()  # [P, B]
+    out = torch.empty(parts, num_seqs, num_heads, head_dim, dtype=torch.float32)
+    lse = torch.empty(parts, num_seqs, num_heads, dtype=torch.float32)
+    scores = torch.empty(len(jobs), num_heads * part_len, dtype=torch.float32)
+    entry = block_tables.element_size()
+
+    def run(j: int) -> int:
+        p, first, end = jobs[j]
+        return int(
+            fn(
+                q.data_ptr(),
+                kv_cache[0].data_ptr(),
+                kv_cache[1].data_ptr(),
+                block_tables.data_ptr() + p * per_part * entry,  # part p's first block
+                block_tables.stride(0),
+                lens[p].data_ptr(),
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                block_size,
+                scale,
+                first,
+                end,
+                scores[j].data_ptr(),
+                out[p].data_ptr(),
+                lse[p].data_ptr(),
             )
-        return out, lse
-    bounds = [num_seqs * i // threads for i in range(threads + 1)]
-    # threads - 1 chunks on the pool, the last on this thread (it would wait anyway)
-    jobs = [
-        _pool(threads - 1).submit(fn, *args, bounds[i], bounds[i + 1], scores[i].data_ptr(), *tail)
-        for i in range(threads - 1)
-    ]
-    last = fn(*args, bounds[-2], bounds[-1], scores[-1].data_ptr(), *tail)
-    if last != 0 or any(j.result() != 0 for j in jobs):
+        )
+
+    # all jobs but the last on the pool, the last on this thread (it would wait anyway)
+    pending = [_pool(len(jobs) - 1).submit(run, j) for j in range(len(jobs) - 1)]
+    codes = [run(len(jobs) - 1), *(f.result() for f in pending)]
+    if any(codes):
         raise ValueError(
             f"CPU attention kernel: {num_heads} query heads over {num_kv_heads} KV heads"
         )
-    return out, lse
+    if parts == 1:
+        return out[0], lse[0]
+    total = torch.logsumexp(lse, dim=0)  # [B, Hq]; -inf for a sequence without keys
+    merged = merge_partials(out, torch.where(torch.isinf(total), 0.0, lse))
+    return merged.masked_fill(torch.isinf(total).unsqueeze(-1), 0.0), total
