@@ -15,10 +15,11 @@ change the wall clock by 2-3x but hardly the work; the best of `--reps` counts.
 
 `--decode-grid`: decode ms per step for every (context, batch) with each attention
 backend ("torch": the reference, gathering each sequence's KV per layer per step; "cpu":
-the in-place kernel, engine/attention/cpu_paged.py). The backends' engines are built once
-and their repetitions interleave (torch, cpu, torch, cpu, ...) so a noisy neighbour
-affects both alike; the median of `--reps` counts, and prefill behind a cached prefix is
-reported per backend too (it runs the same reference path in both).
+the in-place kernel, engine/attention/cpu_paged.py). One engine prefills each cell's
+sequences once; then the model's attention backend is swapped between runs of `--steps`
+decode steps (torch, cpu, torch, cpu, ...) so a noisy neighbour affects both alike, and
+the median of `--reps` runs counts. Prefill of `--new` tokens behind the largest cached
+context is reported per backend too (both run the reference path for prefill rows).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 
 import torch
 
+from engine.attention.base import AttentionBackend, get_backend
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
@@ -87,74 +89,79 @@ def measure(eng: LLMEngine, args: argparse.Namespace, seed: int) -> dict[str, fl
     return out
 
 
-def decode_ms(eng: LLMEngine, rng: random.Random, context: int, batch: int, steps: int) -> float:
-    """CPU ms per decode step of `batch` sequences with `context` tokens of KV each."""
-    vocab = eng.info.config.vocab_size
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        ids = [rng.randrange(100, vocab) for _ in range(context)]
-        eng.add_request(ids, params, f"g{rng.random()}-{i}")
-    sched = eng.scheduler
-    while sched.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running):
-        eng.step()
-    eng.step()  # every request decoding now
-    t = _cpu(lambda: [eng.step() for _ in range(steps)])
-    while eng.has_unfinished():
-        eng.step()
-    eng.reset_prefix_cache()
-    return 1000 * t / steps
+def _set_backend(eng: LLMEngine, backend: AttentionBackend) -> None:
+    runner = eng.runner
+    assert isinstance(runner, ModelRunner)
+    runner.backend = backend
+    for module in runner.model.modules():
+        if hasattr(module, "backend"):
+            module.backend = backend
 
 
 def decode_grid(args: argparse.Namespace) -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    backends = args.backends.split(",")
+    names = args.backends.split(",")
+    backends = {name: get_backend(name) for name in names}
     need = max(contexts) * max(batches) + 4096
-    engines = {
-        name: LLMEngine.from_spec(
-            MODEL,
-            EngineConfig(
-                dtype=args.dtype,
-                attention_backend=name,
-                num_blocks=-(-need // 16) + 64,
-                max_num_batched_tokens=2048,
-            ),
-        )
-        for name in backends
-    }
+    eng = LLMEngine.from_spec(
+        MODEL,
+        EngineConfig(
+            dtype=args.dtype,
+            attention_backend=names[0],
+            num_blocks=-(-need // 16) + 64,
+            max_num_batched_tokens=2048,
+        ),
+    )
+    vocab = eng.info.config.vocab_size
+    rng = random.Random(0)
     samples: dict[tuple[str, int, int], list[float]] = {}
-    prefill: dict[str, list[float]] = {}
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    for rep in range(args.reps):
-        for name, eng in engines.items():
-            rng = random.Random(rep)
-            for context in contexts:
-                for batch in batches:
-                    ms = decode_ms(eng, rng, context, batch, args.steps)
-                    samples.setdefault((name, context, batch), []).append(ms)
-            vocab = eng.info.config.vocab_size
-            prefix = [rng.randrange(100, vocab) for _ in range(max(contexts))]
-            eng.generate([prefix], one)
-            new = [rng.randrange(100, vocab) for _ in range(args.new)]
-            t = _cpu(lambda e=eng, p=prefix, n=new: e.generate([p + n], one))
-            prefill.setdefault(name, []).append(args.new / t)
+    sched = eng.scheduler
+    for context in contexts:
+        for batch in batches:
+            steps = args.reps * len(names) * args.steps
+            params = SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True)
+            for i in range(batch):
+                ids = [rng.randrange(100, vocab) for _ in range(context)]
+                eng.add_request(ids, params, f"g{context}-{batch}-{i}")
+            while sched.waiting or any(
+                r.num_computed_tokens < r.num_tokens - 1 for r in sched.running
+            ):
+                eng.step()
+            eng.step()  # every request decoding now
+            for _ in range(args.reps):
+                for name, backend in backends.items():
+                    _set_backend(eng, backend)
+                    t = _cpu(lambda: [eng.step() for _ in range(args.steps)])
+                    samples.setdefault((name, context, batch), []).append(1000 * t / args.steps)
+            while eng.has_unfinished():
+                eng.step()
             eng.reset_prefix_cache()
-    for eng in engines.values():
-        eng.close()
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prefix = [rng.randrange(100, vocab) for _ in range(max(contexts))]
+    eng.generate([prefix], one)  # cached from here on
+    prefill: dict[str, list[float]] = {}
+    for _ in range(args.reps):
+        for name, backend in backends.items():
+            _set_backend(eng, backend)
+            new = [rng.randrange(100, vocab) for _ in range(args.new)]
+            t = _cpu(lambda n=new: eng.generate([prefix + n], one))
+            prefill.setdefault(name, []).append(args.new / t)
+    eng.close()
     print(
-        f"{args.dtype}, decode ms per step (CPU clock, 1 torch thread, median of {args.reps} "
-        f"interleaved runs, {args.steps} steps each)"
+        f"{args.dtype}, decode ms per step by context x batch (CPU clock, 1 torch thread, "
+        f"median of {args.reps} interleaved runs of {args.steps} steps)"
     )
     cols = [(c, b) for c in contexts for b in batches]
     print(
-        "| backend | " + " | ".join(f"{c} x{b}" for c, b in cols) + " | prefill behind "
-        f"{max(contexts)} tok/s |"
+        "| backend | "
+        + " | ".join(f"{c} x{b}" for c, b in cols)
+        + f" | prefill {args.new} behind {max(contexts)}, tok/s |"
     )
     print("|---|" + "---:|" * (len(cols) + 1))
-    for name in backends:
+    for name in names:
         cells = [f"{statistics.median(samples[(name, c, b)]):.1f}" for c, b in cols]
-        tok_s = statistics.median(prefill[name])
-        print(f"| {name} | " + " | ".join(cells) + f" | {tok_s:,.0f} |")
+        print(f"| {name} | " + " | ".join(cells) + f" | {statistics.median(prefill[name]):,.0f} |")
     return 0
 
 
