@@ -41,7 +41,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "fp8_e4m3"]
 Protocol = Literal["tcp", "rdma"]
 HandoffProtocol = Literal["tcp", "rdma", "cuda_ipc"]
-AttentionBackendName = Literal["auto", "torch", "flex"]
+AttentionBackendName = Literal["auto", "torch", "cpu", "flex"]
 RoutingPolicy = Literal["round_robin", "random", "session", "kv_aware"]
 ToolParserName = Literal["hermes", "llama3_json", "mistral"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -386,8 +386,10 @@ class ClusterConfig(_Section, frozen=True, kw_only=True):
     per token and KV head, about half the bytes of bfloat16 (docs/kv_cache.md)."""
     attention_backend: AttentionBackendName = "auto"
     """Attention kernels of every engine process: "flex" (paged FlexAttention decode and
-    flash prefill, CUDA only, with decode CUDA graphs), "torch" (the reference backend,
-    CPU and CUDA), or "auto": flex on GPUs, torch on CPUs."""
+    flash prefill, CUDA only, with decode CUDA graphs), "cpu" (decode reads the paged
+    cache in place with a C kernel built at start-up, prefill as the reference; CPU only,
+    needs a C compiler, else it runs the reference), "torch" (the reference backend, CPU
+    and CUDA), or "auto": flex on GPUs, cpu on CPUs."""
     cpu_pinning: bool = True
     """CPU engine processes of a node each pinned to their own slice of its CPUs, with
     one torch thread per CPU of the slice (enginehost/cpu_plan.py); false: not pinned,
