@@ -39,6 +39,7 @@ from protocol.messages import (
     PromptUsage,
     encode_line,
 )
+from transfer.faults import HandoffFaults
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,11 @@ class PrefillService:
         handoffs: HandoffScheduler,
         secret: str,
         num_devices: int = 1,
+        faults: HandoffFaults | None = None,
     ) -> None:
         self.name = name
+        self.faults = faults or HandoffFaults()
+        """Test-only injected faults (cluster.yaml handoff_faults): the door's hold."""
         self.secret = secret
         """The cluster secret: its routes need it, its notices to decode carry it."""
         self.capability_key = capability_key(secret)
@@ -126,6 +130,7 @@ class PrefillService:
         if refused is not None:
             self.metrics.outcome("rejected")
             return error_response(403, refused, rid)
+        await self.faults.hold(len(msg.prompt_token_ids))
         queue = self.host.open_stream(rid)
 
         def add(e: LLMEngine) -> None:
