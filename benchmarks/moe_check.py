@@ -34,6 +34,10 @@ from engine.models.moe import SparseMoeBlock
 from engine.models.registry import build_model
 from modelinfo.config import model_config_from_hf
 
+# A path that raises is a failed check, not a row to skip: every failure is collected and
+# the run exits non-zero after printing the rest of the table.
+FAILURES: list[str] = []
+
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"],
     "decoder_sparse_step": 1,
@@ -123,7 +127,8 @@ def bench_block(block: SparseMoeBlock, tokens: list[int], iters: int, device: to
                     outs[impl] = block(h)
                     times[impl] = time_ms(lambda h=h: block(h), device, iters)
                 except (RuntimeError, NotImplementedError) as e:
-                    print(f"{n:>7} {impl} failed: {str(e).splitlines()[0]}")
+                    FAILURES.append(f"{n} tokens, {impl}: {str(e).splitlines()[0]}")
+                    print(f"{n:>7} {impl} FAILED (the run will exit non-zero)")
             logits = torch.nn.functional.linear(h.to(block.gate_weight.dtype), block.gate_weight)
             active = int(torch.topk(logits, moe.top_k, dim=-1)[1].unique().numel())
             mb = active * per_expert / 1e6
@@ -172,7 +177,8 @@ def bench_model(cfg, layers: int, dtype, device: torch.device, tokens: int, iter
             ms = time_ms(step, device, iters)
             print(f"  {impl:>8}: {ms:8.2f} ms/step, {ms / layers:7.2f} ms/layer")
         except (RuntimeError, NotImplementedError) as e:
-            print(f"  {impl:>8}: failed: {str(e).splitlines()[0]}")
+            FAILURES.append(f"{layers} layers, {impl}: {str(e).splitlines()[0]}")
+            print(f"  {impl:>8}: FAILED (the run will exit non-zero)")
 
 
 def main() -> None:
@@ -202,6 +208,8 @@ def main() -> None:
     del block
     if args.layers > 0:
         bench_model(cfg, args.layers, dtype, device, args.prefill_tokens, max(1, args.iters // 4))
+    if FAILURES:
+        sys.exit("moe_check failed:\n  " + "\n  ".join(FAILURES))
 
 
 if __name__ == "__main__":

@@ -11,16 +11,13 @@ DeepSeek-V2 whose KV is one latent entry per token and layer.
 
 from __future__ import annotations
 
-import random
-import re
 import time
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
 import torch
 from cluster_harness import Cluster, start_cluster
+from model_e2e_check import check_handoff_and_pool_restore
 from parallel_harness import check_flows, flow_metrics, run_pair_batch, start_parallel_cluster
 from test_mla_model import make_tiny_deepseek
 
@@ -29,7 +26,6 @@ from engine.llm_engine import LLMEngine
 from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(900)
-CHUNK = 256
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 LATENT_BYTES = (32 + 8) * 4  # kv_lora_rank + qk_rope_head_dim, float32
 
@@ -39,11 +35,6 @@ def mla(tmp_path_factory, tiny_tokenizer_dir: Path):
     folder = tmp_path_factory.mktemp("deepseek-v2-e2e")
     hf = make_tiny_deepseek(folder, "deepseek_v2", tiny_tokenizer_dir, vocab_size=49152)
     return folder, hf
-
-
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def test_pp2_prefill_to_tp2_dcp2_decode(mla, tmp_path_factory, weights_cache_dir: str) -> None:
@@ -104,36 +95,5 @@ def test_mla_handoff_and_pool_restore_match_single_process(
     cluster: Cluster, mla, weights_cache_dir: str
 ) -> None:
     folder, hf = mla
-    ref = LLMEngine.from_spec(str(folder), EngineConfig(cache_dir=weights_cache_dir))
-    rng = random.Random(5)
-    prompt = " ".join(rng.choice(["latent", "rope", "absorb", "pool"]) for _ in range(70))
-    ids = ref.info.tokenizer.encode(prompt)
-    assert len(ids) > CHUNK
-    want = ref.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
-    with torch.no_grad():  # transformers picks the same tokens, teacher-forced
-        logits = hf(torch.tensor([ids + want.token_ids[:-1]])).logits[0, len(ids) - 1 :]
-    assert logits.argmax(-1).tolist() == want.token_ids
-
-    client = openai.OpenAI(base_url=cluster.api_base, api_key="unused", max_retries=0, timeout=60)
-
-    def ask() -> dict:
-        got = client.completions.create(
-            model=cluster.served_name,
-            prompt=prompt,
-            max_tokens=8,
-            temperature=0,
-            extra_body={"ignore_eos": True},
-        )
-        assert got.choices[0].text == want.text
-        assert got.usage.completion_tokens == 8
-        return got.usage.prompt_tokens_details.model_dump()
-
-    decoded_before = _metric(cluster.decode_url, "kvserve_generated_tokens_total")
-    first = ask()
-    assert first["pool_tokens"] == 0 and first["computed_tokens"] == len(ids)
-    assert _metric(cluster.decode_url, "kvserve_generated_tokens_total") > decoded_before
-    r = httpx.post(cluster.router_url + "/v1/admin/reset_prefix_cache", timeout=30)
-    assert r.status_code == 200 and r.json()["success"], r.text
-    again = ask()
-    assert again["gpu_tokens"] == 0
-    assert again["pool_tokens"] == (len(ids) - 1) // CHUNK * CHUNK
+    words = ["latent", "rope", "absorb", "pool"]
+    check_handoff_and_pool_restore(cluster, folder, hf, words, weights_cache_dir)

@@ -22,9 +22,9 @@ import pytest
 import torch
 import yaml
 from test_model_vs_transformers import PagedRunner, assert_logits_close, hf_greedy
+from test_moe_model import check_router
 
 from engine.attention.base import get_backend
-from engine.models.moe_router import route
 from engine.models.registry import build_model
 from engine.rope import attention_factor, compute_inv_freq
 from engine.weights.cache import load_weights
@@ -230,19 +230,7 @@ def test_routers_match_transformers() -> None:
         cfg = AutoConfig.for_model(
             arch, hidden_size=64, num_experts_per_tok=3, moe_intermediate_size=8, **kw
         )
-        ref = cls(cfg)
-        with torch.no_grad():
-            ref.weight.normal_(0, 0.5)
-            bias = getattr(ref, "e_score_correction_bias", None)
-            if bias is not None:
-                bias.normal_(0, 0.3)
-            _, want_w, want_ids = ref(x)
-        config = model_config_from_hf({**cfg.to_dict(), "architectures": [_ARCH[arch]]})
-        assert config.moe is not None
-        got_w, got_ids = route(x @ ref.weight.T, config.moe, bias)
-        want = torch.zeros(300, 16).scatter_(1, want_ids, want_w.float())
-        got = torch.zeros(300, 16).scatter_(1, got_ids, got_w)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        check_router(cls(cfg), cfg, _ARCH[arch], x)
 
 
 # The Hub's config.json of DeepSeek-V2-Lite (fields the engine reads).

@@ -180,20 +180,26 @@ def test_routers_match_transformers() -> None:
         cfg = AutoConfig.for_model(
             arch, hidden_size=64, num_experts_per_tok=3, moe_intermediate_size=8, **kw
         )
-        ref = cls(cfg)
-        with torch.no_grad():
-            ref.weight.normal_(0, 0.5)
-            bias = getattr(ref, "e_score_correction_bias", None)
-            if bias is not None:
-                bias.normal_(0, 0.3)
-            _, want_w, want_ids = ref(x)
-        config = model_config_from_hf({**cfg.to_dict(), "architectures": [_ARCH[arch]]})
-        assert config.moe is not None
-        got_w, got_ids = route(x @ ref.weight.T, config.moe, bias)
-        # Compare as sets per token (top-k order is not part of the result).
-        want = torch.zeros(300, 16).scatter_(1, want_ids, want_w.float())
-        got = torch.zeros(300, 16).scatter_(1, got_ids, got_w)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        check_router(cls(cfg), cfg, _ARCH[arch], x)
+
+
+def check_router(ref: torch.nn.Module, cfg, architecture: str, x: torch.Tensor) -> None:
+    """route() gives transformers' router module `ref` (weights and any correction bias
+    drawn here) the same per-token expert weights on `x`, compared as sets per token
+    (top-k order is not part of the result)."""
+    with torch.no_grad():
+        ref.weight.normal_(0, 0.5)
+        bias = getattr(ref, "e_score_correction_bias", None)
+        if bias is not None:
+            bias.normal_(0, 0.3)
+        _, want_w, want_ids = ref(x)
+    config = model_config_from_hf({**cfg.to_dict(), "architectures": [architecture]})
+    assert config.moe is not None
+    got_w, got_ids = route(x @ ref.weight.T, config.moe, bias)
+    experts = ref.weight.shape[0]
+    want = torch.zeros(len(x), experts).scatter_(1, want_ids, want_w.float())
+    got = torch.zeros(len(x), experts).scatter_(1, got_ids, got_w)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 _ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
