@@ -37,9 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     @app.on_event("startup")
     async def _start() -> None:
         host.start()
+        service.heap_trimmer.start()
 
     @app.on_event("shutdown")
     async def _stop() -> None:
+        await service.heap_trimmer.stop()
         host.stop()
         engine.connector.close()
         engine.kv_worker.close()

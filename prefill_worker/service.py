@@ -25,6 +25,7 @@ from enginehost.app import base_app, error_response, read_message
 from enginehost.host import EngineHost
 from enginehost.kv_events import KVReporter
 from prefill_worker.handoff import HandoffScheduler
+from prefill_worker.heap_trim import HeapTrimmer
 from prefill_worker.metrics import PrefillMetrics
 from protocol.errors import InvalidRequestError, PromptTooLongError
 from protocol.internal_auth import auth_headers
@@ -82,6 +83,9 @@ class PrefillService:
         """GET /info and /kv_events for KV-aware routing; the pool connector reports its
         saves and restores to it (record_pool_saved, record_restore)."""
         self._http = httpx.AsyncClient(timeout=10.0, trust_env=False, headers=auth_headers(secret))
+        self.heap_trimmer = HeapTrimmer()
+        """Gives the heap's free pages back after large batches (prefill_worker/heap_trim.py);
+        started and stopped with the app."""
 
     def status(self) -> InstanceStatus:
         """Engine thread."""
