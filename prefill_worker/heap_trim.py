@@ -2,9 +2,10 @@
 
 A prefill step allocates activations sized by its batch (up to max_batched_tokens rows of
 the model's widest layer: tens of MiB) and frees them when it ends. glibc keeps freed
-memory in its arenas (one per thread that allocates) and, after freeing a large mmapped
-block, raises its mmap threshold to that size, so later blocks of that size come from
-the arenas and stay there. RSS then sits at the high-water mark of the batch shapes seen
+memory in its arenas and, after freeing a large mmapped block, raises its mmap threshold
+to that size, so later blocks of that size come from the arenas; the engine thread's
+arena (not the main heap) gives back only its top, so pages freed below a block that
+lives on stay with the process (tests/test_heap_trim.py shows it). RSS then sits at the high-water mark of the batch shapes seen
 so far: in the 600 s soak, prefill's RSS rose in 4-40 MiB steps whenever a larger batch
 than any before arrived (+3.72% after warm-up), with nothing leaking. malloc_trim(0)
 returns the free pages of every arena (MADV_DONTNEED inside them, glibc >= 2.8). The
