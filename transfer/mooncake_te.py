@@ -96,7 +96,9 @@ class MooncakeTransport(Transport):
 
     def note_peer(self, peer: str, incarnation: str) -> None:
         """A peer name Mooncake reuses for a new process (module docstring) gets a fresh
-        engine: the old one would keep writing to the dead process's data port."""
+        engine: the old one would keep writing to the dead process's data port. This
+        transport's own `peer_address` changes with it (a writer's address is not used
+        by anyone)."""
         if not incarnation or self._engine is None:
             return
         known = self._peer_incarnations.setdefault(peer, incarnation)
