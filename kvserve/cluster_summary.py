@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpool.topology import master_component, master_nodes, store_component
+from kvpool.topology import master_component, master_nodes, service_stores, store_component
 from protocol.cluster import ClusterConfig, DecodeConfig, PrefillConfig, local_nodes
 from protocol.cluster_types import format_bytes
 
@@ -36,6 +36,11 @@ def summarize(c: ClusterConfig, source: str) -> str:
         lines.append(
             f"  pool     {state}, {mode}, {pool.protocol}; master {pool.master.node}:"
             f"{pool.master.port}; {len(pool.stores)} store(s), {format_bytes(total)}"
+            + "".join(
+                f"; {format_bytes(st.size)} of it in {st.prefill}"
+                for st in pool.stores
+                if st.prefill is not None
+            )
         )
     for p in c.prefill:
         split = f" split {list(p.layer_split)}" if p.layer_split else ""
@@ -67,7 +72,7 @@ def summarize(c: ClusterConfig, source: str) -> str:
     if c.router_node.name in local:
         here_names.insert(0, "router")
     if pool is not None and pool.enabled:
-        stores = [store_component(i) for i, st in enumerate(pool.stores) if st.node in local]
+        stores = [store_component(i) for i, st in service_stores(c) if st.node in local]
         masters = [master_component(c, n) for n in master_nodes(c) if n in local]
         here_names = masters + stores + here_names
     here = ", ".join(here_names) or "nothing (no node is this machine)"

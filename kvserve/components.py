@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvpool.topology import master_component, master_nodes, store_component
+from kvpool.topology import master_component, master_nodes, service_stores, store_component
 from kvserve.bind_narrowing import narrowing_env
 from protocol.cluster import ClusterConfig, NodeConfig, is_loopback_host
 from protocol.config_errors import ConfigError
@@ -206,7 +206,7 @@ def plan_components(
                 name = master_component(cluster, node.name)
                 port = pool.master.metrics_port
                 by_kind["pool_master"].append(spec(name, "pool_master", node, node.host, port, env))
-        for i, store in enumerate(pool.stores):
+        for i, store in service_stores(cluster):  # a store in a prefill has no process
             node = cluster.node(store.node)
             if node.name in selected:
                 env = component_env(node, None, {})

@@ -40,7 +40,7 @@ from kvpool.backend import BackendConfig, create_backend
 from kvpool.client import PoolClient
 from kvpool.metrics import PoolMetrics
 from kvpool.stats import StageCounters
-from kvpool.topology import master_address
+from kvpool.topology import master_address, prefill_segment
 from prefill_worker.pool_pack import pack_blocks, unpack_blocks
 from prefill_worker.pool_worker import PoolWorker
 from protocol.cluster import ClusterConfig, PrefillConfig
@@ -358,7 +358,14 @@ def build_pool_client(
     pool = cluster.pool
     node = cluster.node(inst.node)
     if pool is not None and pool.enabled:
-        config = BackendConfig(node.host, master_address(cluster, inst.node), pool.protocol)
+        segment, hugepages = prefill_segment(cluster, inst.name)  # pool.stores[].prefill
+        config = BackendConfig(
+            node.host,
+            master_address(cluster, inst.node),
+            pool.protocol,
+            segment_bytes=segment,
+            hugepages=hugepages,
+        )
         backend = create_backend("mooncake", config)
         buffer_bytes: int | None = int(inst.pool_buffer_memory)
         depth = pool.save_queue_depth

@@ -116,6 +116,13 @@ class PoolStoreConfig(_Section, frozen=True, kw_only=True):
     node's host, picked by `kvserve up`."""
     rdma_devices: tuple[str, ...] = ()
     """RDMA NICs of this store's NUMA node (protocol rdma only); empty: all."""
+    prefill: Name | None = None
+    """Mount this store's segment inside that prefill instance's process(es) instead of
+    running a store service: the instance's own saves land in it and its restores of them
+    are a local memcpy (no transfer through another process; docs/pool.md "Segments in
+    prefill"). The instance must be on `node`; with PP each stage process mounts
+    size / pipeline_parallel. The segment is still the whole pool's, and dies with the
+    process like a store's. numa_node, port and metrics_port do not apply."""
 
 
 class PoolConfig(_Section, frozen=True, kw_only=True):

@@ -354,6 +354,9 @@ def _check_pool(c: ClusterConfig) -> None:
                 f"pool.stores[{i}].size",
                 f"{s.size} bytes is below 16MiB, the smallest segment Mooncake mounts",
             )
+        if s.prefill is not None:
+            _check_store_in_prefill(c, i)
+            continue
         per_node.setdefault(s.node, []).append(i)
     for node, idx in per_node.items():
         if len(idx) < 2:
@@ -368,12 +371,51 @@ def _check_pool(c: ClusterConfig) -> None:
                 )
             numas.add(numa)
     if pool.enabled and not pool.shared:
+        store_nodes = {s.node for s in pool.stores}
         for i, p in enumerate(c.prefill):
-            if p.node not in per_node:
+            if p.node not in store_nodes:
                 raise ConfigError(
                     f"prefill[{i}].node",
                     f"pool.shared is false but node {p.node} has no store; add one to pool.stores",
                 )
+
+
+def _check_store_in_prefill(c: ClusterConfig, i: int) -> None:
+    """A store mounted in a prefill instance (pool.stores[i].prefill)."""
+    assert c.pool is not None
+    s = c.pool.stores[i]
+    path = f"pool.stores[{i}]"
+    inst = next((p for p in c.prefill if p.name == s.prefill), None)
+    if inst is None:
+        names = ", ".join(p.name for p in c.prefill)
+        raise ConfigError(f"{path}.prefill", f"no prefill instance {s.prefill!r} (have: {names})")
+    if inst.node != s.node:
+        raise ConfigError(
+            f"{path}.node",
+            f"the store is mounted in prefill {inst.name!r}, which runs on node {inst.node}, "
+            f"not {s.node}",
+        )
+    for field in ("numa_node", "port", "metrics_port"):
+        if getattr(s, field) is not None:
+            raise ConfigError(
+                f"{path}.{field}",
+                f"does not apply to a store mounted in prefill {inst.name!r} (it runs in the "
+                "instance's processes, with their binding, ports and /metrics); remove it",
+            )
+    others = [j for j, o in enumerate(c.pool.stores) if o.prefill == s.prefill]
+    if others[0] != i:
+        raise ConfigError(
+            f"{path}.prefill",
+            f"pool.stores[{others[0]}] is already mounted in prefill {inst.name!r}; give the "
+            "instance one store (its size is the instance's segment)",
+        )
+    per_stage = s.size // inst.pipeline_parallel
+    if per_stage < MIN_STORE_BYTES:
+        raise ConfigError(
+            f"{path}.size",
+            f"{s.size} bytes over {inst.pipeline_parallel} stage processes is {per_stage} "
+            "bytes each, below 16MiB, the smallest segment Mooncake mounts",
+        )
 
 
 def cluster_ports(c: ClusterConfig) -> Iterator[tuple[str, str, int]]:
