@@ -151,6 +151,11 @@ class HandoffFaultsConfig(_Section, frozen=True, kw_only=True):
     its first piece (a transfer failed mid-flight)."""
     write_delay_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
     """Sleep before every KV write (a slow transport)."""
+    hold_prompt_tokens: PositiveInt | None = None
+    """Hold every request with exactly this many prompt tokens at prefill's door (before
+    its engine) until `hold_until_file` exists (at most 300 s): a request queued in
+    prefill while its decode dies."""
+    hold_until_file: str | None = None
 
 
 class EngineFaultsConfig(_Section, frozen=True, kw_only=True):

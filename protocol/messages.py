@@ -73,6 +73,9 @@ class LandingInfo(msgspec.Struct, frozen=True):
     dcp_rank: int = 0
     expires_at_s: float = 0.0
     """Unix time after which prefill no longer accepts this landing."""
+    peer_incarnation: str = ""
+    """Incarnation of the rank's transport (protocol/incarnation.py): prefill's Mooncake
+    transport refreshes what it cached about `peer` when this changes."""
     capability: str = ""
     """HMAC of the request id and every field above, minted by the decode instance that
     reserved the region (protocol/landing_capability.py); prefill writes nothing without
@@ -111,6 +114,9 @@ class DecodeReady(msgspec.Struct, frozen=True, tag="ready"):
     request_id: str
     landing: list[LandingInfo]
     notify_url: str
+    incarnation: str = ""
+    """The decode worker process's incarnation (protocol/incarnation.py): when this stream
+    breaks, the router blames the instance only if it still runs this incarnation."""
 
 
 class PrefillRequest(msgspec.Struct, frozen=True):

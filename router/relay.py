@@ -24,6 +24,7 @@ A run that ends normally (a worker reported the finish) sends none.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -49,6 +50,8 @@ from router.worker_client import AbortReason, InstanceUnreachable, WorkerClient
 
 if TYPE_CHECKING:
     from router.admission import AdmissionGate, Reservation
+
+log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -188,7 +191,8 @@ class RequestRun:
         if decode_events is None:
             raise WorkerFailed(f"{_name(self.prefill)} did not finish a max_tokens=1 request")
         assert self.decode is not None
-        async for batch in self._guard(self.decode, decode_events):
+        incarnation = ready.incarnation if ready is not None else ""
+        async for batch in self._guard(self.decode, decode_events, incarnation):
             if isinstance(batch, ErrorEvent):
                 raise WorkerError(batch.status, batch.message)
             if not isinstance(batch, TokenBatch):
@@ -307,13 +311,24 @@ class RequestRun:
             inst, self.request_id, self.ctx.prompt_token_ids, hashes, usage
         )
 
-    async def _guard(self, inst: Instance, events: AsyncIterator[_T]) -> AsyncIterator[_T]:
-        """Pass events through; a worker that broke mid-stream is marked unhealthy."""
+    async def _guard(
+        self, inst: Instance, events: AsyncIterator[_T], incarnation: str = ""
+    ) -> AsyncIterator[_T]:
+        """Pass events through; a worker that broke mid-stream is marked unhealthy, unless
+        the stream was `incarnation`'s and the instance has been restarted since (a
+        decode stream sits unread while prefill works; its break may be old news)."""
         try:
             async for event in events:
                 yield event
         except WorkerFailed as e:
-            self._s.registry.mark_unhealthy(inst, e.message)
+            if not self._s.registry.mark_unhealthy(inst, e.message, incarnation):
+                log.info(
+                    "%s: the stream of %s's previous process broke (%s); the restarted "
+                    "one stays routable",
+                    self.request_id,
+                    inst.describe(),
+                    e.message,
+                )
             raise
 
     def _pick(self, role: Role, tried: set[str]) -> Instance:

@@ -31,6 +31,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 import msgspec
 
+from protocol.incarnation import HEADER as INCARNATION_HEADER
 from protocol.internal_auth import auth_headers
 from protocol.messages import (
     AbortRequest,
@@ -159,13 +160,17 @@ class WorkerClient:
 
     # -- control ----------------------------------------------------------------------------
 
-    async def health(self, inst: Instance) -> str | None:
-        """None when GET /health answers 200, else what went wrong."""
+    async def health(self, inst: Instance) -> tuple[str | None, str]:
+        """(None when GET /health answers 200, else what went wrong; the incarnation the
+        worker named, "" if none)."""
         try:
             resp = await self._http.get(inst.url + HEALTH_PATH, timeout=self._control_timeout_s)
         except httpx.HTTPError as e:
-            return f"{type(e).__name__}: {e}"
-        return None if resp.status_code == 200 else f"GET /health answered {resp.status_code}"
+            return f"{type(e).__name__}: {e}", ""
+        incarnation = resp.headers.get(INCARNATION_HEADER, "")
+        if resp.status_code != 200:
+            return f"GET /health answered {resp.status_code}", incarnation
+        return None, incarnation
 
     async def reset_prefix_cache(self, inst: Instance, timeout_s: float) -> tuple[int, Any]:
         """POST /admin/reset_prefix_cache: (status, JSON body or text); 503 when unreachable."""
