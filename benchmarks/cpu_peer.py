@@ -10,7 +10,9 @@ Steps, one after the other so the two never share the cores:
 2. the builtin GGUF (builtin:smollm2-135m-instruct) converted into an HF folder with
    transformers (the same weights, dequantized; vLLM serves them in `--vllm-dtype`);
 3. for each `--sessions` count: a fresh kvserve embedded default (`kvserve up -c
-   deploy/examples/local.yaml`), the seeded agentic replay (`kvserve bench agentic
+   deploy/examples/local.yaml`, the unified topology; `--config` names other cluster files,
+   e.g. `--config deploy/examples/local.yaml deploy/examples/local-pd.yaml` for a row per
+   topology), the seeded agentic replay (`kvserve bench agentic
    --synthetic`, contexts up to `--max-context`, a fixed `--duration`), `kvserve down`;
    then a fresh vLLM-CPU (`vllm serve`, prefix caching on) under the same replay;
 4. a table of both rows side by side (TTFT p50/p90, ITL p50, tokens/s, reuse against the
@@ -156,20 +158,25 @@ def replay(
     return report
 
 
-def run_kvserve(sessions: int, args: argparse.Namespace, out: Path) -> dict[str, object]:
+def run_kvserve(
+    config: str, sessions: int, args: argparse.Namespace, out: Path
+) -> dict[str, object]:
+    from protocol.cluster import load_cluster
+
+    url = load_cluster(config).router_url
     state = out / "state"
     kv = [sys.executable, "-m", "kvserve.cli"]
-    up = [*kv, "up", "-c", args.kvserve_config, "--detach", "--state-dir", str(state)]
+    up = [*kv, "up", "-c", config, "--detach", "--state-dir", str(state)]
     started = subprocess.run(up, check=True, timeout=600, capture_output=True, text=True)
     sys.stderr.write(started.stdout + started.stderr)
     # every component is a child of the background launcher
     found = re.search(r"background launcher pid (\d+)", started.stdout + started.stderr)
     try:
-        wait_healthy("http://127.0.0.1:8000", None, 120)
+        wait_healthy(url, None, 120)
         pid = int(found.group(1)) if found else None
-        return replay("http://127.0.0.1:8000", sessions, args, out, pid)
+        return replay(url, sessions, args, out, pid)
     finally:
-        down = [*kv, "down", "-c", args.kvserve_config, "--state-dir", str(state)]
+        down = [*kv, "down", "-c", config, "--state-dir", str(state)]
         subprocess.run(down, check=False, timeout=120)
 
 
@@ -253,6 +260,11 @@ def table(rows: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def _label(config: str, num_configs: int) -> str:
+    """A kvserve row's name: "kvserve", or "kvserve <file stem>" when several configs run."""
+    return "kvserve" if num_configs == 1 else f"kvserve {Path(config).stem}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_peer", description=__doc__)
     p.add_argument("--out", required=True, help="results directory")
@@ -270,7 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-port", type=int, default=8300)
     p.add_argument("--systems", nargs="+", default=["kvserve", "vllm-cpu"])
     p.add_argument(
-        "--kvserve-config", default=str(LOCAL_YAML), help="cluster.yaml kvserve runs (up/down)"
+        "--config",
+        "--kvserve-config",
+        dest="configs",
+        nargs="+",
+        default=[str(LOCAL_YAML)],
+        help="cluster.yaml(s) kvserve runs (up/down), one row each: e.g. "
+        "deploy/examples/local.yaml (unified) deploy/examples/local-pd.yaml (P/D)",
     )
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -280,13 +298,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     hf_dir = convert_gguf(out / "hf-smollm2") if py is not None else None
     rows = []
+    runs: list[tuple[str, str | None]] = []
+    for system in args.systems:
+        if system == "kvserve":
+            runs += [(_label(c, len(args.configs)), c) for c in args.configs]
+        else:
+            runs.append((system, None))
     for sessions in args.sessions:
-        for system in args.systems:
-            run_dir = out / f"{system}-{sessions}"
+        for system, config in runs:
+            run_dir = out / f"{system.replace(' ', '-')}-{sessions}"
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
-            if system == "kvserve":
-                report = run_kvserve(sessions, args, run_dir)
+            if config is not None:
+                report = run_kvserve(config, sessions, args, run_dir)
             else:
                 assert py is not None and hf_dir is not None
                 report = run_vllm(py, hf_dir, sessions, args, run_dir)

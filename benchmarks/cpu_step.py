@@ -1,6 +1,9 @@
-"""The CPU engine's step costs by dtype, on the process CPU clock (1 torch thread).
+"""The CPU engine's step costs by dtype and by attention backend, on the process CPU
+clock (1 torch thread).
 
     python -m benchmarks.cpu_step [--context 2048] [--new 256] [--steps 32] [--reps 3]
+    python -m benchmarks.cpu_step --decode-grid [--contexts 1024,4096,6144]
+        [--batches 1,2,4] [--backends torch,cpu] [--dtype bfloat16] [--steps 16] [--reps 3]
 
 What an agentic turn costs a CPU engine, without HTTP: prefill of `--new` tokens behind a
 cached `--context`-token prefix (the common case: most of the prompt is reused), a cold
@@ -9,16 +12,26 @@ tokens of KV each. Rows: float32 (the exactness reference), bfloat16 with plain 
 and bfloat16 with oneDNN-packed projection weights (engine/models/cpu_gemm.py, the
 default in bf16 on CPU). CPU time, not wall time: on a shared machine the neighbours
 change the wall clock by 2-3x but hardly the work; the best of `--reps` counts.
+
+`--decode-grid`: decode ms per step for every (context, batch) with each attention
+backend ("torch": the reference, gathering each sequence's KV per layer per step; "cpu":
+the in-place kernel, engine/attention/cpu_paged.py). One engine prefills each cell's
+sequences once; then the model's attention backend is swapped between runs of `--steps`
+decode steps (torch, cpu, torch, cpu, ...) so a noisy neighbour affects both alike, and
+the median of `--reps` runs counts. Prefill of `--new` tokens behind the largest cached
+context is reported per backend too (both run the reference path for prefill rows).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 
 import torch
 
+from engine.attention.base import AttentionBackend, get_backend
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
@@ -65,9 +78,9 @@ def measure(eng: LLMEngine, args: argparse.Namespace, seed: int) -> dict[str, fl
         params = SamplingParams(max_tokens=args.steps + 2, temperature=0.0, ignore_eos=True)
         for i in range(batch):
             eng.add_request(prompt(args.context), params, f"d{seed}-{batch}-{i}")
-        while any(r.num_computed_tokens < r.num_tokens - 1 for r in eng.scheduler.waiting):
+        sched = eng.scheduler
+        while sched.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running):
             eng.step()
-        eng.step()
         eng.step()  # every request decoding now
         t = _cpu(lambda: [eng.step() for _ in range(args.steps)])
         out[f"decode_b{batch}_ms"] = 1000 * t / args.steps
@@ -76,14 +89,97 @@ def measure(eng: LLMEngine, args: argparse.Namespace, seed: int) -> dict[str, fl
     return out
 
 
+def _set_backend(eng: LLMEngine, backend: AttentionBackend) -> None:
+    runner = eng.runner
+    assert isinstance(runner, ModelRunner)
+    runner.backend = backend
+    for module in runner.model.modules():
+        if hasattr(module, "backend"):
+            module.backend = backend
+
+
+def decode_grid(args: argparse.Namespace) -> int:
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    names = args.backends.split(",")
+    backends = {name: get_backend(name) for name in names}
+    need = max(contexts) * max(batches) + 4096
+    eng = LLMEngine.from_spec(
+        MODEL,
+        EngineConfig(
+            dtype=args.dtype,
+            attention_backend=names[0],
+            num_blocks=-(-need // 16) + 64,
+            max_num_batched_tokens=2048,
+        ),
+    )
+    vocab = eng.info.config.vocab_size
+    rng = random.Random(0)
+    samples: dict[tuple[str, int, int], list[float]] = {}
+    sched = eng.scheduler
+    for context in contexts:
+        for batch in batches:
+            steps = args.reps * len(names) * args.steps
+            params = SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True)
+            for i in range(batch):
+                ids = [rng.randrange(100, vocab) for _ in range(context)]
+                eng.add_request(ids, params, f"g{context}-{batch}-{i}")
+            while sched.waiting or any(
+                r.num_computed_tokens < r.num_tokens - 1 for r in sched.running
+            ):
+                eng.step()
+            eng.step()  # every request decoding now
+            for _ in range(args.reps):
+                for name, backend in backends.items():
+                    _set_backend(eng, backend)
+                    t = _cpu(lambda: [eng.step() for _ in range(args.steps)])
+                    samples.setdefault((name, context, batch), []).append(1000 * t / args.steps)
+            while eng.has_unfinished():
+                eng.step()
+            eng.reset_prefix_cache()
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prefix = [rng.randrange(100, vocab) for _ in range(max(contexts))]
+    eng.generate([prefix], one)  # cached from here on
+    prefill: dict[str, list[float]] = {}
+    for _ in range(args.reps):
+        for name, backend in backends.items():
+            _set_backend(eng, backend)
+            new = [rng.randrange(100, vocab) for _ in range(args.new)]
+            t = _cpu(lambda n=new: eng.generate([prefix + n], one))
+            prefill.setdefault(name, []).append(args.new / t)
+    eng.close()
+    print(
+        f"{args.dtype}, decode ms per step by context x batch (CPU clock, 1 torch thread, "
+        f"median of {args.reps} interleaved runs of {args.steps} steps)"
+    )
+    cols = [(c, b) for c in contexts for b in batches]
+    print(
+        "| backend | "
+        + " | ".join(f"{c} x{b}" for c, b in cols)
+        + f" | prefill {args.new} behind {max(contexts)}, tok/s |"
+    )
+    print("|---|" + "---:|" * (len(cols) + 1))
+    for name in names:
+        cells = [f"{statistics.median(samples[(name, c, b)]):.1f}" for c, b in cols]
+        print(f"| {name} | " + " | ".join(cells) + f" | {statistics.median(prefill[name]):,.0f} |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu_step", description=__doc__)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--decode-grid", action="store_true")
+    ap.add_argument("--contexts", default="1024,4096,6144")
+    ap.add_argument("--batches", default="1,2,4")
+    ap.add_argument("--backends", default="torch,cpu")
+    ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.decode_grid:
+        return decode_grid(args)
     rows = []
     for label, dtype, packed in (
         ("float32", "float32", False),

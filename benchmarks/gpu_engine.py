@@ -43,6 +43,7 @@ from modelinfo.config import model_config_from_hf
 from protocol.kv_layout import KVLayout
 
 BLOCK = 16
+"""KV cache block size (tokens); --block-size sets it."""
 SPEC_TFLOPS = 989.0
 LLAMA3_8B = dict(
     vocab_size=128256,
@@ -401,12 +402,15 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write report.json here")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--cache-gb", type=float, default=88.0)
+    ap.add_argument("--block-size", type=int, default=16, help="KV cache block (tokens)")
     ap.add_argument(
         "--skip-prefill", action="store_true", help="decode timings only (prefill unchanged)"
     )
     args = ap.parse_args()
+    global BLOCK
+    BLOCK = args.block_size
     torch.backends.cuda.matmul.allow_tf32 = False
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "block_size": BLOCK}
     bw, tflops = ceilings()
     report["ceilings"] = {"copy_gbps": bw, "matmul_tflops": tflops}
     print(f"ceilings: copy {bw:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)

@@ -1,8 +1,11 @@
 """Pool save and restore throughput per prefill stage, on CPU over Mooncake tcp (loopback).
 
     python -m benchmarks.pool_restore [--chunks 8] [--split 8,8,7,7] [--reps 3] [--threads 1]
+                                      [--in-prefill]
 
 Starts a real pool (`python -m kvpool.master` + two `python -m kvpool.store`, 127.0.0.1),
+(`--in-prefill`: the client also mounts its own segment, as a prefill
+with `pool.stores[].prefill` does, so its objects are saved and restored in-process),
 then for SmolLM2-135M-shaped KV (30 layers x 3 KV heads x head_dim 64, float32: 11.8 MB
 per 256-token chunk) split into PP stages, per stage:
 
@@ -58,11 +61,11 @@ def free_port() -> int:
 
 
 class LocalPool:
-    """A master and two store services on 127.0.0.1, for the length of a `with`."""
+    """A master and `num_stores` store services on 127.0.0.1, for the length of a `with`."""
 
-    def __init__(self, store_bytes: int) -> None:
+    def __init__(self, store_bytes: int, num_stores: int = 2) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="pool-bench-"))
-        ports = [free_port() for _ in range(6)]
+        ports = [free_port() for _ in range(4 + num_stores)]
         cfg = {
             "name": "poolbench",
             "model": "builtin:smollm2-135m-instruct",
@@ -71,16 +74,17 @@ class LocalPool:
                 "master": {"node": "local", "port": ports[0], "metrics_port": ports[1]},
                 "stores": [
                     {"node": "local", "numa_node": i, "size": store_bytes, "metrics_port": p}
-                    for i, p in enumerate(ports[2:4])
+                    for i, p in enumerate(ports[4:])
                 ],
             },
-            "prefill": [{"name": "p", "node": "local", "port": ports[4], "devices": ["cpu"]}],
-            "decode": [{"name": "d", "node": "local", "port": ports[5], "devices": ["cpu"]}],
+            "prefill": [{"name": "p", "node": "local", "port": ports[2], "devices": ["cpu"]}],
+            "decode": [{"name": "d", "node": "local", "port": ports[3], "devices": ["cpu"]}],
         }
         self.config = self.tmp / "pool.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
         self.master_address = f"{HOST}:{ports[0]}"
-        self.health = [f"http://{HOST}:{p}/health" for p in ports[1:4]]
+        self.health = [f"http://{HOST}:{p}/health" for p in [ports[1], *ports[4:]]]
+        self.num_stores = num_stores
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> LocalPool:
@@ -88,7 +92,7 @@ class LocalPool:
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         cmds = [["kvpool.master", "--node", "local"]] + [
-            ["kvpool.store", "--index", str(i)] for i in range(2)
+            ["kvpool.store", "--index", str(i)] for i in range(self.num_stores)
         ]
         for i, cmd in enumerate(cmds):
             log = open(self.tmp / f"{i}.log", "ab")
@@ -152,6 +156,11 @@ def main() -> None:
         default=1,
         help="torch threads (a prefill on a 2-core node gets 1; more oversubscribe here)",
     )
+    p.add_argument(
+        "--in-prefill",
+        action="store_true",
+        help="the client mounts its own segment (pool.stores[].prefill): saves land there",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     split = tuple(int(x) for x in args.split.split(","))
@@ -168,7 +177,10 @@ def main() -> None:
     os.environ["MC_TCP_BIND_ADDRESS"] = HOST
 
     with LocalPool(store_bytes) as pool:
-        backend = create_backend("mooncake", BackendConfig(HOST, pool.master_address))
+        segment = store_bytes if args.in_prefill else 0
+        backend = create_backend(
+            "mooncake", BackendConfig(HOST, pool.master_address, segment_bytes=segment)
+        )
         metrics = PoolMetrics(CollectorRegistry(), "bench")
         max_stage = max(split) * chunk_bytes // LAYOUT.num_layers + 8192
         client = PoolClient(
@@ -266,7 +278,9 @@ def main() -> None:
     print(
         f"machine: {cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__} "
         f"({args.threads} thread(s)); "
-        f"Mooncake {mooncake_version()} tcp on 127.0.0.1, 2 store services\n"
+        f"Mooncake {mooncake_version()} tcp on 127.0.0.1, 2 store services"
+        + (", the client's own segment (--in-prefill)" if args.in_prefill else "")
+        + "\n"
     )
     print(
         "| stage | layers | MB | pack GB/s | write GB/s | save GB/s | read+verify GB/s "

@@ -31,7 +31,7 @@ from decode_worker.ranks import RankLandings
 from decode_worker.receiver import HandoffReceiver
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from enginehost.app import base_app, error_response, read_message
+from enginehost.app import PROCESS_INCARNATION, base_app, error_response, read_message
 from enginehost.host import EngineHost
 from enginehost.kv_events import KVReporter
 from protocol.errors import InvalidRequestError, PromptTooLongError
@@ -189,7 +189,7 @@ class DecodeService:
             mint(self.capability_key, rid, info, expires)
             for info in self.ranks.landing_infos(region)
         ]
-        ready_line = DecodeReady(rid, landing, self.notify_url)
+        ready_line = DecodeReady(rid, landing, self.notify_url, PROCESS_INCARNATION)
         return StreamingResponse(
             self._events(rid, queue, encode_line(ready_line)), media_type="application/x-ndjson"
         )

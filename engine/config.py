@@ -34,9 +34,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     token and head; about half the bytes of bfloat16 KV: docs/kv_cache.md)."""
     device: str = "cpu"
     attention_backend: str = "torch"
-    """"torch" (the reference; CPU and CUDA), "torch_lse" (reference with LSE, DCP) or
-    "flex" (FlexAttention kernels reading the paged cache in place; CUDA only, block_size
-    >= 16)."""
+    """"torch" (the reference; CPU and CUDA), "torch_lse" (reference with LSE, DCP),
+    "cpu" (decode rows read the paged cache in place with a C kernel; CPU only:
+    engine/attention/cpu_paged.py) or "flex" (FlexAttention kernels reading the paged
+    cache in place; CUDA only, block_size >= 16)."""
     cuda_graphs: bool = True
     """Capture pure-decode steps in CUDA graphs at start-up, one per batch-size bucket up to
     max_num_seqs (only on CUDA with a graph-safe backend: "flex"). False runs every step

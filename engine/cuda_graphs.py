@@ -1,27 +1,49 @@
 """DecodeGraphs: CUDA graphs of pure-decode steps, one per batch-size bucket.
 
-A decode step of an 8B model launches ~600 small kernels; launched one by one from
+A decode step of an 8B model launches ~400 small kernels; launched one by one from
 Python they take longer than the ~3 ms the step's weight reads need. Each bucket's graph
-is captured once at start-up over static input buffers and replayed every step:
+is captured once at start-up over one static input buffer and replayed every step:
 
     step with n decode rows -> bucket B = smallest captured size >= n
-    static buffers [:n]  <- this step's ids, positions, slots, KV lengths, table rows
-    static buffers [n:B] <- padding: slot = the scratch block, KV length 1
-    replay -> logits [B, V] (rows n.. are discarded)
+    pinned host [5, B] int64  = ids | positions | slots | KV lengths | table rows
+                 (columns n..B: padding: slot = the scratch block, KV length 1, row 0)
+    ONE H2D copy into the bucket's static buffer, then replay:
+        block tables = DeviceBlockTables.table[table rows]   (gathered inside the graph)
+        model forward -> logits [B, V] (rows n.. are discarded)
 
 Padding rows write their K/V into a scratch block the scheduler never hands out, so they
-touch no live sequence. Only backends with `graph_safe_decode` are captured (the decode
-step reads device tensors only). Mixed and prefill steps, and decode batches larger than
-the largest bucket, run eagerly.
+touch no live sequence, and read (never write) whatever blocks table row 0 names. The
+graphs read the block tables' device tensor in place: if DeviceBlockTables reallocates it
+(more rows or wider tables than it was sized for), steps run eagerly. Only backends with
+`graph_safe_decode` are captured (the decode step reads device tensors only). Mixed and
+prefill steps, and decode batches larger than the largest bucket, run eagerly.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
+import numpy as np
 import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.flex import padded_batch
+from engine.device_tables import DeviceBlockTables
 from engine.models.llama import LlamaForCausalLM
+
+CPU_EMULATION = False
+"""Tests set this: on a CPU device the graphs are emulated (a replay runs the captured
+forward eagerly over the same static buffers), so the decode input path is testable
+without CUDA."""
+
+
+class _EagerReplay:
+    def __init__(self, fn: Callable[[], torch.Tensor], out: torch.Tensor) -> None:
+        self.fn, self.out = fn, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -38,51 +60,74 @@ class DecodeGraphs:
         self,
         model: LlamaForCausalLM,
         kv_caches: list[torch.Tensor],
+        tables: DeviceBlockTables,
         *,
         block_size: int,
         max_batch: int,
-        max_blocks_per_seq: int,
         scratch_block: int,
         device: torch.device,
         sizes: list[int] | None = None,
     ) -> None:
-        """`sizes` overrides the buckets (each must be a padded_batch size)."""
+        """`sizes` overrides the buckets (each must be a padded_batch size). `tables` is
+        read in place by every replay: its width bounds the graphs' tables."""
         self.model, self.kv_caches = model, kv_caches
+        self.block_tables = tables
+        self.source = tables.table
+        """The table tensor the graphs gather from (replays need it still current)."""
         self.block_size = block_size
         self.sizes = sorted(sizes) if sizes else bucket_sizes(max_batch)
         assert all(padded_batch(s) == s for s in self.sizes), self.sizes
         self.max_batch = self.sizes[-1]
-        self.width = max_blocks_per_seq
+        self.width = tables.table.shape[1]
         self.scratch_slot = scratch_block * block_size
-        n, dev = self.max_batch, device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slots = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.tables = torch.full((n, self.width), scratch_block, dtype=torch.int32, device=dev)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        n = self.max_batch
+        # Bucket B reads packed[: 5 * B] as [5, B]: ids, positions, slots, KV lengths,
+        # table rows (int64).
+        self.packed = torch.zeros(5 * n, dtype=torch.int64, device=device)
+        self.cuda = device.type == "cuda"
+        self._host = [torch.zeros(5 * n, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
+        self._host_np = [h.numpy() for h in self._host]  # host writes through numpy: ~us
+        self._padding = np.array([0, 0, self.scratch_slot, 1, 0], dtype=np.int64)[:, None]
+        self._host_free: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self.replays = 0
+        """Steps run through the graphs (tests check that decode steps do)."""
+        self._graphs: dict[int, torch.cuda.CUDAGraph | _EagerReplay] = {}
         self._logits: dict[int, torch.Tensor] = {}
 
+    def _step(self, size: int) -> torch.Tensor:
+        return self.packed[: 5 * size].view(5, size)
+
     def _forward(self, size: int) -> torch.Tensor:
+        step = self._step(size)
         meta = AttentionMetadata(
-            slot_mapping=self.slots[:size],
+            slot_mapping=step[2],
             query_start_loc=list(range(size + 1)),
             seq_lens=[1] * size,  # structure only: graph-safe backends read seq_lens_tensor
-            block_tables=self.tables[:size],
-            seq_lens_tensor=self.seq_lens[:size],
+            block_tables=self.source.index_select(0, step[4]),
+            seq_lens_tensor=step[3].to(torch.int32),
         )
-        hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+        hidden = self.model(step[0], step[1], self.kv_caches, meta)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Compile (warm-up runs) and capture every bucket, largest first, in one memory
         pool. The warm-up writes only the scratch block."""
+        if not self.cuda:
+            assert CPU_EMULATION, "decode graphs need CUDA"
+            for size in self.sizes:
+                self._fill_padding(self._step(size), 0)
+                out = self._forward(size)
+                self._logits[size] = out
+                self._graphs[size] = _EagerReplay(functools.partial(self._forward, size), out)
+            return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):
+                self._fill_padding(self._step(size), 0)  # the buckets' views overlap
                 self._forward(size)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -96,25 +141,48 @@ class DecodeGraphs:
     def bucket(self, num_seqs: int, width: int) -> int | None:
         """The graph for a decode step of num_seqs rows whose tables need `width` blocks;
         None when it must run eagerly."""
-        if num_seqs > self.max_batch or width > self.width or not self._graphs:
+        if (
+            num_seqs > self.max_batch
+            or width > self.width
+            or not self._graphs
+            or self.block_tables.table is not self.source
+        ):
             return None
         return next(s for s in self.sizes if s >= num_seqs)
+
+    def _fill_padding(self, step: torch.Tensor, n: int) -> None:
+        for row, value in enumerate(self._padding[:, 0].tolist()):
+            step[row, n:] = value
 
     @torch.inference_mode()
     def run(
         self,
         size: int,
-        inputs: torch.Tensor,  # [4, n] int64 on the device: ids, positions, slots, lens
-        table_rows: torch.Tensor,  # [n, w] int32 block ids
-    ) -> torch.Tensor:  # [n, V] float32 logits
-        n, width = table_rows.shape
-        self.input_ids[:n].copy_(inputs[0])
-        self.positions[:n].copy_(inputs[1])
-        self.slots[:n].copy_(inputs[2])
-        self.seq_lens[:n].copy_(inputs[3])
-        self.tables[:n, :width].copy_(table_rows)
-        if n < size:  # rows left by a larger step must not write into live blocks
-            self.slots[n:size].fill_(self.scratch_slot)
-            self.seq_lens[n:size].fill_(1)
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        seq_lens: list[int],
+        rows: list[int],
+    ) -> torch.Tensor:  # [n, V] float32 logits, valid until the next run
+        """One decode step of n = len(ids) rows in bucket `size`: the step's inputs go up
+        in one copy from pinned memory (two buffers alternate; a buffer is rewritten only
+        once its previous copy is done), then the graph replays."""
+        n = len(ids)
+        turn = self._turn
+        self._turn ^= 1
+        free = self._host_free[turn]
+        if free is not None:
+            free.synchronize()
+        host = self._host[turn][: 5 * size]
+        step = self._host_np[turn][: 5 * size].reshape(5, size)
+        step[:, :n] = (ids, positions, slots, seq_lens, rows)
+        if n < size:
+            step[:, n:] = self._padding
+        self.packed[: 5 * size].copy_(host, non_blocking=True)
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record()
+            self._host_free[turn] = done
         self._graphs[size].replay()
+        self.replays += 1
         return self._logits[size][:n]

@@ -49,7 +49,7 @@ class DeviceBlockTables:
         present = {rid for rid, _ in tables}
         for rid in [r for r in self._rows if r not in present]:
             self._free.append(self._rows.pop(rid).index)
-        need_rows = len(tables) - len(self._free) + 0
+        need_rows = sum(rid not in self._rows for rid, _ in tables) - len(self._free)
         if need_rows > 0:
             self._grow_rows(self.table.shape[0] + need_rows)
         width = max((len(t) for _, t in tables), default=0)

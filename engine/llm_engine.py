@@ -39,7 +39,7 @@ from engine.outputs import Completion, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, SamplingState, TopLogprobs
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerCounters, SchedulerOutput
-from engine.step_isolation import describe, find_culprits, sample_isolating
+from engine.step_isolation import ForwardFailed, describe, find_culprits, sample_isolating
 from engine.weights.cache import load_weights
 from modelinfo.detokenizer import RequestOutputText
 from modelinfo.info import ModelInfo, load_model_info
@@ -67,10 +67,19 @@ class ConnectorExecutor(Protocol):
         ...
 
     def execute_step(
-        self, scheduled: list[ScheduledRequest], kv: KVCacheManager, kv_meta: bytes
+        self,
+        scheduled: list[ScheduledRequest],
+        kv: KVCacheManager,
+        kv_meta: bytes,
+        *,
+        load: bool = True,
+        probe: bool = False,
     ) -> tuple[torch.Tensor | None, list[bytes]]:
         """Run one step everywhere: (logits as ModelExecutor.execute, one connector
-        report per process in rank order)."""
+        report per process in rank order). ForwardFailed when every process's forward
+        failed (then nothing was saved and the reports wait for the next run). `load`:
+        start the connector's loads of kv_meta (False when a failed run did); `probe`:
+        the forward only, for bisection (no connector, no reports)."""
         ...
 
     def poll_kv(self, kv_meta: bytes) -> list[bytes]:
@@ -320,8 +329,7 @@ class LLMEngine:
         the sampling rows of the requests that did not fail, the workers' reports, the
         requests whose forward failed with why)."""
         if isinstance(self.runner, ConnectorExecutor):
-            logits, reports = self.runner.execute_step(plan.scheduled, self.kv, plan.kv_meta)
-            return logits, reports, {}
+            return self._execute_ranks(self.runner, plan)
         worker = self.kv_worker
         worker.start_loads(plan.kv_meta)
         meta, culprits = plan.kv_meta, {}
@@ -338,6 +346,28 @@ class LLMEngine:
             meta = self.connector.without_requests(plan.kv_meta, set(culprits))
         worker.start_saves(meta)
         return logits, [worker.get_finished()], culprits
+
+    def _execute_ranks(
+        self, runner: ConnectorExecutor, plan: SchedulerOutput
+    ) -> tuple[torch.Tensor | None, list[bytes], dict[RequestId, str]]:
+        """_execute over a TP x DCP instance: its ranks re-run the bisection in lockstep."""
+        try:
+            logits, reports = runner.execute_step(plan.scheduled, self.kv, plan.kv_meta)
+            return logits, reports, {}
+        except ForwardFailed as e:
+
+            def probe(sub: Sequence[ScheduledRequest]) -> object:
+                return runner.execute_step(list(sub), self.kv, b"", load=False, probe=True)
+
+            found = find_culprits(plan.scheduled, probe, e)
+        culprits = {
+            plan.scheduled[i].request.request_id: f"forward failed: {err}"
+            for i, err in found.items()
+        }
+        rest = [s for i, s in enumerate(plan.scheduled) if i not in found]
+        meta = self.connector.without_requests(plan.kv_meta, set(culprits))
+        logits, reports = runner.execute_step(rest, self.kv, meta, load=False)
+        return logits, reports, culprits
 
     def _forward(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor | None:
         """This process's model over `scheduled` (safe to repeat: the same KV slots are

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from engine import cuda_graphs as cuda_graphs_module
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.device_tables import DeviceBlockTables
@@ -81,7 +82,7 @@ class ModelRunner:
         # fp8 rows decode through the reference path (engine/attention/flex.py): no graphs
         use_graphs = (
             cuda_graphs
-            and device.type == "cuda"
+            and (device.type == "cuda" or cuda_graphs_module.CPU_EMULATION)
             and backend.graph_safe_decode
             and layout.cache_dtype == "auto"
         )
@@ -97,16 +98,21 @@ class ModelRunner:
         ]
         self.num_blocks = num_blocks
         self.layer_split: tuple[int, ...] = (layout.num_layers,)
-        self.tables = DeviceBlockTables(device)
         self.graphs: DecodeGraphs | None = None
-        if use_graphs:
+        if not use_graphs:
+            self.tables = DeviceBlockTables(device)
+        else:
+            # Sized once for every step the scheduler can form (max_batch requests, the
+            # longest sequence): the graphs read this tensor in place.
             max_len = max_model_len or model.config.max_position_embeddings
+            width = -(-max_len // layout.block_size)
+            self.tables = DeviceBlockTables(device, rows=max_batch + 1, width=width)
             self.graphs = DecodeGraphs(
                 model,
                 self.kv_caches,
+                self.tables,
                 block_size=layout.block_size,
                 max_batch=max_batch,
-                max_blocks_per_seq=-(-max_len // layout.block_size),
                 scratch_block=num_blocks,
                 device=device,
                 sizes=graph_sizes,
@@ -176,23 +182,55 @@ class ModelRunner:
         )
         return inputs, meta, sample_rows, lens
 
+    def _graph_step(
+        self, scheduled: list[ScheduledRequest], kv: KVCacheManager
+    ) -> torch.Tensor | bool | None:
+        """A pure-decode step through the graphs: its logits (or None: no row samples);
+        False when the step must run eagerly (not pure decode, too many rows, tables too
+        wide). Host work: a few list entries per row, one H2D copy."""
+        graphs = self.graphs
+        assert graphs is not None
+        n = len(scheduled)
+        if n > graphs.max_batch or any(s.num_new_tokens != 1 for s in scheduled):
+            return False
+        bs = self.layout.block_size
+        row_tables = [
+            (s.request.request_id, kv.block_table(s.request.request_id)) for s in scheduled
+        ]
+        width = max(len(t) for _, t in row_tables)
+        size = graphs.bucket(n, width)
+        if size is None:
+            return False
+        rows = self.tables.update(row_tables)
+        if graphs.block_tables.table is not graphs.source:  # cannot happen: sized above
+            log.warning("the device block tables were reallocated: decode runs eagerly")
+            return False
+        ids, pos, slots, lens = [], [], [], []
+        for s, (_, table) in zip(scheduled, row_tables, strict=True):
+            r = s.request
+            p = r.num_computed_tokens
+            ids.append(r.all_token_ids[p])
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+        logits = graphs.run(size, ids, pos, slots, lens, rows)
+        sample = [i for i, s in enumerate(scheduled) if s.samples]
+        if len(sample) == n:
+            return logits.clone()  # the graph overwrites its output next step
+        if not sample:
+            return None
+        return logits.index_select(0, torch.tensor(sample, device=self.device))
+
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> torch.Tensor | None:
         """Run one step; return float32 logits [num_sampling_requests, V] (None if none
         sample)."""
-        inputs, meta, rows, lens = self._prepare(scheduled, kv)
-        num_seqs = meta.num_seqs
-        size = None
-        if self.graphs is not None and inputs.shape[1] == num_seqs:  # pure decode
-            size = self.graphs.bucket(num_seqs, meta.block_tables.shape[1])
-        if size is not None and self.graphs is not None:
-            step = torch.cat([inputs, lens.to(torch.int64).unsqueeze(0)])
-            logits = self.graphs.run(size, step, meta.block_tables)
-            if len(rows) == num_seqs:
-                return logits.clone()  # the graph overwrites its output next step
-            if not rows:
-                return None
-            return logits.index_select(0, torch.tensor(rows, device=self.device))
+        if self.graphs is not None:
+            out = self._graph_step(scheduled, kv)
+            if out is not False:
+                assert not isinstance(out, bool)
+                return out
+        inputs, meta, rows, _ = self._prepare(scheduled, kv)
         hidden = self.model(inputs[0], inputs[1], self.kv_caches, meta)
         if not rows:
             return None

@@ -7,7 +7,11 @@
     forward   the batched forward raises ─▶ bisection: each half runs on its own (KV
               writes of a step are idempotent: the same tokens into the same slots), a
               half that raises is split again; a single request that raises alone is a
-              culprit; the rest runs once more as one batch for its logits
+              culprit; the rest runs once more as one batch for its logits. On a TP x
+              DCP instance every rank raises alike (ForwardFailed) and keeps serving;
+              the driver broadcasts each bisection run (RankStep.probe) and the final
+              one, so collectives stay matched; the connector's loads ran once, its
+              saves and reports only with the final run
     append    detokenization and stop checks of one request raise ─▶ that request fails
 
 The engine then fails the culprits with the error (RequestOutput.error; their KV is
@@ -31,7 +35,16 @@ FAILED_TOKEN = -1
 """The token a failed row carries in a SamplerOutput (never appended)."""
 
 
+class ForwardFailed(RuntimeError):
+    """The forward of a step failed on every rank of a TP x DCP instance alike (the
+    failure came from the step's input, which every rank holds): the ranks are in step
+    and wait for the driver's next message, which re-runs parts of the step to find the
+    culprits, every rank together."""
+
+
 def describe(e: BaseException) -> str:
+    if isinstance(e, ForwardFailed):
+        return str(e)  # already "<type>: <message>" of the ranks' own error
     return f"{type(e).__name__}: {e}"
 
 

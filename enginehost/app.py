@@ -1,6 +1,7 @@
 """The HTTP surface every worker shares: /health, /status, /abort, /metrics, error replies.
 
-A worker builds its FastAPI app with `base_app(...)` and adds its own routes. Error
+A worker builds its FastAPI app with `base_app(...)` and adds its own routes. /health
+names the process's incarnation in a header (protocol/incarnation.py). Error
 answers carry an ErrorEvent body (protocol/messages.py), which the router turns into the
 client's status and message. Every route but /health and /metrics needs the cluster
 secret (enginehost/auth.py).
@@ -18,9 +19,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from enginehost.auth import InternalAuth
 from enginehost.host import EngineHost
+from protocol.incarnation import HEADER as INCARNATION_HEADER
+from protocol.incarnation import new_incarnation
 from protocol.messages import PROTOCOL_VERSION, AbortRequest, ErrorEvent, InstanceStatus
 
 log = logging.getLogger(__name__)
+
+PROCESS_INCARNATION = new_incarnation()
+"""This worker process's run (protocol/incarnation.py): in /health's header and in
+DecodeReady, so the router tells a restarted instance from the one that died."""
 
 
 def error_response(status: int, message: str, request_id: str = "") -> Response:
@@ -68,7 +75,9 @@ def base_app(
     async def health() -> Response:
         alive = host.loop.is_alive()
         return Response(
-            b"ok" if alive else b"engine thread stopped", status_code=200 if alive else 503
+            b"ok" if alive else b"engine thread stopped",
+            status_code=200 if alive else 503,
+            headers={INCARNATION_HEADER: PROCESS_INCARNATION},
         )
 
     @app.get("/status")

@@ -5,9 +5,11 @@ as many; a prefill and a decode process on one small host then oversubscribe the
 OpenMP's spinning barriers make each step many times slower, and the kernel migrates
 threads between cores (cold caches). The plan gives the node's engine processes
 disjoint slices of the CPUs this process may run on, in a fixed order (prefill
-instances' stages, then decode instances' ranks, as cluster.yaml lists them):
+instances' stages, then decode instances' ranks, then unified instances, as cluster.yaml
+lists them):
 
     2 CPUs, prefill-0 + decode-0        prefill-0 -> {0}, decode-0 -> {1}
+    2 CPUs, unified-0                   unified-0 -> {0, 1}
     8 CPUs, prefill (PP 2) + decode     stage 0 -> {0,1}, stage 1 -> {2,3}, decode -> {4..7}
 
 with one torch thread per CPU of its slice and one inter-op thread. With more engine
@@ -22,8 +24,6 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
-
-import torch
 
 from protocol.cluster import ClusterConfig
 
@@ -54,6 +54,7 @@ def engine_processes(cluster: ClusterConfig, node: str) -> list[tuple[str, int]]
         for r, dev in enumerate(d.devices)
         if str(dev) == "cpu"
     ]
+    procs += [(u.name, 0) for u in cluster.unified if u.node == node and str(u.devices[0]) == "cpu"]
     return procs
 
 
@@ -86,6 +87,8 @@ def apply_slot(slot: CpuSlot) -> None:
     """Pin this process (all its threads created from now on inherit the mask) and size
     torch's pools. Call before the engine is built: the OpenMP pool starts on the first
     parallel op."""
+    import torch  # here: `kvserve check` reads the plan without loading torch
+
     if slot.cpus is not None:
         try:
             os.sched_setaffinity(0, slot.cpus)
@@ -97,6 +100,16 @@ def apply_slot(slot: CpuSlot) -> None:
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
     log.info("CPU engine: %d thread(s), CPUs %s", slot.threads, slot.cpus or "not pinned")
+
+
+def describe_plan(cluster: ClusterConfig, node: str, cpus: list[int] | None = None) -> list[str]:
+    """One line per CPU engine process of `node`: its CPUs and torch threads (kvserve check)."""
+    lines = []
+    for name, index in engine_processes(cluster, node):
+        slot = plan_slot(cluster, node, name, index, cpus)
+        where = f"CPUs {list(slot.cpus)}" if slot.cpus is not None else "not pinned"
+        lines.append(f"{name} process {index}: {where}, {slot.threads} torch thread(s)")
+    return lines
 
 
 def setup_cpu_engine(cluster: ClusterConfig, node: str, name: str, index: int) -> None:

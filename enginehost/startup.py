@@ -21,6 +21,7 @@ from protocol.cluster import (
     EngineFaultsConfig,
     NodeConfig,
     PrefillConfig,
+    UnifiedConfig,
     load_cluster,
 )
 from protocol.cluster_checks import check_model_layouts
@@ -34,7 +35,7 @@ class InstanceContext:
 
     config_path: str
     cluster: ClusterConfig
-    instance: PrefillConfig | DecodeConfig
+    instance: PrefillConfig | DecodeConfig | UnifiedConfig
     node: NodeConfig
     info: ModelInfo
     secret: str
@@ -52,11 +53,13 @@ def load_instance(role: str, argv: list[str] | None) -> InstanceContext:
     ap.add_argument("--name", required=True)
     args = ap.parse_args(argv)
     cluster = load_cluster(args.config)
-    instance: PrefillConfig | DecodeConfig = (
-        cluster.prefill_instance(args.name)
-        if role == "prefill"
-        else cluster.decode_instance(args.name)
-    )
+    instance: PrefillConfig | DecodeConfig | UnifiedConfig
+    if role == "prefill":
+        instance = cluster.prefill_instance(args.name)
+    elif role == "unified":
+        instance = cluster.unified_instance(args.name)
+    else:
+        instance = cluster.decode_instance(args.name)
     setup_logging(cluster.log_level, instance.name)
     secret = secret_from_env()
     problem = "it is not set" if secret is None else secret_problem(secret)
@@ -94,7 +97,7 @@ def torch_device(device: object) -> str:
 
 
 def set_cpu_threads(
-    cluster: ClusterConfig, inst: PrefillConfig | DecodeConfig, index: int = 0
+    cluster: ClusterConfig, inst: PrefillConfig | DecodeConfig | UnifiedConfig, index: int = 0
 ) -> None:
     """Pin and size the thread pools of stage / rank `index` of `inst` when it runs on
     the CPU (enginehost/cpu_plan.py); a GPU process keeps torch's defaults."""
@@ -116,7 +119,7 @@ def engine_config(
     name = torch_device(device)
     backend = cluster.attention_backend
     if backend == "auto":
-        backend = "torch" if name == "cpu" else "flex"
+        backend = "cpu" if name == "cpu" else "flex"  # each measured fastest on its device
     return EngineConfig(
         attention_backend=backend,
         block_size=cluster.cache.block_size,

@@ -41,6 +41,13 @@ class BackendConfig:
     """host:port of the pool's master."""
     protocol: str = "tcp"
     rdma_devices: tuple[str, ...] = ()
+    segment_bytes: int = 0
+    """Host DRAM this process contributes to the pool as its own segment (a store
+    mounted in a prefill process, `pool.stores[].prefill`); 0: a pure client. Objects it
+    writes are placed in that segment while it has room, so reading them back is a
+    local memcpy instead of a transfer (Mooncake's same-process path)."""
+    hugepages: bool = False
+    """Back `segment_bytes` with reserved huge pages."""
 
 
 GetResult = int | KeyStatus

@@ -1,11 +1,17 @@
-"""The "mooncake" pool backend: MooncakeDistributedStore as a pure client.
+"""The "mooncake" pool backend: one MooncakeDistributedStore client.
 
-A prefill device only uses the pool, it contributes no memory (global_segment_size=0,
-local_buffer_size=0; the Store services own the DRAM). With local_buffer_size=0 only the
-zero-copy calls work, which is all we use: batch_is_exist, batch_put_from (with
-ReplicateConfig.group_ids), batch_get_into, batch_remove. Metadata goes over
-P2PHANDSHAKE (no metadata server). Mooncake advertises MC_TCP_BIND_ADDRESS, so it is set
-here from the configured host; another value already set in this process is an error.
+By default a prefill device only uses the pool, it contributes no memory
+(global_segment_size=0, local_buffer_size=0; the Store services own the DRAM). With
+`segment_bytes` > 0 the client also mounts a segment of that size (a store mounted in
+the prefill process): its puts name that segment as `preferred_segment`, so its own
+objects land there while it has room (then anywhere, Mooncake's fallback), and Mooncake
+serves reads of them by a memcpy in this process (MC_STORE_MEMCPY, set on here) instead
+of a transfer through a store process; other clients read the segment over the
+transport as from any store. With local_buffer_size=0 only the zero-copy calls work,
+which is all we use: batch_is_exist, batch_put_from (with ReplicateConfig.group_ids),
+batch_get_into, batch_remove. Metadata goes over P2PHANDSHAKE (no metadata server).
+Mooncake advertises MC_TCP_BIND_ADDRESS, so it is set here from the configured host;
+another value already set in this process is an error.
 
 Measured behaviour this relies on (docs MOONCAKE.md): a missing master makes every call
 return -900 after ~4 s (the first one sooner); a dead store makes reads of its objects
@@ -78,21 +84,34 @@ class MooncakeBackend(PoolBackend):
         if config.protocol == "rdma":
             # Without this Mooncake silently falls back to TCP when it finds no HCA.
             os.environ.setdefault("MC_FORCE_HCA", "1")
+        if config.segment_bytes:
+            # Same-process reads and writes as a memcpy: Mooncake turns it on by itself
+            # only in TCP-only builds; over RDMA a loopback transfer would be slower.
+            os.environ.setdefault("MC_STORE_MEMCPY", "1")
+            if config.hugepages:
+                os.environ["MC_STORE_USE_HUGEPAGE"] = "1"
+                os.environ.setdefault("MC_STORE_HUGEPAGE_SIZE", "2MB")
         store = import_store()
         self._store_mod = store
         self._store: Any = store.MooncakeDistributedStore()
         rc = self._store.setup(
             config.host,
             METADATA_SERVER,
-            0,
+            config.segment_bytes,
             0,
             config.protocol,
             ",".join(config.rdma_devices),
             config.master_address,
         )
         if rc != 0:
+            mount = (
+                f" and mounting a {config.segment_bytes}-byte segment (is that much memory "
+                "free here?)"
+                if config.segment_bytes
+                else ""
+            )
             raise PoolSetupError(
-                f"connecting to the pool master at {config.master_address} failed "
+                f"connecting to the pool master at {config.master_address}{mount} failed "
                 f"({code_name(rc)}): is the master running (kvserve status) and reachable "
                 f"from {config.host}?",
                 code=rc,
@@ -101,6 +120,8 @@ class MooncakeBackend(PoolBackend):
         self._lock = threading.Lock()
         self.config = config
         self.address = self._store.get_hostname()
+        self.segment: str | None = self.address if config.segment_bytes else None
+        """This process's own segment name, where its puts go first; None: pure client."""
 
     def _live(self) -> Any:
         """The store client; a closed one must never be called (Mooncake would crash)."""
@@ -144,6 +165,8 @@ class MooncakeBackend(PoolBackend):
     ) -> list[KeyStatus]:
         config = self._store_mod.ReplicateConfig()
         config.group_ids = list(group_ids)
+        if self.segment is not None:
+            config.preferred_segment = self.segment
         codes = list(self._live().batch_put_from(list(keys), list(ptrs), list(sizes), config))
         _unavailable_if_all(codes, "batch_put_from")
         return [status_of(c) for c in codes]

@@ -159,6 +159,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pool.stores has no entry {args.index}", file=sys.stderr)
         return 2
     cfg = pool.stores[args.index]
+    if cfg.prefill is not None:
+        print(
+            f"pool.stores[{args.index}] is mounted in prefill {cfg.prefill!r}: the instance "
+            "mounts it, no store service runs for it",
+            file=sys.stderr,
+        )
+        return 2
     name = store_component(args.index)
     logging.basicConfig(
         level=cluster.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(message)s"

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.cluster import ClusterConfig, PoolConfig
+from protocol.cluster import ClusterConfig, PoolConfig, PoolStoreConfig
 
 
 def _pool(cluster: ClusterConfig) -> PoolConfig:
@@ -52,6 +52,26 @@ def master_component(cluster: ClusterConfig, node: str) -> str:
 
 def store_component(index: int) -> str:
     return f"pool-store-{index}"
+
+
+def service_stores(cluster: ClusterConfig) -> list[tuple[int, PoolStoreConfig]]:
+    """(index, store) of every store that runs as its own store-service process (not
+    mounted in a prefill instance)."""
+    return [(i, s) for i, s in enumerate(_pool(cluster).stores) if s.prefill is None]
+
+
+def prefill_segment(cluster: ClusterConfig, instance: str) -> tuple[int, bool]:
+    """(bytes, hugepages) of the segment each stage process of prefill `instance` mounts:
+    its store's size split over its stages, or (0, False) when it has none (a pure
+    client)."""
+    pool = cluster.pool
+    if pool is None or not pool.enabled:
+        return 0, False
+    for s in pool.stores:
+        if s.prefill == instance:
+            pp = next(p.pipeline_parallel for p in cluster.prefill if p.name == instance)
+            return int(s.size) // pp, s.hugepages
+    return 0, False
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from kvpool.topology import master_component, master_nodes, store_component
-from protocol.cluster import ClusterConfig, DecodeConfig, PrefillConfig, local_nodes
+from kvpool.topology import master_component, master_nodes, service_stores, store_component
+from protocol.cluster import (
+    ClusterConfig,
+    DecodeConfig,
+    Instance,
+    PrefillConfig,
+    UnifiedConfig,
+    local_nodes,
+)
 from protocol.cluster_types import format_bytes
 
 
-def _devices(inst: PrefillConfig | DecodeConfig) -> str:
+def _devices(inst: PrefillConfig | DecodeConfig | UnifiedConfig) -> str:
     names = inst.device_names
     if all(n == "cpu" for n in names):
         return "cpu" if len(names) == 1 else f"cpu x{len(names)}"
@@ -36,6 +43,11 @@ def summarize(c: ClusterConfig, source: str) -> str:
         lines.append(
             f"  pool     {state}, {mode}, {pool.protocol}; master {pool.master.node}:"
             f"{pool.master.port}; {len(pool.stores)} store(s), {format_bytes(total)}"
+            + "".join(
+                f"; {format_bytes(st.size)} of it in {st.prefill}"
+                for st in pool.stores
+                if st.prefill is not None
+            )
         )
     for p in c.prefill:
         split = f" split {list(p.layer_split)}" if p.layer_split else ""
@@ -51,6 +63,12 @@ def summarize(c: ClusterConfig, source: str) -> str:
             f"{format_bytes(d.kv_cache_memory)}/device  landing "
             f"{format_bytes(d.landing_memory)}  transfer {d.transfer.protocol}"
         )
+    for u in c.unified:
+        lines.append(
+            f"  unified  {u.name} on {u.node} {c.instance_url(u)}  devices {_devices(u)}  "
+            f"prefill + decode in one engine  kv {format_bytes(u.kv_cache_memory)}  "
+            f"batch {u.max_batched_tokens} tokens"
+        )
     r = c.router
     auth = (
         "api key"
@@ -61,13 +79,12 @@ def summarize(c: ClusterConfig, source: str) -> str:
         f"  router   {c.api_base_url} on {c.router_node.name} (binds {c.router_bind_host}); "
         f"policy {r.policy}; {auth}"
     )
-    here_names = [p.name for p in c.prefill if p.node in local] + [
-        d.name for d in c.decode if d.node in local
-    ]
+    instances: tuple[Instance, ...] = (*c.prefill, *c.decode, *c.unified)
+    here_names = [i.name for i in instances if i.node in local]
     if c.router_node.name in local:
         here_names.insert(0, "router")
     if pool is not None and pool.enabled:
-        stores = [store_component(i) for i, st in enumerate(pool.stores) if st.node in local]
+        stores = [store_component(i) for i, st in service_stores(c) if st.node in local]
         masters = [master_component(c, n) for n in master_nodes(c) if n in local]
         here_names = masters + stores + here_names
     here = ", ".join(here_names) or "nothing (no node is this machine)"

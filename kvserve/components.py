@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvpool.topology import master_component, master_nodes, store_component
+from kvpool.topology import master_component, master_nodes, service_stores, store_component
 from kvserve.bind_narrowing import narrowing_env
 from protocol.cluster import ClusterConfig, NodeConfig, is_loopback_host
 from protocol.config_errors import ConfigError
@@ -29,6 +29,7 @@ DEFAULT_COMMANDS: dict[str, tuple[str, ...]] = {
     "router": ("{python}", "-m", "router", "-c", "{config}"),
     "prefill": ("{python}", "-m", "prefill_worker", "-c", "{config}", "--name", "{name}"),
     "decode": ("{python}", "-m", "decode_worker", "-c", "{config}", "--name", "{name}"),
+    "unified": ("{python}", "-m", "unified_worker", "-c", "{config}", "--name", "{name}"),
     "pool_master": ("{python}", "-m", "kvpool.master", "-c", "{config}", "--node", "{node}"),
     "pool_store": (
         "{python}",
@@ -47,21 +48,21 @@ DEFAULT_COMMANDS: dict[str, tuple[str, ...]] = {
 START_ORDER: tuple[tuple[str, ...], ...] = (
     ("pool_master",),
     ("pool_store",),
-    ("prefill", "decode"),
+    ("prefill", "decode", "unified"),
     ("router",),
 )
 """Kinds started together, stage by stage; a stage starts when the previous is healthy
 (stores mount into a running master, prefill connects to a pool that has memory, and the
 router comes up only when the workers it routes to answer)."""
 
-RESTARTED_KINDS = ("pool_master", "pool_store", "prefill", "decode")
+RESTARTED_KINDS = ("pool_master", "pool_store", "prefill", "decode", "unified")
 """Kinds the supervisor restarts when they exit once the cluster runs, instead of stopping
 it: without the pool, prefill recomputes; without a worker, the router routes around it
 (its in-flight requests fail fast with a 5xx, DESIGN §10) until it is back."""
 
-WORKER_KINDS = ("prefill", "decode")
+WORKER_KINDS = ("prefill", "decode", "unified")
 
-SECRET_KINDS = ("router", "prefill", "decode")
+SECRET_KINDS = ("router", "prefill", "decode", "unified")
 """Kinds that get the cluster secret (protocol/internal_auth.py): they make or answer
 internal calls. The pool's processes speak Mooncake's protocol and never see it."""
 
@@ -206,7 +207,7 @@ def plan_components(
                 name = master_component(cluster, node.name)
                 port = pool.master.metrics_port
                 by_kind["pool_master"].append(spec(name, "pool_master", node, node.host, port, env))
-        for i, store in enumerate(pool.stores):
+        for i, store in service_stores(cluster):  # a store in a prefill has no process
             node = cluster.node(store.node)
             if node.name in selected:
                 env = component_env(node, None, {})
@@ -225,6 +226,11 @@ def plan_components(
         if node.name in selected:
             env = component_env(node, dec.dist_port, dec.env)
             by_kind["decode"].append(spec(dec.name, "decode", node, node.host, dec.port, env))
+    for uni in cluster.unified:
+        node = cluster.node(uni.node)
+        if node.name in selected:
+            env = component_env(node, None, uni.env)
+            by_kind["unified"].append(spec(uni.name, "unified", node, node.host, uni.port, env))
     router_node = cluster.router_node
     if router_node.name in selected:
         # The router binds exactly router.host (a wildcard there is the user's choice).

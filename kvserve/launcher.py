@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from enginehost.cpu_plan import describe_plan
 from kvserve.cluster_secret import describe_secret_source, secret_for_launch
 from kvserve.cluster_status import status
 from kvserve.cluster_summary import summarize
@@ -295,8 +296,20 @@ def check(config_path: str | Path, out: IO[str] = sys.stdout) -> int:
     auth = check_secret(cluster, str(config_path))
     print(summarize(cluster, str(config_path)), file=out)
     print(note, file=out)
+    for line in check_cpus(cluster):
+        print(line, file=out)
     print(auth, file=out)
     return 0
+
+
+def check_cpus(cluster: ClusterConfig) -> list[str]:
+    """How the CPU engine processes of this machine's nodes are pinned and threaded
+    (enginehost/cpu_plan.py), as `kvserve up` will start them."""
+    return [
+        f"  cpus     {node.name}: {line}"
+        for node in local_nodes(cluster)
+        for line in describe_plan(cluster, node.name)
+    ]
 
 
 def check_secret(cluster: ClusterConfig, source: str) -> str:
@@ -370,8 +383,17 @@ def check_model(cluster: ClusterConfig, source: str) -> str:
             f"  landing  {d.name}: a {context}-token context is {format_bytes(need)} per rank; "
             f"region {format_bytes(region)}: {how}"
         )
+    for u in cluster.unified:
+        per_token = prefill_kv_bytes_per_token(cluster, model, model.head_dim, u)
+        held = int(u.kv_cache_memory) // per_token
+        fits = "" if held >= context else f" (less than one {context}-token context)"
+        lines.append(
+            f"  kv cache {u.name}: {kv_dtype}, {per_token} bytes per token; "
+            f"kv_cache_memory holds {held} tokens{fits}, prefill and decode together"
+        )
     names = [n for p in cluster.prefill for n in p.device_names]
     names += [n for d in cluster.decode for n in d.device_names]
+    names += [n for u in cluster.unified for n in u.device_names]
     on_gpu = any(n != "cpu" for n in names)
     if cluster.kv_cache_dtype == "fp8_e4m3" and on_gpu and cluster.attention_backend != "torch":
         lines.append(

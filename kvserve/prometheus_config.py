@@ -6,6 +6,7 @@ dashboards (deploy/grafana) select and group by:
     job kvserve-router       router           /metrics on router.metrics_port or router.port
     job kvserve-prefill      every prefill    /metrics on metrics_port or port
     job kvserve-decode       every decode     /metrics on metrics_port or port
+    job kvserve-unified      every unified    /metrics on metrics_port or port
     job kvserve-pool-master  Mooncake master  /metrics on pool.master.metrics_port
     job kvserve-pool-store   every store      /metrics on its metrics_port (stores without
                                               one get a port picked at start: not listed)
@@ -28,7 +29,7 @@ from kvpool.topology import master_component, master_nodes, store_component
 from protocol.cluster import ClusterConfig, NodeConfig
 
 JOB_PREFIX = "kvserve-"
-KVSERVE_KINDS = ("router", "prefill", "decode")
+KVSERVE_KINDS = ("router", "prefill", "decode", "unified")
 """Kinds whose series carry their own instance/role labels (honor_labels)."""
 
 
@@ -37,7 +38,8 @@ class ScrapeTarget:
     """One component's /metrics endpoint and the labels Prometheus attaches to it."""
 
     kind: str
-    """router | prefill | decode | pool_master | pool_store (the job is kvserve-<kind>)."""
+    """router | prefill | decode | unified | pool_master | pool_store (the job is
+    kvserve-<kind>)."""
     name: str
     node: str
     address: str
@@ -76,6 +78,11 @@ def scrape_targets(cluster: ClusterConfig) -> list[ScrapeTarget]:
         node = cluster.node(d.node)
         targets.append(
             ScrapeTarget("decode", d.name, node.name, _address(node, d.metrics_port or d.port))
+        )
+    for u in cluster.unified:
+        node = cluster.node(u.node)
+        targets.append(
+            ScrapeTarget("unified", u.name, node.name, _address(node, u.metrics_port or u.port))
         )
     pool = cluster.pool
     if pool is not None and pool.enabled:

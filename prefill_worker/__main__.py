@@ -9,7 +9,7 @@ from enginehost.host import EngineHost
 from enginehost.metrics import serve_metrics_port
 from enginehost.startup import load_instance, serve
 from prefill_worker.service import PrefillService
-from prefill_worker.stages import start_stages
+from prefill_worker.stages import handoff_faults, start_stages
 from transfer import create_transport, handoff_transport_config
 
 
@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         stages.handoffs,
         ctx.secret,
         num_devices=len(inst.devices),
+        faults=handoff_faults(inst),
     )
     stages.connect(cluster, inst, service.registry, service.kv_reporter)
     serve_metrics_port(service.registry, node.host, inst.metrics_port)
@@ -36,9 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     @app.on_event("startup")
     async def _start() -> None:
         host.start()
+        service.heap_trimmer.start()
 
     @app.on_event("shutdown")
     async def _stop() -> None:
+        await service.heap_trimmer.stop()
         host.stop()
         engine.connector.close()
         engine.kv_worker.close()

@@ -40,10 +40,10 @@ from kvpool.backend import BackendConfig, create_backend
 from kvpool.client import PoolClient
 from kvpool.metrics import PoolMetrics
 from kvpool.stats import StageCounters
-from kvpool.topology import master_address
+from kvpool.topology import master_address, prefill_segment
 from prefill_worker.pool_pack import pack_blocks, unpack_blocks
 from prefill_worker.pool_worker import PoolWorker
-from protocol.cluster import ClusterConfig, PrefillConfig
+from protocol.cluster import ClusterConfig, PoolInstance
 from protocol.hashing import chunk_keys
 from protocol.ids import BlockId, ChunkKey, RequestId
 from protocol.kv_layout import KVLayout
@@ -345,7 +345,7 @@ class PoolScheduler(KVConnectorScheduler):
 
 def build_pool_client(
     cluster: ClusterConfig,
-    inst: PrefillConfig,
+    inst: PoolInstance,
     namespace: KVNamespace,
     layout: KVLayout,
     counters: StageCounters,
@@ -358,7 +358,14 @@ def build_pool_client(
     pool = cluster.pool
     node = cluster.node(inst.node)
     if pool is not None and pool.enabled:
-        config = BackendConfig(node.host, master_address(cluster, inst.node), pool.protocol)
+        segment, hugepages = prefill_segment(cluster, inst.name)  # pool.stores[].prefill
+        config = BackendConfig(
+            node.host,
+            master_address(cluster, inst.node),
+            pool.protocol,
+            segment_bytes=segment,
+            hugepages=hugepages,
+        )
         backend = create_backend("mooncake", config)
         buffer_bytes: int | None = int(inst.pool_buffer_memory)
         depth = pool.save_queue_depth
@@ -379,7 +386,7 @@ def build_pool_client(
 
 def build_pool_connector(
     cluster: ClusterConfig,
-    inst: PrefillConfig,
+    inst: PoolInstance,
     namespace: KVNamespace,
     layout: KVLayout,
     config: EngineConfig,

@@ -17,12 +17,13 @@ A load's result is the leading run of chunks every local stage loaded and verifi
 scheduler side (pool_connector.py) takes the least over all stage processes, so nothing a
 failing stage or chunk wrote beyond it is ever used. Packing runs in start_saves, in the
 stream order of the forward that wrote the KV (so a later step reusing the blocks cannot
-overwrite it first); the slow part, the write, never blocks the step thread.
+overwrite it first); the slow part, the write, never blocks the step thread. On CUDA,
+a window's loaded objects go to the device, are verified and unpacked there by GpuRestore
+(pool_restore_gpu.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -36,9 +37,10 @@ import torch
 from engine.kv_connector import KVConnectorWorker, WorkerPlace
 from kvpool.client import PoolClient
 from kvpool.keys import StageSpec
-from kvpool.object_format import HEADER_BYTES, checksums_of_sums, payload_sums_t
+from kvpool.object_format import checksums_of_sums, payload_sums_t
 from kvpool.stats import StageCounters
-from prefill_worker.pool_pack import pack_blocks, unpack_blocks, unpack_chunks
+from prefill_worker.pool_pack import pack_blocks, unpack_blocks
+from prefill_worker.pool_restore_gpu import GpuRestore
 from protocol.ids import BlockId, ChunkKey
 from protocol.pool_messages import PoolLoad, PoolLoadDone, PoolStepMeta, PoolWorkerReport
 
@@ -50,12 +52,6 @@ MAX_SAVE_BATCH = 32
 MAX_DEVICE_COPIES = 8
 """CUDA: packed chunks whose device copy may still be on its way to the save slots; the
 step thread waits for the oldest beyond this (bounds the device memory they hold)."""
-
-VERIFY_GROUP = 4
-"""Objects copied to the device and checksummed together (one host wait per group). Two
-groups' staging buffers alternate: the H2D copy of group k + 1 runs while group k is
-verified and unpacked (the device holds 2 x VERIFY_GROUP payloads: 256 MiB for an 8B
-model's 256-token chunks)."""
 
 _meta_decoder = msgspec.msgpack.Decoder(PoolStepMeta)
 
@@ -76,22 +72,6 @@ class _DeviceCopy:
     done: torch.cuda.Event
     sums: torch.Tensor
     """[local stages, 2] payload sums (payload_sums_t), on the device."""
-
-
-@dataclass
-class _Staged:
-    """A group of load slots' payloads on their way to the device (CUDA): the H2D copies
-    run on the copy stream (`copied` follows them), their payload sums and the sums' copy
-    back to pinned host memory on the unpack stream (`summed`)."""
-
-    group: range
-    """Indices into the window's keys and slots."""
-    payloads: torch.Tensor
-    """[len(group), payload bytes] uint8 in one of the two staging buffers."""
-    sums: torch.Tensor
-    """[len(group), 2] int64 payload sums, pinned host memory (valid once `summed`)."""
-    copied: torch.cuda.Event
-    summed: torch.cuda.Event
 
 
 @dataclass
@@ -130,13 +110,8 @@ class PoolWorker(KVConnectorWorker):
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self.num_save_slots = len(client.buffer.save_slot_ids)
-        self._stream: torch.cuda.Stream | None = None
-        self._copy_stream: torch.cuda.Stream | None = None
-        """CUDA: the load thread's H2D copies and payload sums (unpacks: `_stream`)."""
-        self._staging: list[torch.Tensor] = []
-        """CUDA: two device buffers of VERIFY_GROUP payloads each (load thread)."""
-        self._staging_free: list[torch.cuda.Event | None] = [None, None]
-        """CUDA: recorded after the unpacks reading each staging buffer."""
+        self._restore: GpuRestore | None = None
+        """CUDA: the load thread's copies to the device, checks and unpacks."""
         self._save_stream: torch.cuda.Stream | None = None
         self._copies: deque[tuple[torch.cuda.Event, list[torch.Tensor]]] = deque()
         """CUDA: device copies of packed chunks, kept alive until their D2H is done."""
@@ -156,10 +131,9 @@ class PoolWorker(KVConnectorWorker):
         assert self.chunk_size % block_size == 0
         self.blocks_per_chunk = self.chunk_size // block_size
         dev = kv_caches[0].device
-        # Unpacks run on their own CUDA stream (compute goes on) and are synchronized
+        # Unpacks run on their own CUDA streams (compute goes on) and are synchronized
         # before a slot is reused and before a load is reported.
-        self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-        self._copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self._restore = GpuRestore(self.client, kv_caches) if dev.type == "cuda" else None
         self._save_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._threads = [
             threading.Thread(target=self._load_loop, name="pool-load", daemon=True),
@@ -184,7 +158,7 @@ class PoolWorker(KVConnectorWorker):
             self._in_flight.update(job.request_id for job in m.loads)
         for job in m.loads:
             ready = None
-            if self._stream is not None:
+            if self._restore is not None:
                 ready = torch.cuda.Event()
                 ready.record()
             self._loads.put(_Load(job, ready))
@@ -371,8 +345,8 @@ class PoolWorker(KVConnectorWorker):
         """Read, verify and unpack every local stage's objects of the job's chunks in
         windows of load slots; returns the tokens valid from job.token_start on."""
         job = item.job
-        if item.ready is not None and self._stream is not None:
-            self._stream.wait_event(item.ready)
+        if item.ready is not None and self._restore is not None:
+            self._restore.stream.wait_event(item.ready)
         keys = [ChunkKey(k) for k in job.chunk_keys]
         cs = self.chunk_size
         load_slots = self.client.buffer.load_slot_ids
@@ -391,13 +365,16 @@ class PoolWorker(KVConnectorWorker):
                 # staging, not the slots): they overlap this read.
                 self._sync_copies()
                 slots = load_slots[i * window : i * window + len(wkeys)]
-                on_device = self._stream is not None
-                n = self.client.read(stage.index, wkeys, slots, verify_payload=not on_device)
+                gpu = self._restore
+                n = self.client.read(stage.index, wkeys, slots, verify_payload=gpu is None)
                 n = min(n, window_ok)
                 layers = self._layers(stage)
                 first = job.first_chunk + num_ok  # the window's first chunk
-                if on_device:
-                    n = self._unpack_on_device(job, stage.index, wkeys, slots, n, first, layers)
+                if gpu is not None:
+                    start_block = job.token_start // (cs // self.blocks_per_chunk)
+                    n = gpu.unpack(
+                        stage.index, wkeys, slots, n, layers, job.block_ids, first, start_block
+                    )
                 else:
                     n = self._unpack_on_host(job, stage.index, slots, n, first, layers)
                 window_ok = n
@@ -437,119 +414,15 @@ class PoolWorker(KVConnectorWorker):
             unpack_blocks(src[:, :, (b0 - c * bpc) * bs :], layers, _ids(job.block_ids[b0:b1]))
         return n
 
-    def _unpack_on_device(
-        self,
-        job: PoolLoad,
-        stage: int,
-        keys: list[ChunkKey],
-        slots: list[int],
-        n: int,
-        first: int,
-        layers: list,
-    ) -> int:
-        """CUDA: copy the n payloads in `slots` to the device in groups of VERIFY_GROUP,
-        checksum each group there, compare with the headers and unpack the group, the next
-        group's copy running meanwhile. Returns how many leading payloads were verified
-        and unpacked (a damaged one ends the run and is discarded)."""
-        groups = [range(g, min(g + VERIFY_GROUP, n)) for g in range(0, n, VERIFY_GROUP)]
-        if not groups:
-            return 0
-        spec = self.client.specs[stage]
-        bpc = self.blocks_per_chunk
-        bs = self.chunk_size // bpc
-        assert self._stream is not None
-        staged = self._stage_group(stage, slots, groups[0], 0)
-        self._sum_group(staged)
-        for gi in range(len(groups)):
-            last = gi + 1 == len(groups)
-            nxt = None if last else self._stage_group(stage, slots, groups[gi + 1], gi + 1)
-            staged.summed.synchronize()
-            got = checksums_of_sums(staged.sums)
-            want = [self.client.stored_checksum(slots[j]) for j in staged.group]
-            ok = [a == b for a, b in zip(got, want, strict=True)]
-            good = len(ok) if all(ok) else ok.index(False)
-            self.client.discard(
-                stage, [keys[j] for j, o in zip(staged.group, ok, strict=True) if not o]
-            )
-            payloads = staged.payloads.view(getattr(torch, spec.dtype))
-            payloads = payloads.view(len(staged.group), *spec.shape)
-            with torch.cuda.stream(self._stream):
-                k0 = 0
-                j0 = staged.group.start
-                b0, b1 = self._chunk_blocks(job, first + j0)
-                if good and b0 != (first + j0) * bpc:  # a partial first chunk: on its own
-                    off = (b0 - (first + j0) * bpc) * bs
-                    unpack_blocks(payloads[0, :, :, off:], layers, _ids(job.block_ids[b0:b1]))
-                    k0 = 1
-                if good > k0:
-                    c0, c1 = first + j0 + k0, first + j0 + good
-                    ids = job.block_ids[c0 * bpc : c1 * bpc]
-                    unpack_chunks(payloads[k0:good], layers, _ids(ids))
-                free = torch.cuda.Event()
-                free.record()
-                self._staging_free[gi % 2] = free
-            if good < len(staged.group):
-                return staged.group.start + good
-            if nxt is None:
-                break
-            self._sum_group(nxt)  # behind this group's unpacks on the unpack stream
-            staged = nxt
-        return n
-
-    def _stage_group(self, stage: int, slots: list[int], group: range, k: int) -> _Staged:
-        """Queue group's H2D copies into staging buffer k % 2 on the copy stream, once the
-        unpacks that read that buffer last are done."""
-        assert self._copy_stream is not None
-        nbytes = self.client.specs[stage].payload_bytes
-        buf = self.client.buffer
-        dev = self.kv_caches[0].device
-        b = k % 2
-        with torch.cuda.stream(self._copy_stream):
-            if not self._staging or self._staging[0].numel() < VERIFY_GROUP * nbytes:
-                self._sync_unpacks()  # nothing reads the old buffers any more
-                self._staging = [
-                    torch.empty(VERIFY_GROUP * nbytes, dtype=torch.uint8, device=dev)
-                    for _ in range(2)
-                ]
-            free = self._staging_free[b]
-            if free is not None:
-                self._copy_stream.wait_event(free)
-            payloads = self._staging[b][: len(group) * nbytes].view(len(group), nbytes)
-            for i, j in enumerate(group):
-                off = slots[j] * buf.slot_bytes + HEADER_BYTES
-                payloads[i].copy_(buf.tensor[off : off + nbytes], non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        sums = torch.empty(len(group), 2, dtype=torch.int64, pin_memory=True)
-        return _Staged(group, payloads, sums, copied, copied)
-
-    def _sum_group(self, staged: _Staged) -> None:
-        """On the unpack stream, once the group's copies are done: its payload sums and
-        their copy to pinned host memory (`summed` follows). The copy stream only copies,
-        so the DMA engine moves the next group meanwhile."""
-        assert self._stream is not None
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(staged.copied)
-            staged.sums.copy_(payload_sums_t(staged.payloads), non_blocking=True)
-            staged.summed = torch.cuda.Event()
-            staged.summed.record()
-
-    def _unpack_stream(self) -> contextlib.AbstractContextManager[object]:
-        if self._stream is None:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self._stream)
-
     def _sync_copies(self) -> None:
         """Wait for the H2D copies out of the load slots (CUDA)."""
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()
+        if self._restore is not None:
+            self._restore.sync_copies()
 
     def _sync_unpacks(self) -> None:
         """Wait for the copies out of the load slots and the unpacks (CUDA)."""
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()
-        if self._stream is not None:
-            self._stream.synchronize()
+        if self._restore is not None:
+            self._restore.sync()
 
 
 def _ids(blocks: list[int]) -> list[BlockId]:

@@ -25,6 +25,7 @@ from enginehost.app import base_app, error_response, read_message
 from enginehost.host import EngineHost
 from enginehost.kv_events import KVReporter
 from prefill_worker.handoff import HandoffScheduler
+from prefill_worker.heap_trim import HeapTrimmer
 from prefill_worker.metrics import PrefillMetrics
 from protocol.errors import InvalidRequestError, PromptTooLongError
 from protocol.internal_auth import auth_headers
@@ -39,6 +40,7 @@ from protocol.messages import (
     PromptUsage,
     encode_line,
 )
+from transfer.faults import HandoffFaults
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +66,11 @@ class PrefillService:
         handoffs: HandoffScheduler,
         secret: str,
         num_devices: int = 1,
+        faults: HandoffFaults | None = None,
     ) -> None:
         self.name = name
+        self.faults = faults or HandoffFaults()
+        """Test-only injected faults (cluster.yaml handoff_faults): the door's hold."""
         self.secret = secret
         """The cluster secret: its routes need it, its notices to decode carry it."""
         self.capability_key = capability_key(secret)
@@ -78,6 +83,9 @@ class PrefillService:
         """GET /info and /kv_events for KV-aware routing; the pool connector reports its
         saves and restores to it (record_pool_saved, record_restore)."""
         self._http = httpx.AsyncClient(timeout=10.0, trust_env=False, headers=auth_headers(secret))
+        self.heap_trimmer = HeapTrimmer()
+        """Gives the heap's free pages back after large batches (prefill_worker/heap_trim.py);
+        started and stopped with the app."""
 
     def status(self) -> InstanceStatus:
         """Engine thread."""
@@ -126,6 +134,7 @@ class PrefillService:
         if refused is not None:
             self.metrics.outcome("rejected")
             return error_response(403, refused, rid)
+        await self.faults.hold(len(msg.prompt_token_ids))
         queue = self.host.open_stream(rid)
 
         def add(e: LLMEngine) -> None:

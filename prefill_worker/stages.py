@@ -127,11 +127,20 @@ def stage_worker(
     return MultiConnectorWorker([PoolWorker(client, counters), sender])
 
 
+def handoff_faults(inst: PrefillConfig) -> HandoffFaults | None:
+    """The test-only injected handoff faults of cluster.yaml, if any."""
+    f = inst.handoff_faults
+    if f is None:
+        return None
+    return HandoffFaults(
+        f.fail_prompt_tokens, f.write_delay_s, f.hold_prompt_tokens, f.hold_until_file
+    )
+
+
 def handoff_worker(inst: PrefillConfig, transport: Transport, secret: str) -> HandoffWorker:
     """A stage's handoff worker: staging slots on its transport, notices over HTTP with
     the cluster secret, landing capabilities checked with the key derived from it."""
-    f = inst.handoff_faults
-    faults = HandoffFaults(f.fail_prompt_tokens, f.write_delay_s) if f is not None else None
+    faults = handoff_faults(inst)
     # over cuda_ipc the slots are larger: fewer pieces (each a gather, a write and a
     # scatter of per-layer launches) for the same KV; counted in the GPU budget
     staging = handoff_staging_bytes("cuda_ipc" if transport.name == "cuda_ipc" else "tcp")

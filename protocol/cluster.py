@@ -41,7 +41,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "fp8_e4m3"]
 Protocol = Literal["tcp", "rdma"]
 HandoffProtocol = Literal["tcp", "rdma", "cuda_ipc"]
-AttentionBackendName = Literal["auto", "torch", "flex"]
+AttentionBackendName = Literal["auto", "torch", "cpu", "flex"]
 RoutingPolicy = Literal["round_robin", "random", "session", "kv_aware"]
 ToolParserName = Literal["hermes", "llama3_json", "mistral"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -116,6 +116,13 @@ class PoolStoreConfig(_Section, frozen=True, kw_only=True):
     node's host, picked by `kvserve up`."""
     rdma_devices: tuple[str, ...] = ()
     """RDMA NICs of this store's NUMA node (protocol rdma only); empty: all."""
+    prefill: Name | None = None
+    """Mount this store's segment inside that prefill instance's process(es) instead of
+    running a store service: the instance's own saves land in it and its restores of them
+    are a local memcpy (no transfer through another process; docs/pool.md "Segments in
+    prefill"). The instance must be on `node`; with PP each stage process mounts
+    size / pipeline_parallel. The segment is still the whole pool's, and dies with the
+    process like a store's. numa_node, port and metrics_port do not apply."""
 
 
 class PoolConfig(_Section, frozen=True, kw_only=True):
@@ -144,6 +151,11 @@ class HandoffFaultsConfig(_Section, frozen=True, kw_only=True):
     its first piece (a transfer failed mid-flight)."""
     write_delay_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
     """Sleep before every KV write (a slow transport)."""
+    hold_prompt_tokens: PositiveInt | None = None
+    """Hold every request with exactly this many prompt tokens at prefill's door (before
+    its engine) until `hold_until_file` exists (at most 300 s): a request queued in
+    prefill while its decode dies."""
+    hold_until_file: str | None = None
 
 
 class EngineFaultsConfig(_Section, frozen=True, kw_only=True):
@@ -252,6 +264,56 @@ class DecodeConfig(_Section, frozen=True, kw_only=True):
         return tuple(device_name(d) or str(d) for d in self.devices)
 
 
+class UnifiedConfig(_Section, frozen=True, kw_only=True):
+    """One unified instance: a single engine process that prefills and decodes (chunked
+    prefill and decodes mixed in one step, as one vLLM server does), with no handoff. It
+    restores history from the pool and saves every full chunk to it exactly as a prefill
+    instance does; the router sends it a request in one call. The topology for a small
+    box, where a second process would compete for the same cores (docs/architecture.md,
+    "Topologies"). One device; pipeline and tensor parallel layouts are P/D only."""
+
+    name: Name
+    node: str
+    port: Port
+    """HTTP port of the instance (serving path, /health, /status, /metrics)."""
+    devices: tuple[Device, ...]
+    """Exactly one device: a GPU index, "cuda:N", or "cpu"."""
+    max_batched_tokens: PositiveInt = 2048
+    """Token budget of one forward step: decodes first, prefill chunks fill the rest."""
+    max_num_seqs: PositiveInt = 256
+    """Requests scheduled at once (prefilling and decoding together)."""
+    kv_cache_memory: ByteSize = ByteSize(512 * MiB)
+    """Paged KV cache of the device: the prefix cache and every running request's KV."""
+    pool_buffer_memory: ByteSize = ByteSize(256 * MiB)
+    """Buffer registered with the pool for zero-copy save/restore (pool only)."""
+    gpu_memory_budget: ByteSize | None = None
+    """GPU memory the process may use; None: derived (weights + kv_cache_memory +
+    workspace, protocol/device_budget.py). Checked when GPUs are shared."""
+    metrics_port: Port | None = None
+    """Separate Prometheus port; None: /metrics on `port`."""
+    env: dict[str, str] = {}
+    """Extra environment for the instance's process."""
+    engine_faults: EngineFaultsConfig | None = None
+    """Test-only per-request fault injection into this instance's engine (None: off)."""
+
+    @property
+    def device_names(self) -> tuple[str, ...]:
+        return tuple(device_name(d) or str(d) for d in self.devices)
+
+    # What the prefill worker's pool pieces read of an instance (one stage, whole model).
+    @property
+    def pipeline_parallel(self) -> int:
+        return 1
+
+    @property
+    def layer_split(self) -> tuple[int, ...] | None:
+        return None
+
+    @property
+    def dist_port(self) -> int | None:
+        return None
+
+
 class AdmissionConfig(_Section, frozen=True, kw_only=True):
     """The router's admission gate in front of decode KV."""
 
@@ -296,7 +358,9 @@ class RouterConfig(_Section, frozen=True, kw_only=True):
     """Extra environment for the router process."""
 
 
-Instance = PrefillConfig | DecodeConfig
+Instance = PrefillConfig | DecodeConfig | UnifiedConfig
+PoolInstance = PrefillConfig | UnifiedConfig
+"""An instance that restores from and saves to the pool (prefill and unified)."""
 
 
 class AuthConfig(_Section, frozen=True, kw_only=True):
@@ -327,8 +391,10 @@ class ClusterConfig(_Section, frozen=True, kw_only=True):
     per token and KV head, about half the bytes of bfloat16 (docs/kv_cache.md)."""
     attention_backend: AttentionBackendName = "auto"
     """Attention kernels of every engine process: "flex" (paged FlexAttention decode and
-    flash prefill, CUDA only, with decode CUDA graphs), "torch" (the reference backend,
-    CPU and CUDA), or "auto": flex on GPUs, torch on CPUs."""
+    flash prefill, CUDA only, with decode CUDA graphs), "cpu" (decode reads the paged
+    cache in place with a C kernel built at start-up, prefill as the reference; CPU only,
+    needs a C compiler, else it runs the reference), "torch" (the reference backend, CPU
+    and CUDA), or "auto": flex on GPUs, cpu on CPUs."""
     cpu_pinning: bool = True
     """CPU engine processes of a node each pinned to their own slice of its CPUs, with
     one torch thread per CPU of the slice (enginehost/cpu_plan.py); false: not pinned,
@@ -337,8 +403,11 @@ class ClusterConfig(_Section, frozen=True, kw_only=True):
     cache: CacheConfig = CacheConfig()
     nodes: tuple[NodeConfig, ...]
     pool: PoolConfig | None = None
-    prefill: tuple[PrefillConfig, ...]
-    decode: tuple[DecodeConfig, ...]
+    prefill: tuple[PrefillConfig, ...] = ()
+    decode: tuple[DecodeConfig, ...] = ()
+    unified: tuple[UnifiedConfig, ...] = ()
+    """Instances that prefill and decode in one engine. A cluster serves through either
+    prefill + decode instances (disaggregated) or unified instances, not both."""
     router: RouterConfig = RouterConfig()
     auth: AuthConfig = AuthConfig()
 
@@ -369,8 +438,22 @@ class ClusterConfig(_Section, frozen=True, kw_only=True):
                 return d
         raise ConfigError("", f"no decode instance named {name!r}; decode: {_names(self.decode)}")
 
+    def unified_instance(self, name: str) -> UnifiedConfig:
+        """The unified instance `name` (what `--name` of a unified worker selects)."""
+        for u in self.unified:
+            if u.name == name:
+                return u
+        raise ConfigError(
+            "", f"no unified instance named {name!r}; unified: {_names(self.unified)}"
+        )
+
+    @property
+    def disaggregated(self) -> bool:
+        """True: prefill + decode instances with the KV handoff; False: unified ones."""
+        return not self.unified
+
     def instance(self, name: str) -> Instance:
-        instances: tuple[Instance, ...] = (*self.prefill, *self.decode)
+        instances: tuple[Instance, ...] = (*self.prefill, *self.decode, *self.unified)
         for inst in instances:
             if inst.name == name:
                 return inst

@@ -20,7 +20,7 @@ from protocol.parallel import (
 )
 
 if TYPE_CHECKING:
-    from protocol.cluster import ClusterConfig, DecodeConfig, PrefillConfig
+    from protocol.cluster import ClusterConfig, DecodeConfig, PrefillConfig, UnifiedConfig
 
 _WILDCARDS = ("0.0.0.0", "::", "")
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.:%-]+$")
@@ -39,10 +39,7 @@ def check_cluster(c: ClusterConfig) -> None:
             f"{c.cache.chunk_size} is not a multiple of block_size {c.cache.block_size}",
         )
     _check_nodes(c)
-    if not c.prefill:
-        raise ConfigError("prefill", "at least one prefill instance is required")
-    if not c.decode:
-        raise ConfigError("decode", "at least one decode instance is required")
+    _check_topology(c)
     seen: dict[str, str] = {}
     for path, inst in _instances(c):
         if inst.name in seen:
@@ -62,6 +59,8 @@ def check_cluster(c: ClusterConfig) -> None:
         _check_prefill_layout(f"prefill[{i}]", p)
     for i, d in enumerate(c.decode):
         _check_decode_layout(f"decode[{i}]", d)
+    for i, u in enumerate(c.unified):
+        _check_devices(f"unified[{i}]", u.devices, 1, "one engine process")
     _check_gpu_sharing(c)
     _check_router(c)
     _check_auth(c)
@@ -69,11 +68,36 @@ def check_cluster(c: ClusterConfig) -> None:
     _check_ports(c)
 
 
-def _instances(c: ClusterConfig) -> Iterator[tuple[str, PrefillConfig | DecodeConfig]]:
+def _check_topology(c: ClusterConfig) -> None:
+    """Disaggregated (prefill + decode) or unified instances: one serving path."""
+    if c.unified:
+        if c.prefill or c.decode:
+            section = "prefill" if c.prefill else "decode"
+            raise ConfigError(
+                section,
+                "a cluster serves through unified instances or through prefill + decode "
+                "instances, not both; remove one of them",
+            )
+        return
+    if not c.prefill:
+        raise ConfigError(
+            "prefill",
+            "at least one prefill instance is required (or unified instances instead of "
+            "prefill + decode)",
+        )
+    if not c.decode:
+        raise ConfigError("decode", "at least one decode instance is required")
+
+
+def _instances(
+    c: ClusterConfig,
+) -> Iterator[tuple[str, PrefillConfig | DecodeConfig | UnifiedConfig]]:
     for i, p in enumerate(c.prefill):
         yield f"prefill[{i}]", p
     for i, d in enumerate(c.decode):
         yield f"decode[{i}]", d
+    for i, u in enumerate(c.unified):
+        yield f"unified[{i}]", u
 
 
 def _check_model(c: ClusterConfig) -> None:
@@ -227,9 +251,10 @@ def rank_kv_bytes_per_token(
 
 
 def prefill_kv_bytes_per_token(
-    c: ClusterConfig, model: ModelShape, head_dim: int, p: PrefillConfig
+    c: ClusterConfig, model: ModelShape, head_dim: int, p: PrefillConfig | UnifiedConfig
 ) -> int:
-    """KV bytes of one token (all parts) on the prefill stage holding the most layers."""
+    """KV bytes of one token (all parts) on the prefill stage holding the most layers (a
+    unified instance: its one process, every layer)."""
     if p.layer_split is not None:
         layers = max(p.layer_split)
     else:
@@ -280,10 +305,12 @@ def _check_gpu_sharing(c: ClusterConfig) -> None:
             )
 
 
-def _instance_at(c: ClusterConfig, path: str) -> PrefillConfig | DecodeConfig:
+def _instance_at(c: ClusterConfig, path: str) -> PrefillConfig | DecodeConfig | UnifiedConfig:
     """The instance of a key path such as decode[0].devices[1]."""
     kind, rest = path.split("[", 1)
     index = int(rest.split("]", 1)[0])
+    if kind == "unified":
+        return c.unified[index]
     return c.prefill[index] if kind == "prefill" else c.decode[index]
 
 
@@ -354,6 +381,9 @@ def _check_pool(c: ClusterConfig) -> None:
                 f"pool.stores[{i}].size",
                 f"{s.size} bytes is below 16MiB, the smallest segment Mooncake mounts",
             )
+        if s.prefill is not None:
+            _check_store_in_prefill(c, i)
+            continue
         per_node.setdefault(s.node, []).append(i)
     for node, idx in per_node.items():
         if len(idx) < 2:
@@ -368,12 +398,53 @@ def _check_pool(c: ClusterConfig) -> None:
                 )
             numas.add(numa)
     if pool.enabled and not pool.shared:
-        for i, p in enumerate(c.prefill):
-            if p.node not in per_node:
+        store_nodes = {s.node for s in pool.stores}
+        for path, p in _instances(c):
+            if path.startswith("decode"):
+                continue
+            if p.node not in store_nodes:
                 raise ConfigError(
-                    f"prefill[{i}].node",
+                    f"{path}.node",
                     f"pool.shared is false but node {p.node} has no store; add one to pool.stores",
                 )
+
+
+def _check_store_in_prefill(c: ClusterConfig, i: int) -> None:
+    """A store mounted in a prefill instance (pool.stores[i].prefill)."""
+    assert c.pool is not None
+    s = c.pool.stores[i]
+    path = f"pool.stores[{i}]"
+    inst = next((p for p in c.prefill if p.name == s.prefill), None)
+    if inst is None:
+        names = ", ".join(p.name for p in c.prefill)
+        raise ConfigError(f"{path}.prefill", f"no prefill instance {s.prefill!r} (have: {names})")
+    if inst.node != s.node:
+        raise ConfigError(
+            f"{path}.node",
+            f"the store is mounted in prefill {inst.name!r}, which runs on node {inst.node}, "
+            f"not {s.node}",
+        )
+    for field in ("numa_node", "port", "metrics_port"):
+        if getattr(s, field) is not None:
+            raise ConfigError(
+                f"{path}.{field}",
+                f"does not apply to a store mounted in prefill {inst.name!r} (it runs in the "
+                "instance's processes, with their binding, ports and /metrics); remove it",
+            )
+    others = [j for j, o in enumerate(c.pool.stores) if o.prefill == s.prefill]
+    if others[0] != i:
+        raise ConfigError(
+            f"{path}.prefill",
+            f"pool.stores[{others[0]}] is already mounted in prefill {inst.name!r}; give the "
+            "instance one store (its size is the instance's segment)",
+        )
+    per_stage = s.size // inst.pipeline_parallel
+    if per_stage < MIN_STORE_BYTES:
+        raise ConfigError(
+            f"{path}.size",
+            f"{s.size} bytes over {inst.pipeline_parallel} stage processes is {per_stage} "
+            "bytes each, below 16MiB, the smallest segment Mooncake mounts",
+        )
 
 
 def cluster_ports(c: ClusterConfig) -> Iterator[tuple[str, str, int]]:

@@ -30,7 +30,7 @@ from protocol.cluster_types import device_name, format_bytes
 from protocol.config_errors import ConfigError
 
 if TYPE_CHECKING:
-    from protocol.cluster import ClusterConfig, DecodeConfig, PrefillConfig
+    from protocol.cluster import ClusterConfig, DecodeConfig, PrefillConfig, UnifiedConfig
 
 MiB = 1024**2
 GiB = 1024**3
@@ -173,6 +173,27 @@ def decode_uses(c: ClusterConfig, i: int, m: ModelBytes) -> Iterator[DeviceUse]:
         yield DeviceUse(f"decode[{i}]", d.name, d.node, name, sum(b for _, b in parts), parts)
 
 
+def unified_uses(c: ClusterConfig, i: int, m: ModelBytes) -> Iterator[DeviceUse]:
+    """A unified instance's one process: the whole model, its KV, a step's workspace."""
+    u = c.unified[i]
+    name = device_name(u.devices[0])
+    if name is None or name == "cpu":
+        return
+    if u.gpu_memory_budget is not None:
+        stated = int(u.gpu_memory_budget)
+        yield DeviceUse(f"unified[{i}]", u.name, u.node, name, stated, (("stated", stated),))
+        return
+    db = DTYPE_BYTES[c.dtype]
+    heads = 1 if m.tie_word_embeddings else 2
+    params = m.num_layers * _layer_params(m) + heads * _embed_params(m)
+    parts = (
+        ("weights", params * db),
+        ("kv_cache_memory", int(u.kv_cache_memory)),
+        ("workspace", _workspace(m, u.max_batched_tokens, u.max_num_seqs, db)),
+    )
+    yield DeviceUse(f"unified[{i}]", u.name, u.node, name, sum(b for _, b in parts), parts)
+
+
 def device_uses(c: ClusterConfig, m: ModelBytes) -> list[DeviceUse]:
     """Every instance process's budget on every GPU it uses."""
     protocol = c.decode[0].transfer.protocol if c.decode else "tcp"
@@ -181,6 +202,8 @@ def device_uses(c: ClusterConfig, m: ModelBytes) -> list[DeviceUse]:
         uses += prefill_uses(c, i, m, protocol)
     for i in range(len(c.decode)):
         uses += decode_uses(c, i, m)
+    for i in range(len(c.unified)):
+        uses += unified_uses(c, i, m)
     return uses
 
 
@@ -227,9 +250,10 @@ def check_device_budgets(
 def shared_devices(c: ClusterConfig) -> dict[tuple[str, str], list[str]]:
     """(node, device) -> key paths of the instances on it, for GPUs used by several."""
     owners: dict[tuple[str, str], list[str]] = {}
-    insts: list[tuple[str, PrefillConfig | DecodeConfig]] = [
+    insts: list[tuple[str, PrefillConfig | DecodeConfig | UnifiedConfig]] = [
         *((f"prefill[{i}]", p) for i, p in enumerate(c.prefill)),
         *((f"decode[{i}]", d) for i, d in enumerate(c.decode)),
+        *((f"unified[{i}]", u) for i, u in enumerate(c.unified)),
     ]
     for path, inst in insts:
         host = c.node(inst.node).host

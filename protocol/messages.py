@@ -73,6 +73,9 @@ class LandingInfo(msgspec.Struct, frozen=True):
     dcp_rank: int = 0
     expires_at_s: float = 0.0
     """Unix time after which prefill no longer accepts this landing."""
+    peer_incarnation: str = ""
+    """Incarnation of the rank's transport (protocol/incarnation.py): prefill's Mooncake
+    transport refreshes what it cached about `peer` when this changes."""
     capability: str = ""
     """HMAC of the request id and every field above, minted by the decode instance that
     reserved the region (protocol/landing_capability.py); prefill writes nothing without
@@ -111,6 +114,9 @@ class DecodeReady(msgspec.Struct, frozen=True, tag="ready"):
     request_id: str
     landing: list[LandingInfo]
     notify_url: str
+    incarnation: str = ""
+    """The decode worker process's incarnation (protocol/incarnation.py): when this stream
+    breaks, the router blames the instance only if it still runs this incarnation."""
 
 
 class PrefillRequest(msgspec.Struct, frozen=True):
@@ -154,6 +160,21 @@ class ErrorEvent(msgspec.Struct, frozen=True, tag="error"):
 
 PrefillEvent = FirstToken | ErrorEvent
 DecodeEvent = DecodeReady | TokenBatch | ErrorEvent
+
+
+class GenerateRequest(msgspec.Struct, frozen=True):
+    """Router -> unified instance POST /generate: the whole request in one call. The
+    instance prefills (restoring history from the pool) and decodes it in one engine and
+    answers with an NDJSON stream of GenerateEvent: FirstToken (with the prompt's usage),
+    then TokenBatch ... until one carries a finish_reason (or an ErrorEvent)."""
+
+    version: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+GenerateEvent = FirstToken | TokenBatch | ErrorEvent
 
 
 # -- prefill -> decode, POST DecodeReady.notify_url ----------------------------------------

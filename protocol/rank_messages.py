@@ -60,6 +60,15 @@ class RankStep(msgspec.Struct, frozen=True, tag="rank_step"):
     """The KV connector's metadata of the step (b"" for none)."""
     want_reports: bool = False
     """Every rank >= 1 sends its connector report to rank 0 after the step."""
+    load: bool = True
+    """False: the connector's loads of kv_meta were started by an earlier run of this
+    step (one whose forward failed; engine/step_isolation.py)."""
+    probe: bool = False
+    """A bisection run of part of a failed step: the forward only (no loads, saves or
+    reports); its outputs are discarded."""
+    fault: str = ""
+    """Test-only injected forward fault (engine/faults.py): every rank raises it before
+    its forward, as a request's input makes every rank fail alike."""
 
 
 class RankCommand(msgspec.Struct, frozen=True, tag="rank_command"):

@@ -2,7 +2,7 @@
 
     POST /v1/chat/completions, /v1/completions   generation (router/serving.py)
     GET  /v1/models                               the one served model
-    POST /v1/admin/reset_prefix_cache             fan out to every prefill instance
+    POST /v1/admin/reset_prefix_cache             fan out to every prefill / unified instance
     GET  /health                                  the router is up (+ instance health)
     GET  /metrics                                 Prometheus text
 
@@ -55,6 +55,7 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
     registry = InstanceRegistry(
         [Instance(e.name, "prefill", e.url.rstrip("/")) for e in settings.prefill],
         [Instance(e.name, "decode", e.url.rstrip("/")) for e in settings.decode],
+        [Instance(e.name, "unified", e.url.rstrip("/")) for e in settings.unified],
     )
     client = WorkerClient(
         connect_timeout_s=settings.connect_timeout_s, cluster_secret=settings.cluster_secret
@@ -63,11 +64,11 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
     metrics.watch_instances(registry)
     served_name = settings.served_model_name or model.served_name
     view = ClusterView(
-        pool_of={e.name: e.pool for e in settings.prefill},
+        pool_of={e.name: e.pool for e in (*settings.prefill, *settings.unified)},
         pool_capacity_bytes=dict(settings.pool_capacity_bytes),
     )
     gate = None
-    if settings.admission:
+    if settings.admission and not settings.unified:  # a unified instance lands no decode KV
         gate = AdmissionGate(
             view,
             AdmissionSettings(
@@ -151,7 +152,7 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
     @app.post("/v1/admin/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
         ctx.check_auth(request)
-        prefills = registry.instances("prefill")
+        prefills = [*registry.instances("prefill"), *registry.instances("unified")]
         results = await asyncio.gather(
             *(client.reset_prefix_cache(i, RESET_TIMEOUT_S) for i in prefills)
         )

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import msgspec
 
-from protocol.cluster import ClusterConfig
+from protocol.cluster import ClusterConfig, PoolInstance
 from router.http_limits import HttpLimits
 from router.policies import policy_names
 
@@ -25,7 +25,8 @@ class InstanceEndpoint(msgspec.Struct, frozen=True, kw_only=True):
     url: str
     """Base URL, e.g. "http://127.0.0.1:8101"."""
     pool: str | None = None
-    """Prefill: the pool it saves to and restores from (same id = same pool); None: none."""
+    """Prefill or unified: the pool it saves to and restores from (same id = same pool);
+    None: none."""
 
 
 class RouterSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,6 +58,9 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True):
     the API port."""
     prefill: tuple[InstanceEndpoint, ...] = ()
     decode: tuple[InstanceEndpoint, ...] = ()
+    unified: tuple[InstanceEndpoint, ...] = ()
+    """Instances that prefill and decode in one engine: given any, every request goes to
+    one of them in a single call (router/unified.py) and prefill / decode are empty."""
     block_size: int = 16
     """Tokens per KV block, for policies that hash the prompt."""
     pool_capacity_bytes: dict[str, int] = {}
@@ -130,6 +134,10 @@ def settings_from_cluster(cluster: ClusterConfig) -> RouterSettings:
         decode=tuple(
             InstanceEndpoint(name=d.name, url=cluster.instance_url(d)) for d in cluster.decode
         ),
+        unified=tuple(
+            InstanceEndpoint(name=u.name, url=cluster.instance_url(u), pool=pool_of[u.name])
+            for u in cluster.unified
+        ),
         block_size=cluster.cache.block_size,
         pool_capacity_bytes=capacity,
         admission_wait_timeout_s=adm.wait_timeout_s,
@@ -141,19 +149,18 @@ def settings_from_cluster(cluster: ClusterConfig) -> RouterSettings:
 
 
 def _pools(cluster: ClusterConfig) -> tuple[dict[str, str | None], dict[str, int]]:
-    """Which pool each prefill instance uses, and each pool's DRAM.
+    """Which pool each prefill (or unified) instance uses, and each pool's DRAM.
 
     Shared pool: one, "shared", over every store. Split pool (`pool.shared: false`): one
     per node, "node:<name>", over that node's stores. No pool (absent or disabled): None.
     """
     pool = cluster.pool
+    savers: tuple[PoolInstance, ...] = (*cluster.prefill, *cluster.unified)
     if pool is None or not pool.enabled:
-        return {p.name: None for p in cluster.prefill}, {}
+        return {p.name: None for p in savers}, {}
     if pool.shared:
-        return {p.name: "shared" for p in cluster.prefill}, {
-            "shared": sum(int(s.size) for s in pool.stores)
-        }
+        return {p.name: "shared" for p in savers}, {"shared": sum(int(s.size) for s in pool.stores)}
     capacity: dict[str, int] = {}
     for s in pool.stores:
         capacity[f"node:{s.node}"] = capacity.get(f"node:{s.node}", 0) + int(s.size)
-    return {p.name: f"node:{p.node}" for p in cluster.prefill}, capacity
+    return {p.name: f"node:{p.node}" for p in savers}, capacity

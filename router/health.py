@@ -41,14 +41,16 @@ class HealthMonitor:
     async def poll_once(self) -> None:
         instances = self._registry.all()
         results = await asyncio.gather(*(self._client.health(i) for i in instances))
-        for inst, error in zip(instances, results, strict=True):
-            self._apply(inst, error)
+        for inst, (error, incarnation) in zip(instances, results, strict=True):
+            self._apply(inst, error, incarnation)
 
-    def _apply(self, inst: Instance, error: str | None) -> None:
+    def _apply(self, inst: Instance, error: str | None, incarnation: str) -> None:
         if error is None:
             if not inst.healthy:
                 log.info("%s is healthy again", inst.describe())
-            self._registry.mark_healthy(inst)
+            elif inst.incarnation and incarnation and incarnation != inst.incarnation:
+                log.info("%s was restarted (a new process answers)", inst.describe())
+            self._registry.mark_healthy(inst, incarnation)
         else:
             if inst.healthy:
                 log.warning("%s is unhealthy: %s", inst.describe(), error)

@@ -2,7 +2,9 @@
 
 Health is two-sided: a failed connection marks an instance unhealthy at once (the request
 that saw it retries elsewhere when nothing was sent yet), and the HealthMonitor
-(router/health.py) polls GET /health on every instance and restores or marks them.
+(router/health.py) polls GET /health on every instance and restores or marks them. A
+stream that breaks after its instance was restarted (seen by /health's incarnation)
+does not mark the new process.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-Role = Literal["prefill", "decode"]
+Role = Literal["prefill", "decode", "unified"]
+"""unified: an instance that prefills and decodes in one engine (router/unified.py)."""
 
 
 @dataclass(eq=False)
 class Instance:
-    """One prefill or decode instance: its address and its health as the router sees it.
+    """One prefill, decode or unified instance: its address and its health as the router sees it.
 
     Mutated only on the router's event loop (no locks needed). Compared by identity.
     """
@@ -29,6 +32,9 @@ class Instance:
     healthy: bool = True
     last_error: str | None = None
     changed_at: float = field(default_factory=time.monotonic)
+    incarnation: str = ""
+    """The worker process that last answered /health (protocol/incarnation.py); "" until
+    one did."""
 
     def describe(self) -> str:
         """How error messages name it: "decode instance d0 (http://127.0.0.1:8201)"."""
@@ -36,12 +42,18 @@ class Instance:
 
 
 class InstanceRegistry:
-    """Owns the Instance records of both roles; answers "who can take work now"."""
+    """Owns the Instance records of every role; answers "who can take work now"."""
 
-    def __init__(self, prefill: Iterable[Instance], decode: Iterable[Instance]) -> None:
+    def __init__(
+        self,
+        prefill: Iterable[Instance],
+        decode: Iterable[Instance],
+        unified: Iterable[Instance] = (),
+    ) -> None:
         self._by_role: dict[Role, list[Instance]] = {
             "prefill": list(prefill),
             "decode": list(decode),
+            "unified": list(unified),
         }
         for role, instances in self._by_role.items():
             assert all(i.role == role for i in instances), f"mislabelled {role} instance"
@@ -50,19 +62,27 @@ class InstanceRegistry:
         return self._by_role[role]
 
     def all(self) -> list[Instance]:
-        return [*self._by_role["prefill"], *self._by_role["decode"]]
+        return [*self._by_role["prefill"], *self._by_role["decode"], *self._by_role["unified"]]
 
     def candidates(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[Instance]:
         """Healthy instances of `role`, minus those named in `exclude` (already tried)."""
         return [i for i in self._by_role[role] if i.healthy and i.name not in exclude]
 
-    def mark_unhealthy(self, instance: Instance, reason: str) -> None:
+    def mark_unhealthy(self, instance: Instance, reason: str, incarnation: str = "") -> bool:
+        """Mark `instance` unhealthy because of `reason`. `incarnation`: the process a
+        broken stream came from; when the instance has since been seen running another
+        one (the supervisor restarted it), the failure was the old process's and the
+        instance stays as it is. True when it was marked."""
+        if incarnation and instance.incarnation and incarnation != instance.incarnation:
+            return False
         instance.last_error = reason
         if instance.healthy:
             instance.healthy = False
             instance.changed_at = time.monotonic()
+        return True
 
-    def mark_healthy(self, instance: Instance) -> None:
+    def mark_healthy(self, instance: Instance, incarnation: str = "") -> None:
+        instance.incarnation = incarnation or instance.incarnation
         if not instance.healthy:
             instance.healthy = True
             instance.last_error = None
@@ -75,9 +95,16 @@ class InstanceRegistry:
                 "total": len(instances),
                 "healthy": sum(i.healthy for i in instances),
                 "instances": [
-                    {"name": i.name, "url": i.url, "healthy": i.healthy, "error": i.last_error}
+                    {
+                        "name": i.name,
+                        "url": i.url,
+                        "healthy": i.healthy,
+                        "error": i.last_error,
+                        "incarnation": i.incarnation,
+                    }
                     for i in instances
                 ],
             }
             for role, instances in self._by_role.items()
+            if instances or role != "unified"  # P/D clusters: the body they always had
         }

@@ -28,6 +28,9 @@ the admission gate's reservations, then fewer requests in flight.
 session: a session's requests go to the prefill instance its first request went to while
 that instance is routable; otherwise (or without a session id) the least loaded one, and
 the session moves there.
+
+unified instances (router/unified.py) are chosen by both policies with the prefill rules:
+what they cache, what their pool holds and the prompt tokens already sent to them.
 """
 
 from __future__ import annotations

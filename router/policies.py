@@ -99,7 +99,7 @@ class RoundRobinPolicy(RoutingPolicy):
 
     def __init__(self, seed: int | None = None, view: ClusterView | None = None) -> None:
         del seed, view  # deterministic and stateless by construction
-        self._next: dict[Role, int] = {"prefill": 0, "decode": 0}
+        self._next: dict[Role, int] = {"prefill": 0, "decode": 0, "unified": 0}
 
     def choose(self, role: Role, ctx: RouteContext, candidates: Sequence[Instance]) -> Instance:
         i = self._next[role]

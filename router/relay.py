@@ -24,9 +24,10 @@ A run that ends normally (a worker reported the finish) sends none.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -49,6 +50,10 @@ from router.worker_client import AbortReason, InstanceUnreachable, WorkerClient
 
 if TYPE_CHECKING:
     from router.admission import AdmissionGate, Reservation
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -108,11 +113,48 @@ class RequestRun:
         return self.ctx.request_id
 
     async def events(self) -> AsyncGenerator[WorkerTokens, None]:
-        """First token, then decode's token batches, until a worker reports a finish.
-
-        One generator from the worker streams to the caller (no layers in between): a
-        streamed token passes through this frame, the worker client's and the caller's."""
+        """First token, then decode's token batches, until a worker reports a finish."""
         reason: AbortReason = "error"
+        try:
+            async for tokens in self._run():
+                yield tokens
+        except (asyncio.CancelledError, GeneratorExit):
+            reason = "client_disconnected"
+            raise
+        except TimeoutError:
+            reason = "timeout"
+            raise UpstreamTimeout(
+                f"request {self.request_id} did not finish within {self.timeout_s:g} s "
+                "(router.request_timeout_s)"
+            ) from None
+        finally:
+            if not self._completed:
+                self.close(reason)
+            self._closed = True
+            if self._reservation is not None:
+                self._reservation.release()
+
+    def close(self, reason: AbortReason) -> None:
+        """The run failed: abort every instance that was sent it. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            prefill_contacted = any(i.role == "prefill" for i in self._contacted)
+            for inst in self._contacted:
+                self._s.client.abort_soon(inst, self.request_id, reason, prefill_contacted)
+
+    def finish_early(self) -> None:
+        """The router has its finish before the workers: stop those still working."""
+        if not self._closed:
+            self._closed = True
+            for inst in self._open:
+                self._s.client.abort_soon(inst, self.request_id, "finished")
+
+    # -- the serving path -------------------------------------------------------------------
+
+    async def _run(self) -> AsyncIterator[WorkerTokens]:
+        """The P/D serving path (subclasses serve other instance kinds). One frame from the
+        worker streams to `events`: a streamed token passes this one, the worker
+        client's and the caller's."""
         decode_events: AsyncIterator[DecodeEvent] | None = None
         try:
             ready: DecodeReady | None = None
@@ -143,6 +185,7 @@ class RequestRun:
                 raise WorkerFailed(f"{_name(self.prefill)} did not finish a max_tokens=1 request")
             decode = self.decode
             assert decode is not None
+            incarnation = ready.incarnation if ready is not None else ""
             next_batch = decode_events.__anext__
             while True:
                 try:
@@ -150,7 +193,7 @@ class RequestRun:
                 except StopAsyncIteration:
                     break
                 except WorkerFailed as e:  # the worker broke mid-stream
-                    self._s.registry.mark_unhealthy(decode, e.message)
+                    self._broken(decode, e, incarnation)
                     raise
                 if isinstance(batch, ErrorEvent):
                     raise WorkerError(batch.status, batch.message)
@@ -164,40 +207,9 @@ class RequestRun:
                 if finish is not None:
                     return
             raise WorkerFailed(f"{_name(decode)} ended its stream without a finish_reason")
-        except (asyncio.CancelledError, GeneratorExit):
-            reason = "client_disconnected"
-            raise
-        except TimeoutError:
-            reason = "timeout"
-            raise UpstreamTimeout(
-                f"request {self.request_id} did not finish within {self.timeout_s:g} s "
-                "(router.request_timeout_s)"
-            ) from None
         finally:
-            if not self._completed:
-                self.close(reason)
-            self._closed = True
-            if self._reservation is not None:
-                self._reservation.release()
             if decode_events is not None:
                 await decode_events.aclose()  # type: ignore[attr-defined]
-
-    def close(self, reason: AbortReason) -> None:
-        """The run failed: abort every instance that was sent it. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            prefill_contacted = any(i.role == "prefill" for i in self._contacted)
-            for inst in self._contacted:
-                self._s.client.abort_soon(inst, self.request_id, reason, prefill_contacted)
-
-    def finish_early(self) -> None:
-        """The router has its finish before the workers: stop those still working."""
-        if not self._closed:
-            self._closed = True
-            for inst in self._open:
-                self._s.client.abort_soon(inst, self.request_id, "finished")
-
-    # -- the serving path -------------------------------------------------------------------
 
     async def _open_decode(self) -> tuple[AsyncIterator[DecodeEvent], DecodeReady]:
         """Open decode's stream and read its DecodeReady (the request then waits there)."""
@@ -285,7 +297,7 @@ class RequestRun:
                     yield event
                 return
             except WorkerFailed as e:  # the worker broke mid-stream
-                self._s.registry.mark_unhealthy(inst, e.message)
+                self._broken(inst, e)
                 raise
             except InstanceUnreachable as e:
                 assert not started
@@ -303,6 +315,31 @@ class RequestRun:
         self._s.view.on_prefill_done(
             inst, self.request_id, self.ctx.prompt_token_ids, hashes, usage
         )
+
+    async def _guard(
+        self, inst: Instance, events: AsyncIterator[_T], incarnation: str = ""
+    ) -> AsyncIterator[_T]:
+        """Pass events through; a worker that broke mid-stream is marked unhealthy (see
+        `_broken`)."""
+        try:
+            async for event in events:
+                yield event
+        except WorkerFailed as e:
+            self._broken(inst, e, incarnation)
+            raise
+
+    def _broken(self, inst: Instance, error: WorkerFailed, incarnation: str = "") -> None:
+        """`inst` broke mid-stream: unhealthy, unless the stream was `incarnation`'s and
+        the instance has been restarted since (a decode stream sits unread while prefill
+        works; its break may be old news)."""
+        if not self._s.registry.mark_unhealthy(inst, error.message, incarnation):
+            log.info(
+                "%s: the stream of %s's previous process broke (%s); the restarted "
+                "one stays routable",
+                self.request_id,
+                inst.describe(),
+                error.message,
+            )
 
     def _pick(self, role: Role, tried: set[str]) -> Instance:
         return self._choose(role, self._candidates(role, tried))

@@ -1,7 +1,8 @@
 """Serving one /v1/chat/completions or /v1/completions request, start to finish:
 
     parse + validate + template + tokenize (preprocess)  ─ 4xx on bad input
-    RequestRun over decode + prefill (relay)             ─ 5xx / worker status on failure
+    RequestRun over decode + prefill (relay), or        ─ 5xx / worker status on failure
+      UnifiedRun over one unified instance (unified)
     OutputStream: tokens -> text with stop rules (output)
     first delta awaited before answering, so a failure before any token is a real HTTP
     status; then SSE chunks as deltas arrive, or one JSON body at the end.
@@ -46,6 +47,7 @@ from router.policies import RouteContext
 from router.preprocess import PreparedRequest, Preprocessor
 from router.relay import RelayServices, RequestRun
 from router.request_body import RawRequest, decode_json, read_json_body
+from router.unified import UnifiedRun
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +164,9 @@ def _open_stream(
     ctx: ServingContext, req: PreparedRequest, timing: RequestTiming, session_id: str | None
 ) -> OutputStream:
     route = RouteContext(req.request_id, req.prompt_token_ids, req.user, session_id)
-    run = RequestRun(ctx.services, route, req.params, ctx.request_timeout_s)
+    unified = bool(ctx.services.registry.instances("unified"))
+    run_type = UnifiedRun if unified else RequestRun  # one call, or the P/D handoff
+    run = run_type(ctx.services, route, req.params, ctx.request_timeout_s)
     model = ctx.model
 
     def make_text() -> RequestOutputText:

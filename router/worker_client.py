@@ -6,7 +6,10 @@ Endpoints the router calls (JSON bodies are the msgspec structs named):
                                DecodeReady first, then TokenBatch ...
     prefill  POST /prefill     PrefillRequest -> 200 NDJSON stream of PrefillEvent
              POST /admin/reset_prefix_cache   -> 200 (any JSON)
-    both     POST /abort       AbortRequest   -> 2xx (body ignored)
+    unified  POST /generate    GenerateRequest -> 200 NDJSON stream of GenerateEvent:
+                               FirstToken first, then TokenBatch ...
+             POST /admin/reset_prefix_cache   -> 200 (any JSON)
+    all      POST /abort       AbortRequest   -> 2xx (body ignored)
              GET  /health                     -> 200 when ready
 
 Serving calls go over router/http1.py (keep-alive HTTP/1.1), control calls over httpx;
@@ -27,12 +30,15 @@ from typing import Any, Literal, TypeVar
 import httpx
 import msgspec
 
+from protocol.incarnation import HEADER as INCARNATION_HEADER
 from protocol.internal_auth import auth_headers
 from protocol.messages import (
     AbortRequest,
     DecodeEvent,
     DecodeRequest,
     ErrorEvent,
+    GenerateEvent,
+    GenerateRequest,
     PrefillEvent,
     PrefillRequest,
 )
@@ -44,6 +50,7 @@ log = logging.getLogger(__name__)
 
 DECODE_PATH = "/decode"
 PREFILL_PATH = "/prefill"
+GENERATE_PATH = "/generate"
 ABORT_PATH = "/abort"
 HEALTH_PATH = "/health"
 RESET_PREFIX_CACHE_PATH = "/admin/reset_prefix_cache"
@@ -84,6 +91,7 @@ class WorkerClient:
         self._control_timeout_s = control_timeout_s
         self._prefill_decoder = msgspec.json.Decoder(PrefillEvent)
         self._decode_decoder = msgspec.json.Decoder(DecodeEvent)
+        self._generate_decoder = msgspec.json.Decoder(GenerateEvent)
         self._background: set[asyncio.Task[None]] = set()
 
     async def aclose(self) -> None:
@@ -105,6 +113,12 @@ class WorkerClient:
     ) -> AsyncIterator[DecodeEvent]:
         """The decode instance's event stream for `req` (DecodeReady first)."""
         return self._events(inst, DECODE_PATH, req, self._decode_decoder, deadline)
+
+    def generate(
+        self, inst: Instance, req: GenerateRequest, deadline: float
+    ) -> AsyncIterator[GenerateEvent]:
+        """A unified instance's event stream for `req` (FirstToken, then TokenBatch ...)."""
+        return self._events(inst, GENERATE_PATH, req, self._generate_decoder, deadline)
 
     def abort_soon(
         self,
@@ -145,13 +159,17 @@ class WorkerClient:
 
     # -- control ----------------------------------------------------------------------------
 
-    async def health(self, inst: Instance) -> str | None:
-        """None when GET /health answers 200, else what went wrong."""
+    async def health(self, inst: Instance) -> tuple[str | None, str]:
+        """(None when GET /health answers 200, else what went wrong; the incarnation the
+        worker named, "" if none)."""
         try:
             resp = await self._http.get(inst.url + HEALTH_PATH, timeout=self._control_timeout_s)
         except httpx.HTTPError as e:
-            return f"{type(e).__name__}: {e}"
-        return None if resp.status_code == 200 else f"GET /health answered {resp.status_code}"
+            return f"{type(e).__name__}: {e}", ""
+        incarnation = resp.headers.get(INCARNATION_HEADER, "")
+        if resp.status_code != 200:
+            return f"GET /health answered {resp.status_code}", incarnation
+        return None, incarnation
 
     async def reset_prefix_cache(self, inst: Instance, timeout_s: float) -> tuple[int, Any]:
         """POST /admin/reset_prefix_cache: (status, JSON body or text); 503 when unreachable."""

@@ -20,10 +20,8 @@ def _cluster(tmp_path: Path, extra: str = "") -> object:
     return load_cluster(path)
 
 
-@pytest.mark.parametrize(("device", "backend"), [("cpu", "torch"), (0, "flex"), (3, "flex")])
-def test_auto_is_flex_on_gpus_and_torch_on_cpus(
-    tmp_path: Path, device: object, backend: str
-) -> None:
+@pytest.mark.parametrize(("device", "backend"), [("cpu", "cpu"), (0, "flex"), (3, "flex")])
+def test_auto_is_flex_on_gpus_and_cpu_on_cpus(tmp_path: Path, device: object, backend: str) -> None:
     cluster = _cluster(tmp_path)
     assert cluster.attention_backend == "auto"  # type: ignore[attr-defined]
     config = engine_config(cluster, device=device, kv_cache_bytes=1 << 20, max_num_seqs=4)  # type: ignore[arg-type]

@@ -1,7 +1,8 @@
 """The "flex" backend inside the engine, on CPU: its compiled kernel replaced by the tile
 simulator (tests/flex_simulator.py), so the plumbing around it (decode rows padded to
 bucket sizes, mixed batches, prefill over a cached prefix through SDPA, device block
-tables) gives the same greedy tokens as the torch reference backend."""
+tables, and the decode graphs' input path with the graphs emulated) gives the same greedy
+tokens as the torch reference backend."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import random
 import pytest
 from flex_simulator import simulate_flex
 
+from engine import cuda_graphs
 from engine.attention import flex
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
 from protocol.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -48,3 +51,32 @@ def test_flex_engine_with_simulated_kernel_equals_torch(
     ref = _outputs(LLMEngine.from_spec(str(tiny_llama_dir), config("torch")))
     monkeypatch.setattr(flex, "DEFAULT_KERNEL", simulate_flex)
     assert _outputs(LLMEngine.from_spec(str(tiny_llama_dir), config("flex"))) == ref
+
+
+def test_graph_decode_input_path_equals_torch(
+    tiny_llama_dir, weights_cache_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps through DecodeGraphs' packed input buffer (ids, positions, slots, KV
+    lengths and table rows in one copy, block tables gathered from DeviceBlockTables in
+    place, padded buckets), the graphs emulated on CPU: tokens equal the torch engine's."""
+
+    def config(backend: str, **kw: object) -> EngineConfig:
+        return EngineConfig(
+            cache_dir=weights_cache_dir,
+            num_blocks=48,
+            max_num_batched_tokens=29,
+            max_num_seqs=6,
+            attention_backend=backend,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    ref = _outputs(LLMEngine.from_spec(str(tiny_llama_dir), config("torch")))
+    monkeypatch.setattr(flex, "DEFAULT_KERNEL", simulate_flex)
+    monkeypatch.setattr(cuda_graphs, "CPU_EMULATION", True)
+    eng = LLMEngine.from_spec(
+        str(tiny_llama_dir), config("flex", cuda_graphs=True, compile_layers=False)
+    )
+    assert isinstance(eng.runner, ModelRunner) and eng.runner.graphs is not None
+    assert eng.runner.graphs.sizes == [1, 2, 4, 8]
+    assert _outputs(eng) == ref
+    assert eng.runner.graphs.replays >= 8  # the pure-decode steps of the workload

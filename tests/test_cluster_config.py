@@ -24,7 +24,7 @@ from protocol.config_errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "deploy" / "examples").glob("*.yaml"))
-LOCAL = REPO / "deploy" / "examples" / "local.yaml"
+LOCAL = REPO / "deploy" / "examples" / "local-pd.yaml"
 
 
 def local_dict() -> dict[str, Any]:

@@ -17,7 +17,7 @@ from enginehost.cpu_plan import CpuSlot, engine_processes, plan_slot
 from protocol.cluster import load_cluster
 
 REPO = Path(__file__).resolve().parent.parent
-LOCAL = load_cluster(REPO / "deploy" / "examples" / "local.yaml")
+LOCAL = load_cluster(REPO / "deploy" / "examples" / "local-pd.yaml")
 PARALLEL = load_cluster(REPO / "deploy" / "examples" / "local-parallel.yaml")
 
 

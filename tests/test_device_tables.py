@@ -57,6 +57,21 @@ def test_absent_requests_release_rows_and_changed_tables_reupload() -> None:
         _check(dt, live)
 
 
+def test_rows_grow_only_for_more_requests_than_rows() -> None:
+    """A step of more requests than before reuses the rows it holds: the table tensor is
+    reallocated only past `rows` requests (decode graphs read it in place)."""
+    dt = DeviceBlockTables(torch.device("cpu"), rows=9, width=4)
+    tables = {RequestId(f"r{i}"): [i] for i in range(3)}
+    _check(dt, tables)
+    table = dt.table
+    tables.update({RequestId(f"r{i}"): [i] for i in range(3, 9)})
+    _check(dt, tables)
+    assert dt.table is table
+    tables[RequestId("r9")] = [9]
+    _check(dt, tables)
+    assert dt.table is not table and dt.table.shape[0] >= 10
+
+
 def test_bucket_sizes() -> None:
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]

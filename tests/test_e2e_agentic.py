@@ -1,7 +1,8 @@
 """The agentic benchmark end to end: `kvserve up` of a tiny random Llama with two prefill
-instances behind the kv_aware router, a few short synthetic sessions replayed with
-`kvserve bench agentic`, and the report's reuse checked against the workers' own
-counters (kvserve_prompt_tokens_total on every prefill instance's /metrics)."""
+instances (or two unified instances) behind the kv_aware router, a few short synthetic
+sessions replayed with `kvserve bench agentic`, and the report's reuse checked against
+the workers' own counters (kvserve_prompt_tokens_total on every instance's /metrics) and,
+replayed one request at a time, against an independent count over the prompts."""
 
 from __future__ import annotations
 
@@ -30,28 +31,36 @@ def _prompt_tokens(metrics_text: str) -> dict[str, float]:
     return out
 
 
+def _unified(port: int, kv: str, name: str = "unified-0") -> dict[str, object]:
+    return {
+        "name": name,
+        "node": "local",
+        "port": port,
+        "devices": ["cpu"],
+        "max_batched_tokens": 512,
+        "max_num_seqs": 16,
+        "kv_cache_memory": kv,
+    }
+
+
+@pytest.mark.parametrize("topology", ["pd", "unified"])
 def test_tiny_agentic_benchmark_matches_worker_counters(
-    tmp_path: Path, tiny_llama_dir: Path, weights_cache_dir: str
+    tmp_path: Path, tiny_llama_dir: Path, weights_cache_dir: str, topology: str
 ) -> None:
     t0 = time.monotonic()
     p0, p1 = free_ports(2)
-    prefill = [
-        {
-            "name": f"prefill-{i}",
-            "node": "local",
-            "port": port,
-            "devices": ["cpu"],
-            "max_batched_tokens": 512,
-            "max_num_seqs": 16,
-            "kv_cache_memory": "16MiB",
-        }
-        for i, port in enumerate((p0, p1))
+    kind = "prefill" if topology == "pd" else "unified"
+    instances = [
+        {**_unified(port, "16MiB"), "name": f"{kind}-{i}"} for i, port in enumerate((p0, p1))
     ]
+    extra: dict[str, object] = {"prefill": instances}
+    if topology == "unified":
+        extra = {"prefill": [], "decode": [], "unified": instances}
     cluster = start_cluster(
         tmp_path,
         str(tiny_llama_dir),
         cache_dir=weights_cache_dir,
-        extra={"prefill": prefill},
+        extra=extra,
         router={"policy": "kv_aware"},
         name="agentic",
     )
@@ -138,21 +147,28 @@ def _expected_reuse(prompts: list[list[int]], block_size: int) -> list[int]:
     return out
 
 
+@pytest.mark.parametrize("topology", ["pd", "unified"])
 def test_sequential_replay_reuses_exactly_the_ceiling(
-    tmp_path: Path, tiny_llama_dir: Path, weights_cache_dir: str
+    tmp_path: Path, tiny_llama_dir: Path, weights_cache_dir: str, topology: str
 ) -> None:
-    """One prefill instance whose cache holds the whole trace, requests one at a time:
-    every request's reused tokens (usage) equal an independent count over the prompts'
-    token ids, and the report's ceiling (computed from trace hash ids) equals their sum."""
+    """One prefill (or unified) instance whose cache holds the whole trace, requests one
+    at a time: every request's reused tokens (usage) equal an independent count over the
+    prompts' token ids, and the report's ceiling (computed from trace hash ids) equals
+    their sum."""
     from benchmarks.agentic.replay import TokenBlocks
     from benchmarks.agentic.trace import read_trace
 
     block_size, vocab = 16, 32_000
+    extra: dict[str, object] = {}
+    if topology == "unified":
+        (port,) = free_ports(1)
+        extra = {"prefill": [], "decode": [], "unified": [_unified(port, "64MiB")]}
     cluster = start_cluster(
         tmp_path,
         str(tiny_llama_dir),
         cache_dir=weights_cache_dir,
         prefill={"kv_cache_memory": "64MiB"},
+        extra=extra,
         name="agentic-seq",
     )
     try:

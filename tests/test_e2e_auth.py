@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
-from cluster_harness import Cluster, kvserve, start_cluster
+from cluster_harness import Cluster, kvserve, start_cluster, wait_until
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -64,6 +64,11 @@ def _metric(url: str, name: str) -> float:
         for line in text.splitlines()
         if line.startswith(name + "{") or line.startswith(name + " ")
     )
+
+
+def _prefill_idle(cluster: Cluster) -> bool:
+    st = cluster.status(cluster.prefill_url)
+    return bool(st["num_running"] == 0 and st["kv_blocks_free"] == st["kv_blocks_total"])
 
 
 INTERNAL = [
@@ -139,6 +144,10 @@ def test_a_forged_landing_writes_nothing_and_the_genuine_one_serves(
         ready = msgspec.json.decode(next(lines), type=DecodeReady)
         (landing,) = ready.landing
         assert landing.capability and landing.expires_at_s > 0
+        # An earlier request's flow may still be closing (it is counted when prefill's
+        # engine takes the report, after the client had its answer): prefill releases a
+        # request's blocks in that same update, so all blocks free = every flow counted.
+        assert wait_until(lambda: _prefill_idle(cluster), timeout_s=60)
         bytes_before = _metric(prefill, "kvserve_handoff_bytes_total")
         ops_before = _metric(prefill, "kvserve_handoff_ops_total")
         forged = {

@@ -5,7 +5,8 @@ the router (engine/step_isolation.py). A test-only fault hook (cluster.yaml
 - single-process instances: prefill's batched forward fails (bisection finds the
   culprit), decode's batched sampler fails (rows sampled alone);
 - a PP 2 prefill (the last stage samples in its own process) and a TP 2 decode (rank 0
-  samples): the batched sampler fails on the stage / rank that samples.
+  samples): the batched sampler fails on the stage / rank that samples;
+- a TP 2 decode whose forward fails on both ranks (bisected by the ranks in lockstep).
 
 Concurrent greedy requests share the culprit's steps: each completes with exactly its
 solo single-process tokens; the culprit gets an error promptly (no hang); the workers
@@ -134,3 +135,38 @@ def test_pipeline_stages_and_tensor_parallel_ranks(parallel: ParallelCluster, re
     for name in ("pp2", "tp2"):
         st = httpx.get(parallel.urls[name] + "/status", headers=parallel.headers, timeout=10)
         assert st.json()["num_running"] == 0
+
+
+@pytest.fixture(scope="module")
+def tp_forward(tmp_path_factory, tiny_parallel_dir: Path, weights_cache_dir: str):
+    c = start_parallel_cluster(
+        tmp_path_factory.mktemp("blast-tp-forward"),
+        str(tiny_parallel_dir),
+        cache_dir=weights_cache_dir,
+        prefill={"p1": {"pipeline_parallel": 1}},
+        decode={
+            "tp2": {
+                "tensor_parallel": 2,
+                "engine_faults": {"fail_seed": DECODE_POISON, "place": "forward"},
+            }
+        },
+    )
+    yield c
+    c.down()
+
+
+def test_tensor_parallel_forward_failure_fails_one_request(tp_forward: ParallelCluster, reference):
+    for tag in (30, 31):  # twice: the ranks are still in step after the first
+        _check_batch(tp_forward.router_url, tp_forward.served_name, reference, DECODE_POISON, tag)
+    st = httpx.get(tp_forward.urls["tp2"] + "/status", headers=tp_forward.headers, timeout=10)
+    assert st.json()["num_running"] == 0
+    assert wait_until(
+        lambda: all(
+            s["kv_blocks_free"] == s["kv_blocks_total"]
+            for s in (
+                httpx.get(tp_forward.urls[n] + "/status", headers=tp_forward.headers).json()
+                for n in ("p1", "tp2")
+            )
+        ),
+        10,
+    )

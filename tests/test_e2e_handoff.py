@@ -2,7 +2,7 @@
 landing ring, a transfer that fails mid-flight recomputes only its own request, a client
 that goes away mid-transfer frees KV and landing within 1 s, and a slow transport does not
 slow the decode of other requests (a tiny Llama with 1 MiB of landing: every prompt turns
-the ring several times). Slow: the real SmolLM2 with deploy/examples/local.yaml's
+the ring several times). Slow: the real SmolLM2 with deploy/examples/local-pd.yaml's
 instance settings (256 MiB of landing, 64 MiB regions, 46 KB of KV per token), 8,100-token
 prompts, one and four at once."""
 
@@ -20,13 +20,13 @@ import yaml
 from cluster_harness import Cluster, start_cluster, wait_until
 
 MODEL = "builtin:smollm2-135m-instruct"
-LOCAL_YAML = Path(__file__).resolve().parent.parent / "deploy" / "examples" / "local.yaml"
+LOCAL_YAML = Path(__file__).resolve().parent.parent / "deploy" / "examples" / "local-pd.yaml"
 
 pytestmark = pytest.mark.timeout(900)
 
 
 def _local_instance(role: str) -> dict:
-    """An instance section of local.yaml, minus what the harness sets (ports, name)."""
+    """An instance section of local-pd.yaml, minus what the harness sets (ports, name)."""
     cfg = yaml.safe_load(LOCAL_YAML.read_text())
     inst = dict(cfg[role][0])
     for key in ("name", "node", "port", "metrics_port"):
@@ -153,7 +153,7 @@ def test_streamed_handoff_is_exact_and_a_failed_one_recomputes_alone(faulty: Clu
 
 @pytest.fixture(scope="module")
 def local(tmp_path_factory, weights_cache_dir: str):
-    """local.yaml's prefill and decode settings (no pool: this is about the handoff)."""
+    """local-pd.yaml's prefill and decode settings (no pool: this is about the handoff)."""
     c = start_cluster(
         tmp_path_factory.mktemp("handoff"),
         MODEL,

@@ -21,7 +21,7 @@ from protocol.kv_layout import KVLayout
 
 REPO = Path(__file__).resolve().parent.parent
 FP8 = "fp8_e4m3"
-LOCAL = REPO / "deploy" / "examples" / "local.yaml"
+LOCAL = REPO / "deploy" / "examples" / "local-pd.yaml"
 
 
 def test_rows_carry_their_scale_and_round_trip_within_fp8_precision() -> None:

@@ -15,7 +15,7 @@ from kvserve.components import plan_components
 from protocol.cluster import load_cluster
 
 REPO = Path(__file__).resolve().parent.parent
-LOCAL = REPO / "deploy" / "examples" / "local.yaml"
+LOCAL = REPO / "deploy" / "examples" / "local-pd.yaml"
 
 
 def test_local_example_plans_pool_before_workers():

@@ -332,7 +332,7 @@ def test_kvserve_check_counts_the_latent(tmp_path: Path) -> None:
     line names the latent, and a rank's landing need is its stripe of the whole latent
     (27 layers x 576 x 4 bytes in float32 per token), not 2 x heads x head_dim."""
     repo = Path(__file__).resolve().parents[1]
-    example = yaml.safe_load((repo / "deploy/examples/local.yaml").read_text())
+    example = yaml.safe_load((repo / "deploy/examples/local-pd.yaml").read_text())
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"")  # only config.json is read

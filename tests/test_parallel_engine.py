@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -151,6 +152,34 @@ def test_decode_tp_dcp_matches_single_process(
         str(tiny_parallel_dir), _config(weights_cache_dir), prompts, PARAMS, tp=tp, dcp=dcp
     )
     assert got == reference
+
+
+@pytest.mark.parametrize(("tp", "dcp", "connector"), [(2, 1, False), (2, 2, True)])
+def test_decode_tp_forward_failure_fails_its_request_alone(
+    tiny_parallel_dir, prompts, reference, weights_cache_dir, tp, dcp, connector
+):
+    """Every rank's forward fails while a poisoned request is in the step (as its input
+    would make every rank fail): the ranks bisect in lockstep, the poisoned request ends
+    without tokens, the others are exact; with a connector, every rank still gets each
+    step's metadata once and reports it in order, and every block is freed."""
+    from engine.faults import EngineFaults
+
+    config = _config(weights_cache_dir, faults=EngineFaults(fail_seed=999, place="forward"))
+    params = [PARAMS] * len(prompts)
+    params[1] = msgspec.structs.replace(PARAMS, seed=999)
+    got = generate_parallel(
+        str(tiny_parallel_dir),
+        config,
+        prompts,
+        params,
+        tp=tp,
+        dcp=dcp,
+        connector=checking_connector if connector else None,
+    )
+    assert got[1] == []
+    assert [g for i, g in enumerate(got) if i != 1] == [
+        w for i, w in enumerate(reference) if i != 1
+    ]
 
 
 def test_prefill_pipeline_matches_single_process(

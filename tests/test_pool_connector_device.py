@@ -66,10 +66,17 @@ def _save(conn: tuple[PoolScheduler, PoolWorker], req: Request, blocks: list[int
     assert not sched.has_pending()
 
 
-def _load(conn: tuple[PoolScheduler, PoolWorker], req: Request, blocks: list[int], end: int) -> int:
+def _load(
+    conn: tuple[PoolScheduler, PoolWorker],
+    req: Request,
+    blocks: list[int],
+    end: int,
+    gpu_prefix: int = 0,
+) -> int:
+    """Restore tokens gpu_prefix .. end (the first gpu_prefix hit the GPU cache)."""
     sched, worker = conn
-    req.num_computed_tokens = 0
-    sched.update_state_after_alloc(req, blocks, end)  # type: ignore[arg-type]
+    req.num_computed_tokens = gpu_prefix
+    sched.update_state_after_alloc(req, blocks, end - gpu_prefix)  # type: ignore[arg-type]
     worker.start_loads(sched.build_step_meta([]))
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -143,6 +150,41 @@ def test_verified_restore_stops_before_a_damaged_object(
         assert _count(m.checksum_failures) == 1
         assert _count(m.failures, instance="test", op="load", reason="checksum") == 1
         assert client.backend.exists([victim_key]) == [False]  # removed
+    finally:
+        a[1].close()
+        b[1].close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_restore_behind_a_gpu_prefix_leaves_its_blocks_alone(device: str) -> None:
+    """A GPU prefix of 3 blocks ends inside chunk 0: the restore writes that chunk's other
+    blocks (the GPU path unpacks it on its own, then whole chunks in groups of 4) and never
+    the prefix's blocks."""
+    num_chunks, prefix_blocks = 6, 3
+    g = torch.Generator().manual_seed(1)
+    nblk = num_chunks * CHUNK // 16 + 16
+    kv_a = [torch.randn(2, nblk, 16, 2, 16, generator=g).to(device) for _ in range(4)]
+    kv_b = [torch.zeros(2, nblk, 16, 2, 16, device=device) for _ in range(4)]
+    address = f"local-prefix-{device}"
+    a, b = _connector(address, kv_a), _connector(address, kv_b)
+    try:
+        prompt = list(range(300, 300 + num_chunks * CHUNK + 10))
+        req = Request(
+            RequestId("r1"),
+            prompt,
+            SamplingParams(max_tokens=1),
+            block_size=16,
+            hash_root=BlockHash(b"\x03" * 16),
+        )
+        blocks_a = list(range(nblk - 1, -1, -1))[: len(prompt) // 16 + 1]
+        _save(a, req, blocks_a)
+        blocks_b = list(range(5, 5 + num_chunks * CHUNK // 16))
+        end = num_chunks * CHUNK
+        assert _load(b, req, blocks_b, end, gpu_prefix=prefix_blocks * 16) == end - 48
+        n = end // 16
+        for ka, kb in zip(kv_a, kv_b, strict=True):
+            assert not kb[:, blocks_b[:prefix_blocks]].any()
+            assert torch.equal(kb[:, blocks_b[prefix_blocks:n]], ka[:, blocks_a[prefix_blocks:n]])
     finally:
         a[1].close()
         b[1].close()

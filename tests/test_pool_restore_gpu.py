@@ -4,7 +4,7 @@ An 8B-shaped stage (32 layers x 8 KV heads x 128, bf16: 32 MiB per 256-token chu
 saves 32 chunks (1 GiB) through PoolWorker into the in-process "local" backend, then a
 second worker restores them into other pages: the objects land in the client's pinned,
 once-registered buffer (client.read), are copied to the GPU, checksummed there, compared
-with their headers and unpacked into the pages (prefill_worker/pool_worker.py). The pages
+with their headers and unpacked into the pages (prefill_worker/pool_restore_gpu.py). The pages
 must equal the saved ones bit for bit. The device part of the restore (everything after
 client.read; best of 3 after a warm-up restore) is timed and printed next to a pinned
 host -> device copy of the same bytes in the same run.

@@ -73,6 +73,25 @@ def test_registry_skips_unhealthy_and_tried() -> None:
     assert registry.summary()["prefill"]["healthy"] == 3
 
 
+def test_a_broken_stream_of_a_restarted_instance_leaves_the_new_process_routable() -> None:
+    decode = _instances("decode", 1)
+    registry = InstanceRegistry(_instances("prefill", 1), decode)
+    registry.mark_healthy(decode[0], "aaaa")  # /health: the first process
+    assert registry.mark_unhealthy(decode[0], "stream broke", "aaaa")
+    assert not decode[0].healthy
+    registry.mark_healthy(decode[0], "bbbb")  # the supervisor restarted it
+    assert decode[0].healthy and decode[0].incarnation == "bbbb"
+    # A stream of the dead process breaks late: not the new one's fault.
+    assert not registry.mark_unhealthy(decode[0], "stream broke", "aaaa")
+    assert decode[0].healthy
+    assert registry.summary()["decode"]["instances"][0]["incarnation"] == "bbbb"
+    # The current process failing, or a failure of unknown origin, marks it.
+    assert registry.mark_unhealthy(decode[0], "stream broke", "bbbb")
+    registry.mark_healthy(decode[0], "bbbb")
+    assert registry.mark_unhealthy(decode[0], "refused")
+    assert not decode[0].healthy
+
+
 def test_route_context_hashes_once() -> None:
     tokens = list(range(40))
     ctx = RouteContext("r", tokens)
@@ -83,7 +102,7 @@ def test_route_context_hashes_once() -> None:
 
 
 def _cluster_yaml(prefill_port: int, decode_port: int, router_port: int, policy: str) -> str:
-    text = (REPO / "deploy/examples/local.yaml").read_text()
+    text = (REPO / "deploy/examples/local-pd.yaml").read_text()
     text = text.replace("port: 8100", f"port: {prefill_port}").replace(
         "port: 8200", f"port: {decode_port}"
     )

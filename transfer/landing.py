@@ -168,6 +168,7 @@ class LandingArena:
             rank=rank,
             transport=self.transport.name,
             peer=self.transport.peer_address,
+            peer_incarnation=self.transport.incarnation,
             buffer_addr=region.addr,
             capacity_bytes=region.nbytes,
             layout=layout,

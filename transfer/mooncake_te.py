@@ -7,18 +7,30 @@ here from the configured host; a different value already in the environment (ano
 component of this process chose another interface) is a configuration error. The TE's
 listening sockets still bind all interfaces (a Mooncake limitation we cannot narrow).
 
+A peer's name is not unique over time: a restarted decode rank may draw the port its dead
+predecessor had, and the engine's segment cache (one entry per name, filled by the first
+write's handshake, never refreshed, not reachable from Python in 0.3.13) then still
+points at the dead process's TCP data port: every write fails until this process
+restarts (reproduced with two processes forced onto a small MC_MIN/MAX_RPC_PORT range).
+Landings carry the peer transport's incarnation (protocol/incarnation.py); `note_peer`
+rebuilds the engine, with every registered buffer, when a known name comes back with a
+new one. That costs an initialize and re-registration, once per such restart.
+
 Mooncake reports failures as integers: initialize/register_memory/batch writes return 0
 or a negative code (-1 for a refused or failed write); they become TransferError here.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from transfer.errors import TransferError, TransportConfigError
 from transfer.transport import Transport, TransportConfig, WriteOp, register_transport
+
+log = logging.getLogger(__name__)
 
 MAX_BATCH_OPS = 1024
 """Entries per Mooncake batch (8 GiB of 8 MiB ops). Over tcp, 0.3.13.post1 queues about
@@ -47,6 +59,13 @@ class MooncakeTransport(Transport):
         if config.protocol == "rdma":
             # Without this Mooncake silently falls back to TCP when it finds no HCA.
             os.environ.setdefault("MC_FORCE_HCA", "1")
+        self._config = config
+        self._peer_incarnations: dict[str, str] = {}
+        self._engine: Any = self._new_engine()
+        self._address = f"{config.host}:{self._engine.get_rpc_port()}"
+
+    def _new_engine(self) -> Any:
+        config = self._config
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
@@ -59,15 +78,13 @@ class MooncakeTransport(Transport):
         saved = os.environ.get("MC_TRANSFER_TIMEOUT")
         os.environ["MC_TRANSFER_TIMEOUT"] = str(config.write_timeout_s)
         try:
-            self._engine: Any = TransferEngine()
+            engine = TransferEngine()
         finally:
             if saved is None:
                 del os.environ["MC_TRANSFER_TIMEOUT"]
             else:
                 os.environ["MC_TRANSFER_TIMEOUT"] = saved
-        rc = self._engine.initialize(
-            config.host, "P2PHANDSHAKE", config.protocol, config.device_name
-        )
+        rc = engine.initialize(config.host, "P2PHANDSHAKE", config.protocol, config.device_name)
         if rc != 0:
             raise TransferError(
                 f"Mooncake TransferEngine.initialize({config.host!r}, P2PHANDSHAKE, "
@@ -75,7 +92,41 @@ class MooncakeTransport(Transport):
                 "host is an address of this machine and, for rdma, that the devices exist",
                 code=rc,
             )
-        self._address = f"{config.host}:{self._engine.get_rpc_port()}"
+        return engine
+
+    def note_peer(self, peer: str, incarnation: str) -> None:
+        """A peer name Mooncake reuses for a new process (module docstring) gets a fresh
+        engine: the old one would keep writing to the dead process's data port. This
+        transport's own `peer_address` changes with it (a writer's address is not used
+        by anyone)."""
+        if not incarnation or self._engine is None:
+            return
+        known = self._peer_incarnations.setdefault(peer, incarnation)
+        if known == incarnation:
+            return
+        log.warning(
+            "Mooncake peer %s is a new process (incarnation %s, was %s): rebuilding this "
+            "Transfer Engine, whose cached segment of that name is the old process's",
+            peer,
+            incarnation,
+            known,
+        )
+        engine = self._new_engine()
+        for ptr, nbytes in self._regions.items():
+            rc = engine.register_memory(ptr, nbytes)
+            if rc != 0:
+                raise TransferError(
+                    f"Mooncake register_memory({ptr:#x}, {nbytes}) on the rebuilt engine "
+                    f"failed with {rc}",
+                    code=rc,
+                    peer=peer,
+                )
+        for ptr in self._regions:
+            self._engine.unregister_memory(ptr)
+        self._engine = engine
+        self._address = f"{self._config.host}:{engine.get_rpc_port()}"
+        # The old engine's other peers are reopened lazily by the new one.
+        self._peer_incarnations = {peer: incarnation}
 
     @property
     def peer_address(self) -> str:

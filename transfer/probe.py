@@ -47,11 +47,13 @@ class ProbeProcess:
         nbytes: int,
         timeout_s: float = 60.0,
         device: str = "cpu",
+        env: dict[str, str] | None = None,
     ) -> None:
+        """`env`: extra environment of the child (Mooncake's MC_* knobs)."""
         self.timeout_s = timeout_s
         # Closed in close(): the log outlives this call, it is read when the child fails.
         self._log = tempfile.NamedTemporaryFile(prefix="kvserve-probe-", suffix=".log")  # noqa: SIM115
-        env = dict(os.environ, MC_TCP_BIND_ADDRESS=config.host)
+        env = dict(os.environ, **(env or {}), MC_TCP_BIND_ADDRESS=config.host)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         cmd = [sys.executable, "-m", "transfer.probe", "--transport", config.name]
         cmd += ["--host", config.host, "--protocol", config.protocol, "--nbytes", str(nbytes)]
@@ -62,6 +64,7 @@ class ProbeProcess:
         self._pending = b""
         hello = self._read()
         self.peer: str = hello["peer"]
+        self.incarnation: str = hello["incarnation"]
         self.buffer_addr: int = hello["buffer_addr"]
         self.nbytes: int = hello["nbytes"]
         self.bind_address: str | None = hello["bind_address"]
@@ -69,6 +72,11 @@ class ProbeProcess:
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL the child (a crashed peer), reaping it."""
+        self._proc.kill()
+        self._proc.wait()
 
     def fill(self, value: int) -> None:
         self._request({"op": "fill", "value": value})
@@ -141,6 +149,7 @@ def _serve(args: argparse.Namespace) -> None:
     reply(
         probe="ready",
         peer=transport.peer_address,
+        incarnation=transport.incarnation,
         buffer_addr=buffer.data_ptr(),
         nbytes=args.nbytes,
         bind_address=os.environ.get("MC_TCP_BIND_ADDRESS"),

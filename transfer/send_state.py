@@ -60,5 +60,6 @@ class Write:
     piece: Piece
     slot: int
     peer: str
+    peer_incarnation: str
     remote_addr: int
     nbytes: int

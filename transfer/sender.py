@@ -326,7 +326,15 @@ class HandoffSender:
         with self._lock:
             flow.writes_in_flight += 1
             self._writes.append(
-                Write(flow, piece, slot, info.peer, info.buffer_addr + landing_off, nbytes)
+                Write(
+                    flow,
+                    piece,
+                    slot,
+                    info.peer,
+                    info.peer_incarnation,
+                    info.buffer_addr + landing_off,
+                    nbytes,
+                )
             )
             self._lock.notify_all()
 
@@ -372,6 +380,7 @@ class HandoffSender:
                 try:
                     self.faults.before_write(w.flow.num_prompt_tokens, w.piece.token_start)
                     local = self.staging.data_ptr() + w.slot * self.slot_bytes
+                    self.transport.note_peer(w.peer, w.peer_incarnation)
                     num_ops = self.transport.write(w.peer, local, w.remote_addr, w.nbytes).num_ops
                 except TransferError as e:
                     error = f"KV handoff to decode failed (prefill stage {self.stage}): {e}"

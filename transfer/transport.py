@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
+from protocol.incarnation import new_incarnation
 from transfer.errors import TransferError, TransportConfigError
 
 MAX_OP_BYTES = 8 << 20
@@ -126,11 +127,19 @@ class Transport(abc.ABC):
 
     def __init__(self) -> None:
         self._regions: dict[int, int] = {}  # ptr -> nbytes
+        self.incarnation = new_incarnation()
+        """This transport's run (protocol/incarnation.py): landings name it beside
+        `peer_address`, so a writer can tell a restarted peer from the one it knew."""
 
     @property
     @abc.abstractmethod
     def peer_address(self) -> str:
         """What the other side passes as `peer` to write into this transport's buffers."""
+
+    def note_peer(self, peer: str, incarnation: str) -> None:  # noqa: B027 (optional hook)
+        """The next writes to `peer` are for its `incarnation` ("" = unknown): forget
+        whatever was cached about an earlier process under that name. Call it from the
+        thread that writes. The default caches nothing."""
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         if ptr <= 0 or nbytes <= 0:

@@ -185,13 +185,15 @@ REUSE = Dashboard(
         ),
         Panel(
             "Evictions",
-            "Pool objects evicted per second (Mooncake master), and prefill GPU prefix-cache "
-            "blocks evicted for new KV.",
+            "Pool objects evicted per second (Mooncake master), and prefill (or unified) GPU "
+            "prefix-cache blocks evicted for new KV.",
             (
                 Query(sum_rate("master_evicted_key_count"), "pool objects"),
                 Query(
                     sum_rate(
-                        "kvserve_prefix_cache_evictions_total", 'role="prefill"', by="instance"
+                        "kvserve_prefix_cache_evictions_total",
+                        'role=~"prefill|unified"',
+                        by="instance",
                     ),
                     "GPU blocks {{instance}}",
                 ),

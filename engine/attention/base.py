@@ -200,7 +200,7 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
 def get_backend(name: str) -> AttentionBackend:
     """Instantiate a registered backend; an unknown name lists the known ones."""
     # Import for registration side effects of the built-in backends.
-    from engine.attention import flex, torch_lse, torch_ref  # noqa: F401
+    from engine.attention import cpu_paged, flex, torch_lse, torch_ref  # noqa: F401
 
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")

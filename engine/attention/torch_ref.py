@@ -67,6 +67,17 @@ def _build_plan(meta: AttentionMetadata, block_size: int, device: torch.device) 
         rows = [starts[b] for b in decode]
         if rows != list(range(len(decode))):
             plan.decode_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+    plan.prefills = prefill_seqs(meta, block_size, device)
+    return plan
+
+
+def prefill_seqs(
+    meta: AttentionMetadata, block_size: int, device: torch.device
+) -> list[_PrefillSeq]:
+    """The step's multi-token sequences, each with its blocks and (behind a cached prefix)
+    its shifted causal mask; `_prefill` runs one."""
+    q_lens, seq_lens, starts = meta.query_lens(), meta.seq_lens, meta.query_start_loc
+    seqs = []
     for b, q_len in enumerate(q_lens):
         if q_len <= 1:
             continue
@@ -79,8 +90,8 @@ def _build_plan(meta: AttentionMetadata, block_size: int, device: torch.device) 
             mask = key_pos[None, :] <= q_pos[:, None]
         num_blocks = -(-seq_len // block_size)
         blocks = meta.block_tables[b, :num_blocks]
-        plan.prefills.append(_PrefillSeq(starts[b], starts[b + 1], seq_len, blocks, mask))
-    return plan
+        seqs.append(_PrefillSeq(starts[b], starts[b + 1], seq_len, blocks, mask))
+    return seqs
 
 
 def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,12 @@
     close ── Shutdown ─────────────────────────────▶  return
 
 Every message goes to every rank in one order (broadcast), so ranks never disagree on
-what runs next. A rank whose forward fails exits; its peers' collectives then fail and
-the instance goes down as a whole (the driver watches its children).
+what runs next. A forward that fails on every rank alike (the step's input makes it
+fail, and every rank has the same input) leaves the ranks in step: each skips its saves
+and report, and the driver bisects the step with probe runs every rank takes part in
+(engine/step_isolation.py). A failure of one rank alone (its device, its memory) leaves
+the others in a collective: the instance then goes down as a whole (the driver watches
+its children).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.distributed as dist
 
 from engine.attention.base import LSEAttentionBackend, get_backend
 from engine.config import EngineConfig
+from engine.faults import EngineFaults, InjectedFault
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnectorWorker, NoConnectorWorker, WorkerPlace
 from engine.kv_identity import torch_dtype
@@ -36,6 +41,7 @@ from engine.parallel.comm import ParallelContext, broadcast_bytes, recv_bytes, s
 from engine.parallel.step_inputs import batch_tensors, build_batch
 from engine.parallel.tp_model import TPLlamaModel
 from engine.scheduler import ScheduledRequest
+from engine.step_isolation import ForwardFailed, describe
 from engine.weights.cache import open_weights
 from modelinfo.info import ModelInfo
 from protocol.kv_layout import KVLayout
@@ -109,9 +115,16 @@ class TPExecutor:
     """The driver's ModelExecutor for a TP x DCP instance: owns rank 0's shard and cache,
     sends every step and command to the other ranks. Engine thread only."""
 
-    def __init__(self, rank: TPRank, ctx: ParallelContext, command_hook: CommandHook | None):
+    def __init__(
+        self,
+        rank: TPRank,
+        ctx: ParallelContext,
+        command_hook: CommandHook | None,
+        faults: EngineFaults | None = None,
+    ):
         assert ctx.is_driver
         self.rank, self.ctx, self.command_hook = rank, ctx, command_hook
+        self.faults = faults
         self.kv_caches = rank.kv_caches
         self.num_blocks = rank.num_blocks
         self.layer_split: tuple[int, ...] = (rank.layout.num_layers,)
@@ -129,10 +142,24 @@ class TPExecutor:
         return self.execute_step(scheduled, kv, b"")[0]
 
     def execute_step(
-        self, scheduled: list[ScheduledRequest], kv: KVCacheManager, kv_meta: bytes
+        self,
+        scheduled: list[ScheduledRequest],
+        kv: KVCacheManager,
+        kv_meta: bytes,
+        *,
+        load: bool = True,
+        probe: bool = False,
     ) -> tuple[torch.Tensor | None, list[bytes]]:
         batch, rows = build_batch(scheduled, kv)
-        hidden, reports = self._step(RankStep(batch, kv_meta, self._want_reports))
+        fault = ""
+        if self.faults is not None and scheduled:
+            try:
+                self.faults.check("forward", (s.request.params for s in scheduled))
+            except InjectedFault as e:
+                fault = str(e)
+        want = self._want_reports and not probe
+        msg = RankStep(batch, kv_meta, want, load=load, probe=probe, fault=fault)
+        hidden, reports = self._step(msg)
         if not rows or hidden is None:
             return None, reports
         idx = torch.tensor(rows, dtype=torch.long, device=self.ctx.device)
@@ -143,12 +170,16 @@ class TPExecutor:
         return self._step(RankStep(empty, kv_meta, self._want_reports))[1]
 
     def _step(self, msg: RankStep) -> tuple[torch.Tensor | None, list[bytes]]:
+        """ForwardFailed when this rank's forward failed (every rank's did, alike)."""
         broadcast_bytes(encode(msg), self.ctx.cpu_group)
-        hidden, report = _run_step(self.rank, self.ctx, self.kv_worker, msg)
-        if not msg.want_reports:
-            return hidden, [report] + [b""] * (self.ctx.world_size - 1)
-        others = [recv_bytes(r, self.ctx.cpu_group) for r in range(1, self.ctx.world_size)]
-        return hidden, [report, *others]
+        hidden, report, error = _run_step(self.rank, self.ctx, self.kv_worker, msg)
+        reports = [report] + [b""] * (self.ctx.world_size - 1)
+        if msg.want_reports:
+            others = [recv_bytes(r, self.ctx.cpu_group) for r in range(1, self.ctx.world_size)]
+            reports = [report, *others]
+        if error is not None:
+            raise ForwardFailed(error)
+        return hidden, reports
 
     def run_command(self, payload: bytes) -> None:
         """Run a worker command on every rank (this one too) before the next step;
@@ -169,19 +200,30 @@ class TPExecutor:
 
 def _run_step(
     rank: TPRank, ctx: ParallelContext, worker: KVConnectorWorker, msg: RankStep
-) -> tuple[torch.Tensor | None, bytes]:
+) -> tuple[torch.Tensor | None, bytes, str | None]:
     """Connector loads, this rank's shard of the forward (none for an empty step),
-    connector saves: (hidden states, this rank's connector report)."""
-    worker.start_loads(msg.kv_meta)
+    connector saves: (hidden states, this rank's connector report, None); when the
+    forward raised: (None, b"", why), nothing saved, the report left for the next run."""
+    if msg.load and not msg.probe:
+        worker.start_loads(msg.kv_meta)
     hidden = None
     if msg.batch.positions:
         ids, positions, meta = batch_tensors(
             msg.batch, ctx.device, rank.layout.block_size, ctx.dcp_size, rank.shard.dcp_rank
         )
         assert ids is not None, "decode ranks embed: the step must carry input ids"
-        hidden = rank.model(ids, positions, rank.kv_caches, meta)
+        try:
+            if msg.fault:
+                raise InjectedFault(msg.fault)
+            hidden = rank.model(ids, positions, rank.kv_caches, meta)
+        except Exception as e:  # every rank fails alike: the driver bisects the step
+            if not msg.probe:
+                log.warning("rank %d: the step's forward failed: %s", ctx.rank, describe(e))
+            return None, b"", describe(e)
+    if msg.probe:
+        return hidden, b"", None
     worker.start_saves(msg.kv_meta)
-    return hidden, worker.get_finished()
+    return hidden, worker.get_finished(), None
 
 
 def _run_hook(hook: CommandHook | None, payload: bytes, caches: list[torch.Tensor]) -> str | None:
@@ -225,7 +267,7 @@ def _serve(
         if isinstance(msg, Shutdown):
             return
         if isinstance(msg, RankStep):
-            _, report = _run_step(rank, ctx, worker, msg)
+            _, report, _error = _run_step(rank, ctx, worker, msg)
             if msg.want_reports:
                 send_bytes(report, 0, ctx.cpu_group)
         else:
@@ -246,7 +288,7 @@ def build_tp_engine(
     """The driver's engine over a TP x DCP instance (the other ranks run serve_rank).
     `config.block_size` is each rank's cache block; the scheduler's is block_size * dcp."""
     rank = build_tp_rank(info, config, ctx, tp, dcp)
-    executor = TPExecutor(rank, ctx, command_hook)
+    executor = TPExecutor(rank, ctx, command_hook, config.faults)
     engine_config = msgspec.structs.replace(
         config, block_size=config.block_size * dcp, num_blocks=rank.num_blocks
     )

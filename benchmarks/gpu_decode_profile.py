@@ -1,0 +1,190 @@
+"""Where a decode step of the 8B-shaped model goes (one GPU): the step's wall time, the
+host part (execute returning, before the sync), the kernels of one graph replay grouped
+by name (torch.profiler), and the flex decode kernel alone under a few SPLIT_KV values.
+
+    python benchmarks/gpu_decode_profile.py [--out DIR]
+
+Same model, cache and step as benchmarks/gpu_engine.py (random bf16 Llama-3-8B shape,
+flex + decode graphs + compiled layers, block size 16, 88 GB cache of random values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.gpu_engine import (
+    BLOCK,
+    LLAMA3_8B,
+    FakeKV,
+    FakeRequest,
+    ceilings,
+    hf_model,
+    make_runner,
+    ours,
+    step_of,
+    sync_time,
+    weight_bytes,
+)
+from engine.attention import flex
+from engine.model_runner import ModelRunner
+
+
+def decode_case(runner: ModelRunner, batch: int, ctx: int, num_blocks: int) -> Any:
+    gen = torch.Generator().manual_seed(batch + ctx)
+    per_seq = -(-(ctx + 1) // BLOCK)
+    perm = torch.randperm(num_blocks, generator=gen)
+    kv = FakeKV()
+    reqs = []
+    for i in range(batch):
+        kv.tables[f"d{i}"] = perm[i * per_seq : (i + 1) * per_seq].tolist()
+        reqs.append(FakeRequest(f"d{i}", [7] * (ctx + 1), ctx))
+    sched = step_of(reqs, [1] * batch)
+
+    def step() -> None:
+        logits = runner.execute(sched, cast(Any, kv))
+        assert logits is not None
+        logits.argmax(-1).tolist()
+
+    return step, sched, kv
+
+
+def host_ms(runner: ModelRunner, sched: Any, kv: Any, reps: int = 20) -> float:
+    """Median ms of execute() returning (host preparation + launches), device idle first."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.execute(sched, kv)
+        times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return sorted(times)[reps // 2] * 1e3
+
+
+def kernel_table(step: Any, top: int = 14) -> tuple[float, list[tuple[str, int, float]]]:
+    """(kernel ms per step, [(name, launches per step, ms per step)]) over 5 steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reps = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    rows: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        r = rows.setdefault(e.name[:90], [0, 0.0])
+        r[0] += 1
+        r[1] += e.device_time_total / 1e3
+    total = sum(r[1] for r in rows.values()) / reps
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]
+    return total, [(n, int(c) // reps, t / reps) for n, (c, t) in ranked]
+
+
+def kernel_variants(
+    runner: ModelRunner, batch: int, ctx: int, bs: int, options: list[dict[str, Any]]
+) -> None:
+    """The compiled flex decode kernel alone on layer 0's cache viewed in blocks of `bs`
+    slots (random tables), under each kernel_options (CUDA events, 50 calls)."""
+    cache = runner.kv_caches[0]
+    _, nb, cache_bs, hkv, d = cache.shape
+    num_slots = nb * cache_bs
+    gen = torch.Generator().manual_seed(3)
+    per_seq = -(-(ctx + 1) // bs)
+    blocks = torch.randperm(num_slots // bs, generator=gen)[: batch * per_seq]
+    tables = blocks.view(batch, per_seq)
+    width = 1 << (per_seq - 1).bit_length()
+    tables = torch.nn.functional.pad(tables, (0, width - per_seq)).to("cuda", torch.int32)
+    lens = torch.full((batch,), ctx + 1, dtype=torch.int32, device="cuda")
+    mask = flex.decode_block_mask(tables, lens, bs, num_slots)
+    q = torch.randn(batch, 32, 1, d, device="cuda", dtype=cache.dtype)
+    keys = cache[0].view(1, -1, hkv, d).transpose(1, 2)
+    values = cache[1].view(1, -1, hkv, d).transpose(1, 2)
+    kernel = flex._flex()
+    kv_bytes = batch * (ctx + 1) * hkv * d * 2 * cache.element_size()
+    for opts in options:
+
+        def call(opts: dict[str, Any] = opts) -> Any:
+            return kernel(
+                q,
+                keys,
+                values,
+                block_mask=mask,
+                scale=d**-0.5,
+                enable_gqa=True,
+                return_lse=True,
+                kernel_options=opts,
+            )
+
+        try:
+            call()
+        except Exception as e:  # an option the kernel does not take: say so, go on
+            print(f"flex decode b{batch} ctx{ctx} block {bs} {opts}: failed ({e!r:.120})")
+            continue
+        torch.cuda.synchronize()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(50):
+            call()
+        t1.record()
+        torch.cuda.synchronize()
+        ms = t0.elapsed_time(t1) / 50
+        print(
+            f"flex decode alone b{batch} ctx{ctx} block {bs} {opts}: {ms * 1e3:.0f} us, "
+            f"{kv_bytes / ms / 1e6:.0f} GB/s",
+            flush=True,
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cache-gb", type=float, default=88.0)
+    ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--only-variants", action="store_true")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bw, tflops = ceilings()
+    print(f"ceilings: copy {bw:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
+    hf = hf_model(LLAMA3_8B, torch.bfloat16)
+    model = ours(hf, LLAMA3_8B, torch.bfloat16, "flex")
+    del hf
+    torch.cuda.empty_cache()
+    wbytes = weight_bytes(model)
+    per_block = 2 * BLOCK * 8 * 128 * 2 * 32
+    num_blocks = int(args.cache_gb * 1e9 // per_block)
+    t0 = time.perf_counter()
+    runner = make_runner(model, num_blocks, torch.bfloat16, True, 128, sizes=[1, 32, 128])
+    print(f"graphs captured in {time.perf_counter() - t0:.0f} s", flush=True)
+    for c in runner.kv_caches:
+        c.normal_()
+    print("| batch | context | ms/step | MBU | host ms (execute) | kernel ms | top kernels |")
+    cases = () if args.only_variants else ((1, 1024), (32, 1024), (128, 1024), (1, 32768))
+    for batch, ctx in cases:
+        step, sched, kv = decode_case(runner, batch, ctx, num_blocks)
+        ms = sync_time(step, 20, warmup=3) * 1e3
+        c = model.config
+        kvb = batch * (ctx + 1) * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+        mbu = (wbytes + kvb) / (ms / 1e3) / (bw * 1e9)
+        h = host_ms(runner, sched, kv)
+        total, kernels = kernel_table(step)
+        print(f"| {batch} | {ctx} | {ms:.2f} | {mbu:.0%} | {h:.2f} | {total:.2f} |", flush=True)
+        for name, count, kms in kernels:
+            print(f"    {kms:7.3f} ms  x{count:<4d} {name}", flush=True)
+    if args.no_variants:
+        return
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch, ctx in ((1, 1024), (32, 1024), (128, 1024), (1, 32768), (32, 16384)):
+        base = {"BLOCK_N": 16, "SPLIT_KV": max(1, -(-4 * sms // (batch * 8)))}
+        opts = [base] + [{**base, "num_stages": s} for s in (1, 2, 3)]
+        kernel_variants(runner, batch, ctx, 16, opts)
+
+
+if __name__ == "__main__":
+    main()

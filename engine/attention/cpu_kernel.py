@@ -1,0 +1,216 @@
+"""The CPU paged decode kernel (cpu_decode.c): built with the system C compiler, loaded
+with ctypes, called once per layer per step.
+
+The library is compiled once per (source, flags, CPU) into the user's cache
+(~/.cache/kvserve, or $XDG_CACHE_HOME/kvserve) with -march=native, so each machine gets
+code for its own vector units; a compile takes well under a second and happens the first
+time an engine builds the "cpu" attention backend (start-up), never per request. Without
+a compiler `load()` raises KernelUnavailable and the engine falls back to the reference
+backend (engine/attention/cpu_paged.py says when).
+
+Threads: the kernel is single-threaded; `decode` splits a step over torch's intra-op
+thread count (by sequence, and by key range when there are fewer sequences than threads)
+with a small pool of Python threads (ctypes releases the GIL during the call), each job
+with its own scratch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from engine.attention.base import merge_partials
+
+log = logging.getLogger(__name__)
+
+SOURCE_PATH = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC"]
+"""Reassociation (-ffast-math) lets the per-token dot products vectorize; infinities stay
+meaningful (-fno-finite-math-only: lse of a row without keys is -inf)."""
+
+_ARGTYPES = [
+    ctypes.c_void_p,  # q
+    ctypes.c_void_p,  # k cache
+    ctypes.c_void_p,  # v cache
+    ctypes.c_void_p,  # block tables
+    ctypes.c_int64,  # block table row stride
+    ctypes.c_void_p,  # seq lens
+    ctypes.c_int64,  # Hq
+    ctypes.c_int64,  # Hkv
+    ctypes.c_int64,  # D
+    ctypes.c_int64,  # block size
+    ctypes.c_float,  # scale
+    ctypes.c_int64,  # first sequence
+    ctypes.c_int64,  # end sequence
+    ctypes.c_void_p,  # scores scratch
+    ctypes.c_void_p,  # out
+    ctypes.c_void_p,  # lse
+]
+
+MIN_KEYS_PER_THREAD = 2048
+"""Keys (summed over a thread's sequences) below which another thread costs more than it
+saves (a pool hand-off is ~20 us, 2K keys of SmolLM2's 9 heads ~30 us of kernel)."""
+
+
+MAX_HEADS = 256
+"""Query heads per sequence the kernel handles (its per-head running max and sum sit on
+the stack); the backend uses the reference beyond."""
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built or loaded on this machine (no C compiler, not Linux)."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvserve"
+
+
+def _cpu_signature() -> str:
+    """The CPU's feature flags: -march=native code is only valid on the CPU it was built
+    for, and a cache directory may be shared between machines."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _build() -> Path:
+    if not sys.platform.startswith("linux"):
+        raise KernelUnavailable("the CPU attention kernel is built on Linux only")
+    source = SOURCE_PATH.read_text()
+    key = "\0".join([source, *FLAGS, _cpu_signature()])
+    lib = cache_dir() / f"cpu-decode-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise KernelUnavailable("no C compiler (cc or gcc) to build the CPU attention kernel")
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        out = Path(tmp) / lib.name
+        cmd = [compiler, *FLAGS, "-o", str(out), str(SOURCE_PATH), "-lm"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise KernelUnavailable(
+                f"building the CPU attention kernel failed: {res.stderr[-500:]}"
+            )
+        os.replace(out, lib)  # atomic: concurrent engines never load a partial file
+    return lib
+
+
+@cache
+def load() -> ctypes.CDLL:
+    """The loaded library (built on first use); raises KernelUnavailable."""
+    lib = ctypes.CDLL(str(_build()))
+    for name in ("paged_decode_bf16", "paged_decode_f32"):
+        fn = getattr(lib, name)
+        fn.argtypes = _ARGTYPES
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    try:
+        load()
+    except (KernelUnavailable, OSError) as e:
+        log.warning("CPU attention kernel unavailable: %s", e)
+        return False
+    return True
+
+
+@cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="cpu-attn")
+
+
+def decode(
+    q: torch.Tensor,  # [B, Hq, D] float32 contiguous
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D] bfloat16 or float32
+    block_tables: torch.Tensor,  # [B, >= max blocks] int32, rows may be strided
+    seq_lens: torch.Tensor,  # [B] int32 contiguous
+    max_len: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [B, Hq, D] float32, [B, Hq] float32
+    """One query row per sequence over its first seq_lens[b] keys; out and lse.
+
+    With T torch threads and enough keys, the step is split into jobs run at once: by
+    sequence when B >= T; otherwise each sequence's keys are also cut into P = T // B
+    block-aligned parts whose partial results merge by their LSE (base.merge_partials):
+
+        B = 1, T = 2:   keys [0 ........ n/2 | n/2 ........ n)  -> 2 jobs, 1 merge
+    """
+    lib = load()
+    fn = lib.paged_decode_bf16 if kv_cache.dtype == torch.bfloat16 else lib.paged_decode_f32
+    assert kv_cache.dtype in (torch.bfloat16, torch.float32) and kv_cache.is_contiguous()
+    assert q.dtype == torch.float32 and q.is_contiguous() and block_tables.stride(1) == 1
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    num_seqs, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    threads = max(1, min(torch.get_num_threads(), num_seqs * max_len // MIN_KEYS_PER_THREAD))
+    num_blocks = max(1, -(-max_len // block_size))
+    parts = max(1, min(threads // num_seqs, num_blocks))
+    per_part = -(-num_blocks // parts)  # blocks per part
+    parts = -(-num_blocks // per_part)
+    if parts == 1:
+        jobs = [(0, num_seqs * i // threads, num_seqs * (i + 1) // threads) for i in range(threads)]
+        part_len, lens = max(max_len, 1), seq_lens.view(1, -1)
+    else:
+        jobs = [(p, b, b + 1) for p in range(parts) for b in range(num_seqs)]
+        part_len = per_part * block_size
+        starts = torch.arange(parts, dtype=torch.int32).view(-1, 1) * part_len
+        lens = (seq_lens.view(1, -1) - starts).clamp(0, part_len).contiguous()  # [P, B]
+    out = torch.empty(parts, num_seqs, num_heads, head_dim, dtype=torch.float32)
+    lse = torch.empty(parts, num_seqs, num_heads, dtype=torch.float32)
+    scores = torch.empty(len(jobs), num_heads * part_len, dtype=torch.float32)
+    entry = block_tables.element_size()
+
+    def run(j: int) -> int:
+        p, first, end = jobs[j]
+        return int(
+            fn(
+                q.data_ptr(),
+                kv_cache[0].data_ptr(),
+                kv_cache[1].data_ptr(),
+                block_tables.data_ptr() + p * per_part * entry,  # part p's first block
+                block_tables.stride(0),
+                lens[p].data_ptr(),
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                block_size,
+                scale,
+                first,
+                end,
+                scores[j].data_ptr(),
+                out[p].data_ptr(),
+                lse[p].data_ptr(),
+            )
+        )
+
+    # all jobs but the last on the pool, the last on this thread (it would wait anyway)
+    pending = [_pool(len(jobs) - 1).submit(run, j) for j in range(len(jobs) - 1)]
+    codes = [run(len(jobs) - 1), *(f.result() for f in pending)]
+    if any(codes):
+        raise ValueError(
+            f"CPU attention kernel: {num_heads} query heads over {num_kv_heads} KV heads"
+        )
+    if parts == 1:
+        return out[0], lse[0]
+    total = torch.logsumexp(lse, dim=0)  # [B, Hq]; -inf for a sequence without keys
+    merged = merge_partials(out, torch.where(torch.isinf(total), 0.0, lse))
+    return merged.masked_fill(torch.isinf(total).unsqueeze(-1), 0.0), total

@@ -1,0 +1,157 @@
+"""The "cpu" attention backend (in-place paged decode kernel) against the "torch" reference
+on random paged layouts: the model's shapes (head dim 64, GQA 3) and others, bfloat16 and
+float32, block sizes 4 and 16, decode rows alone and mixed with prefill rows, one thread
+and several; the kernel's LSE and its keyless rows; fp8 caches on the reference path.
+(The shared conformance suite, tests/test_attention_backends.py, runs it too.)"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.attention import cpu_kernel
+from engine.attention.base import AttentionMetadata, get_backend
+from engine.attention.cpu_paged import CpuPagedAttentionBackend
+from engine.attention.kv_quant import quantize
+
+
+def _layout(
+    seqs: list[tuple[int, int]], block_size: int, num_blocks: int, seed: int
+) -> tuple[AttentionMetadata, list[list[int]]]:
+    """Metadata for (cached, new) per sequence over shuffled blocks; int32 block tables
+    as the model runner keeps them (wider than needed, as after a longer step)."""
+    rng = random.Random(seed)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables, slots, qsl, lens = [], [], [0], []
+    for cached, new in seqs:
+        n = cached + new
+        table = [free.pop() for _ in range(-(-n // block_size))]
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(cached, n)]
+        qsl.append(qsl[-1] + new)
+        lens.append(n)
+    width = max(len(t) for t in tables) + 3
+    bt = torch.tensor([t + [rng.randrange(num_blocks)] * (width - len(t)) for t in tables])
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=qsl,
+        seq_lens=lens,
+        block_tables=bt.to(torch.int32),
+        seq_lens_tensor=torch.tensor(lens, dtype=torch.int32),
+    )
+    return meta, tables
+
+
+def _both(
+    seqs: list[tuple[int, int]],
+    *,
+    dtype: torch.dtype,
+    hq: int,
+    hkv: int,
+    d: int,
+    block_size: int,
+    seed: int = 0,
+    fp8: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cpu out, torch out, cpu cache after, torch cache after) for one layer."""
+    meta, _ = _layout(seqs, block_size, 300, seed)
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = meta.query_start_loc[-1]
+    cache = torch.randn(2, 300, block_size, hkv, d, generator=gen).to(dtype)
+    if fp8:
+        cache = quantize(cache)
+    q = torch.randn(num_tokens, hq, d, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, hkv, d, generator=gen).to(dtype)
+    scale = d**-0.5
+    outs, caches = [], []
+    for name in ("cpu", "torch"):
+        c = cache.clone()
+        m = AttentionMetadata(**{f: getattr(meta, f) for f in meta.__dataclass_fields__})
+        m.backend_state = {}
+        outs.append(get_backend(name).forward(q, k, v, c, m, scale))
+        caches.append(c)
+    return outs[0], outs[1], caches[0], caches[1]
+
+
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+
+MIXED = [(37, 1), (0, 9), (100, 1), (5, 6), (1, 1), (64, 1)]
+DECODE = [(0, 1), (15, 1), (16, 1), (200, 1), (333, 1)]
+
+
+def test_the_kernel_builds_here() -> None:
+    # CI installs a C compiler (scripts/setup.sh): there the kernel must be in use, not
+    # silently replaced by the reference.
+    assert cpu_kernel.available()
+    assert CpuPagedAttentionBackend().kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 24)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("seqs", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_matches_reference_on_random_paged_layouts(
+    dtype: torch.dtype, hq: int, hkv: int, d: int, block_size: int, seqs: list
+) -> None:
+    ours, ref, ours_cache, ref_cache = _both(
+        seqs, dtype=dtype, hq=hq, hkv=hkv, d=d, block_size=block_size
+    )
+    assert ours.dtype == dtype and ours.shape == ref.shape
+    torch.testing.assert_close(ours.float(), ref.float(), **TOL[dtype])
+    assert torch.equal(ours_cache, ref_cache)  # the same writes, and only those
+
+
+@pytest.mark.parametrize(
+    "seqs", [DECODE, [(700, 1)], [(300, 1), (45, 1)]], ids=["by-seq", "by-keys", "both"]
+)
+def test_several_threads_split_the_step(monkeypatch: pytest.MonkeyPatch, seqs: list) -> None:
+    """3 threads: 5 sequences split by sequence; 1 or 2 sequences have their keys cut into
+    block-aligned parts merged by LSE."""
+    monkeypatch.setattr(cpu_kernel, "MIN_KEYS_PER_THREAD", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            ours, ref, _, _ = _both(seqs, dtype=dtype, hq=9, hkv=3, d=64, block_size=16)
+            torch.testing.assert_close(ours.float(), ref.float(), **TOL[dtype])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("threads", [1, 6])
+def test_kernel_lse_and_rows_without_keys(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """lse = log sum exp(scale q k) over the keys; a sequence of 0 keys (a DCP rank
+    holding none of its tokens) gets out 0 and lse -inf, also when 6 threads cut the
+    keys into 2 parts (parts without keys merge away)."""
+    monkeypatch.setattr(cpu_kernel, "MIN_KEYS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    meta, tables = _layout([(40, 1), (0, 1), (7, 1)], 16, 50, 1)
+    lens = torch.tensor([41, 0, 8], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, 50, 16, 2, 64, generator=gen)
+    q = torch.randn(3, 6, 64, generator=gen)
+    out, lse = cpu_kernel.decode(q, cache, meta.block_tables, lens, 41, 0.125)
+    for b, n in enumerate(lens.tolist()):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros(6, 64))
+            assert torch.isneginf(lse[b]).all()
+            continue
+        slots = [tables[b][p // 16] * 16 + p % 16 for p in range(n)]
+        k = cache[0].reshape(-1, 2, 64)[slots].repeat_interleave(3, dim=1)  # [n, 6, 64]
+        v = cache[1].reshape(-1, 2, 64)[slots].repeat_interleave(3, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[b].double(), k.double()) * 0.125
+        want = torch.einsum("hn,nhd->hd", s.softmax(-1), v.double())
+        torch.testing.assert_close(out[b].double(), want, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(lse[b].double(), s.logsumexp(-1), atol=2e-6, rtol=1e-6)
+
+
+def test_fp8_cache_runs_the_reference_path() -> None:
+    ours, ref, ours_cache, ref_cache = _both(
+        MIXED, dtype=torch.float32, hq=9, hkv=3, d=64, block_size=16, fp8=True
+    )
+    assert torch.equal(ours, ref)
+    assert torch.equal(ours_cache, ref_cache)

@@ -1,0 +1,87 @@
+"""A decode rank that restarts under the name of the one that died (real Mooncake).
+
+Mooncake names a P2P peer "host:rpc_port" with the port drawn from MC_MIN/MAX_RPC_PORT,
+so a restarted peer may get its predecessor's name; the writer's Transfer Engine then
+still holds the dead process's segment (its TCP data port). Here the peer runs with a
+four-port range, so restarting it until the name repeats takes a few tries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+
+import pytest
+import torch
+
+from transfer import TransferError, TransportConfig, create_transport
+from transfer.probe import ProbeProcess
+
+NBYTES = 1 << 20
+
+
+def free_port_range(n: int) -> int:
+    """First of n consecutive ports that are free on 127.0.0.1 now."""
+    for base in range(21000, 29000, 7):
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def test_a_peer_restarted_under_its_old_name_is_written_after_note_peer() -> None:
+    config = TransportConfig(name="mooncake", host="127.0.0.1", write_timeout_s=5)
+    base = free_port_range(4)
+    env = {"MC_MIN_RPC_PORT": str(base), "MC_MAX_RPC_PORT": str(base + 3)}
+    sender = create_transport(config)
+    source = torch.arange(NBYTES, dtype=torch.int64).to(torch.uint8)
+    sender.register_buffer(source.data_ptr(), NBYTES)
+    want = hashlib.sha256(source.numpy().data).hexdigest()
+    first = ProbeProcess(config, NBYTES, env=env)
+    second = None
+    try:
+        sender.note_peer(first.peer, first.incarnation)
+        sender.write(first.peer, source.data_ptr(), first.buffer_addr, NBYTES)
+        assert first.sha256(0, NBYTES) == want
+        first.kill()
+        for _ in range(30):
+            try:
+                second = ProbeProcess(config, NBYTES, env=env)
+            except TransferError:  # both free ports of the range taken: draw again
+                continue
+            if second.peer == first.peer:
+                break
+            second.close()
+            second = None
+        assert second is not None, f"no restart drew the name {first.peer} in 30 tries"
+        assert second.incarnation != first.incarnation
+        # What the soak saw: the engine writes to the dead process's data port.
+        with pytest.raises(TransferError):
+            sender.write(second.peer, source.data_ptr(), second.buffer_addr, NBYTES)
+        address = sender.peer_address
+        sender.note_peer(second.peer, second.incarnation)
+        assert sender.peer_address != address  # a new engine
+        second.fill(0)
+        sender.write(second.peer, source.data_ptr(), second.buffer_addr, NBYTES)
+        assert second.sha256(0, NBYTES) == want
+        # The same incarnation again keeps the engine.
+        sender.note_peer(second.peer, second.incarnation)
+        assert sender.peer_address != address
+        rebuilt = sender.peer_address
+        sender.note_peer(second.peer, second.incarnation)
+        assert sender.peer_address == rebuilt
+        sender.write(second.peer, source.data_ptr(), second.buffer_addr, 4096)
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+        sender.close()

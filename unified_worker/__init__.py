@@ -1,0 +1,1 @@
+"""The unified instance: one engine process that prefills and decodes, with the pool."""
