@@ -23,7 +23,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 CARRY="$ROOT/.gpu-serving"
 PY="${PYTHON:-python3}"
 
-WHEELS=(fastapi starlette pydantic pydantic-core annotated-types typing-inspection
+WHEELS=(fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvloop
   typing-extensions opentelemetry-api importlib-metadata uvicorn httptools msgspec gguf
   "llguidance>=1.9,<2" mooncake-transfer-engine-non-cuda==0.3.13.post1)
 DEBS=(libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200)
