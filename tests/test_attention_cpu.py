@@ -90,6 +90,16 @@ def test_the_kernel_builds_here() -> None:
     assert CpuPagedAttentionBackend().kernel
 
 
+def test_loading_the_kernel_keeps_subnormals() -> None:
+    """The library must not switch the process to flush-to-zero when it is loaded (what a
+    -ffast-math build's crtfastmath.o does): the engine's float32 math and everything else
+    in the process would then round subnormals to 0."""
+    cpu_kernel.load()
+    tiny = 5e-324  # the smallest subnormal double
+    assert tiny * 1.0 > 0.0
+    assert (torch.tensor(1e-40, dtype=torch.float32) * 2).item() > 0.0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 24)])
 @pytest.mark.parametrize("block_size", [4, 16])

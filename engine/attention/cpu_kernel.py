@@ -35,9 +35,21 @@ from engine.attention.base import merge_partials
 log = logging.getLogger(__name__)
 
 SOURCE_PATH = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC"]
-"""Reassociation (-ffast-math) lets the per-token dot products vectorize; infinities stay
-meaningful (-fno-finite-math-only: lse of a row without keys is -inf)."""
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-shared",
+    "-fPIC",
+]
+"""Reassociation (-fassociative-math and what it requires) lets the per-token dot products
+vectorize; infinities and NaNs keep their meaning (lse of a row without keys is -inf).
+Never -ffast-math: gcc then links crtfastmath.o into the library, whose constructor sets
+flush-to-zero and denormals-are-zero in MXCSR when it is loaded, changing the float
+arithmetic of the whole engine process (every subnormal becomes 0)."""
 
 _ARGTYPES = [
     ctypes.c_void_p,  # q
