@@ -2,14 +2,15 @@
 
 Mooncake names a P2P peer "host:rpc_port" with the port drawn from MC_MIN/MAX_RPC_PORT,
 so a restarted peer may get its predecessor's name; the writer's Transfer Engine then
-still holds the dead process's segment (its TCP data port). Here the peer runs with a
-four-port range, so restarting it until the name repeats takes a few tries.
+still holds the dead process's segment (its TCP data port). Here the peer first runs
+with a four-port range, and its restarts draw from two ports, one of them its old one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import socket
+import time
 
 import pytest
 import torch
@@ -53,16 +54,22 @@ def test_a_peer_restarted_under_its_old_name_is_written_after_note_peer() -> Non
         sender.write(first.peer, source.data_ptr(), first.buffer_addr, NBYTES)
         assert first.sha256(0, NBYTES) == want
         first.kill()
-        for _ in range(30):
+        # The restart draws from two ports of the range, one of them the dead process's,
+        # so it gets the name within a few tries (Mooncake refuses a one-port range).
+        port = int(first.peer.rsplit(":", 1)[1])
+        low = port - 1 if port > base else port
+        same = {"MC_MIN_RPC_PORT": str(low), "MC_MAX_RPC_PORT": str(low + 1)}
+        deadline = time.monotonic() + 90
+        while second is None and time.monotonic() < deadline:
             try:
-                second = ProbeProcess(config, NBYTES, env=env)
-            except TransferError:  # both free ports of the range taken: draw again
+                second = ProbeProcess(config, NBYTES, env=same)
+            except TransferError:  # both ports taken right now: draw again
+                time.sleep(1)
                 continue
-            if second.peer == first.peer:
-                break
-            second.close()
-            second = None
-        assert second is not None, f"no restart drew the name {first.peer} in 30 tries"
+            if second.peer != first.peer:
+                second.close()
+                second = None
+        assert second is not None, f"no restart got the name {first.peer} in 90 s"
         assert second.incarnation != first.incarnation
         # What the soak saw: the engine writes to the dead process's data port.
         with pytest.raises(TransferError):
