@@ -1,0 +1,251 @@
+/* Paged prefill attention on the CPU, reading the KV cache in place.
+ *
+ * A prefill sequence has q_len new tokens behind ctx = seq_len - q_len cached ones; all
+ * seq_len keys (the new tokens' own included) are already in the cache, key t of the
+ * sequence at row
+ *
+ *     cache[block_tables[row_b * bt_stride + t / bs]][t % bs][h]      (h: the KV head)
+ *
+ * of a cache laid out [num_blocks][bs][Hkv][D] (K and V each; protocol/kv_layout.py).
+ * New token j (position ctx + j) attends to keys 0 ..= ctx + j (lower-right causal).
+ *
+ * Work unit: one KV head h of one sequence and ROWS = 32 of its "rows", a row being a
+ * (new token, query head of h) pair, token-major: the G = Hq / Hkv query heads of h read
+ * the same keys, so every K and V row read serves up to 32 rows (GQA-shared reads). The
+ * rows sit in vector lanes (16 floats a vector), which makes the softmax lane-wise:
+ *
+ *     Qt[d][row]   the unit's queries, transposed once per unit
+ *     per tile of KT = 16 keys (flash attention, online softmax):
+ *        S[key][row] = scale * sum_d K[key][d] * Qt[d][row]   (K broadcast, Q a vector)
+ *        masked to -inf where key > the row's position
+ *        m' = max(m, max_key S), alpha = exp(m - m'), P = exp(S - m'), l = alpha l + sum P
+ *        Ot[d][row] = alpha Ot[d][row] + sum_key V[key][d] * P[key][row]
+ *     out[row] = Ot[.][row] / l,  lse[row] = m + log(l)
+ *
+ * so no horizontal reductions and no transposes of K or V. bf16 rows widen exactly (a
+ * 16-bit shift) into a small tile buffer once per unit and tile; float32 rows are read
+ * straight from the cache. Everything accumulates in float32.
+ *
+ * A call runs the units u with u % num_jobs == job (interleaved: a sequence's later
+ * rows see more keys, and interleaving spreads them over the jobs). q, out: [T][Hq][D]
+ * float32 (rows of the flat step; only the listed sequences' rows are written); lse:
+ * [T][Hq] float32, natural log. seqs: [num_seqs][4] int32 (first query row, q_len,
+ * seq_len, block table row). scratch: at least prefill_scratch_floats(D) floats.
+ * Built by engine/attention/cpu_kernel.py into the same library as cpu_decode.c.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+/* Loads and stores of vectors at 4-byte alignment (scratch and cache rows). */
+typedef float vfu __attribute__((vector_size(64), aligned(4)));
+
+#define LANES 16
+#define RV 2 /* row vectors per unit */
+#define ROWS (RV * LANES)
+#define KT 16 /* keys per tile */
+#define MAX_D 256
+#define DCH 8 /* head dims per register block of the P.V step */
+
+static inline vf vload(const float *p) { return *(const vfu *)p; }
+static inline void vstore(float *p, vf x) { *(vfu *)p = x; }
+
+static inline vf vselect(vi mask, vf a, vf b) { /* mask ? a : b, lane-wise */
+    return (vf)(((vi)a & mask) | ((vi)b & ~mask));
+}
+
+static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
+
+/* exp(x) for x <= 0 lane-wise (also -inf -> 0): the decode kernel's range reduction and
+ * polynomial (cpu_decode.c, exp_nonpos), rounding n by truncating t - 0.5 (t <= 0). */
+static inline vf vexp_nonpos(vf x) {
+    const float log2e = 1.44269504088896341f;
+    const float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+    vi tiny = x < -87.0f;
+    vf xc = vselect(tiny, (vf){} - 87.0f, x);
+    vi n = __builtin_convertvector(xc * log2e - 0.5f, vi);
+    vf nf = __builtin_convertvector(n, vf);
+    vf r = xc - nf * ln2_hi - nf * ln2_lo;
+    vf p = (vf){} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vf two_n = (vf)((n + 127) << 23);
+    return (vf)((vi)(p * two_n) & ~tiny);
+}
+
+int64_t prefill_scratch_floats(int64_t D) {
+    /* Qt and Ot [D][ROWS], two tiles [KT][D], P [KT][ROWS], a zero row, alignment */
+    return 2 * D * ROWS + 2 * KT * D + KT * ROWS + D + LANES;
+}
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* A tile's rows as float32: bf16 rows widen into `buf`; float32 rows are used in place. */
+static inline const float *row_bf16(const uint16_t *src, float *buf, int64_t D) {
+    for (int64_t d = 0; d < D; d++) buf[d] = bf16_to_f32(src[d]);
+    return buf;
+}
+static inline const float *row_f32(const float *src, float *buf, int64_t D) {
+    (void)buf;
+    (void)D;
+    return src;
+}
+
+#define DEFINE_PREFILL(NAME, T, ROW)                                                        \
+    static inline void NAME##_unit(                                                         \
+        const float *q, const T *k_cache, const T *v_cache, const int32_t *table,           \
+        int64_t q_start, int64_t q_len, int64_t seq_len, int64_t h, int64_t r0,             \
+        int64_t hq, int64_t hkv, int64_t D, int64_t bs, float scale, float *scratch,        \
+        float *out, float *lse) {                                                           \
+        const int64_t group = hq / hkv, row = hkv * D, ctx = seq_len - q_len;               \
+        const int64_t nrows = q_len * group - r0 < ROWS ? q_len * group - r0 : ROWS;        \
+        float *qt = scratch, *ot = qt + D * ROWS, *kbuf = ot + D * ROWS;                    \
+        float *vbuf = kbuf + KT * D, *pbuf = vbuf + KT * D, *zero = pbuf + KT * ROWS;       \
+        const int64_t last = ctx + (r0 + nrows - 1) / group; /* the unit's last position */ \
+        float posf[ROWS];                                                                   \
+        for (int64_t r = 0; r < ROWS; r++) {                                                \
+            int64_t rr = r < nrows ? r0 + r : r0 + nrows - 1, tok = rr / group;             \
+            const float *qr = q + ((q_start + tok) * hq + h * group + rr % group) * D;      \
+            for (int64_t d = 0; d < D; d++) qt[d * ROWS + r] = r < nrows ? qr[d] : 0.0f;    \
+            posf[r] = (float)(ctx + tok);                                                   \
+        }                                                                                   \
+        memset(ot, 0, (size_t)(D * ROWS) * sizeof(float));                                  \
+        memset(zero, 0, (size_t)D * sizeof(float));                                         \
+        vf m[RV], l[RV], pos[RV];                                                           \
+        float first[RV]; /* each row vector's smallest position */                          \
+        for (int v = 0; v < RV; v++) {                                                      \
+            m[v] = (vf){} - INFINITY;                                                       \
+            l[v] = (vf){};                                                                  \
+            pos[v] = vload(posf + v * LANES);                                               \
+            first[v] = posf[v * LANES];                                                     \
+        }                                                                                   \
+        const float *kr[KT], *vr[KT];                                                       \
+        for (int64_t k0 = 0; k0 <= last; k0 += KT) {                                        \
+            for (int j = 0; j < KT; j++) {                                                  \
+                int64_t t = k0 + j;                                                         \
+                if (t < seq_len) {                                                          \
+                    int64_t at = ((int64_t)table[t / bs] * bs + t % bs) * row + h * D;      \
+                    kr[j] = ROW(k_cache + at, kbuf + j * D, D);                             \
+                    vr[j] = ROW(v_cache + at, vbuf + j * D, D);                             \
+                } else { /* past the sequence: masked, read as zeros */                     \
+                    kr[j] = zero;                                                           \
+                    vr[j] = zero;                                                           \
+                }                                                                           \
+            }                                                                               \
+            vf s[RV][KT];                                                                   \
+            for (int jh = 0; jh < KT; jh += KT / 2) {                                       \
+                vf a0[KT / 2], a1[KT / 2];                                                  \
+                _Pragma("GCC unroll 8") for (int j = 0; j < KT / 2; j++) {                  \
+                    a0[j] = (vf){};                                                         \
+                    a1[j] = (vf){};                                                         \
+                }                                                                           \
+                for (int64_t d = 0; d < D; d++) {                                           \
+                    vf q0 = vload(qt + d * ROWS), q1 = vload(qt + d * ROWS + LANES);        \
+                    _Pragma("GCC unroll 8") for (int j = 0; j < KT / 2; j++) {              \
+                        float kd = kr[jh + j][d];                                           \
+                        a0[j] += q0 * kd;                                                   \
+                        a1[j] += q1 * kd;                                                   \
+                    }                                                                       \
+                }                                                                           \
+                _Pragma("GCC unroll 8") for (int j = 0; j < KT / 2; j++) {                  \
+                    s[0][jh + j] = a0[j] * scale;                                           \
+                    s[1][jh + j] = a1[j] * scale;                                           \
+                }                                                                           \
+            }                                                                               \
+            vf alpha[RV];                                                                   \
+            for (int v = 0; v < RV; v++) {                                                  \
+                if ((float)(k0 + KT - 1) > first[v]) /* the diagonal: some keys masked */   \
+                    for (int j = 0; j < KT; j++)                                            \
+                        s[v][j] = vselect((vf){} + (float)(k0 + j) > pos[v],               \
+                                          (vf){} - INFINITY, s[v][j]);                      \
+                vf mx = s[v][0];                                                            \
+                for (int j = 1; j < KT; j++) mx = vmax(mx, s[v][j]);                        \
+                vf mn = vmax(m[v], mx), sum = (vf){};                                       \
+                alpha[v] = vexp_nonpos(m[v] - mn);                                          \
+                for (int j = 0; j < KT; j++) {                                              \
+                    vf p = vexp_nonpos(s[v][j] - mn);                                       \
+                    vstore(pbuf + j * ROWS + v * LANES, p);                                 \
+                    sum += p;                                                               \
+                }                                                                           \
+                l[v] = l[v] * alpha[v] + sum;                                               \
+                m[v] = mn;                                                                  \
+            }                                                                               \
+            for (int v = 0; v < RV; v++) {                                                  \
+                for (int64_t d0 = 0; d0 + DCH <= D; d0 += DCH) {                            \
+                    vf acc[DCH];                                                            \
+                    _Pragma("GCC unroll 8") for (int e = 0; e < DCH; e++) acc[e] =         \
+                        vload(ot + (d0 + e) * ROWS + v * LANES) * alpha[v];                 \
+                    for (int j = 0; j < KT; j++) {                                          \
+                        vf p = vload(pbuf + j * ROWS + v * LANES);                          \
+                        const float *vj = vr[j] + d0;                                       \
+                        _Pragma("GCC unroll 8") for (int e = 0; e < DCH; e++) acc[e] +=    \
+                            p * vj[e];                                                      \
+                    }                                                                       \
+                    _Pragma("GCC unroll 8") for (int e = 0; e < DCH; e++)                   \
+                        vstore(ot + (d0 + e) * ROWS + v * LANES, acc[e]);                   \
+                }                                                                           \
+                for (int64_t d = D - D % DCH; d < D; d++) { /* D not a multiple of DCH */   \
+                    vf acc = vload(ot + d * ROWS + v * LANES) * alpha[v];                   \
+                    for (int j = 0; j < KT; j++)                                            \
+                        acc += vload(pbuf + j * ROWS + v * LANES) * vr[j][d];               \
+                    vstore(ot + d * ROWS + v * LANES, acc);                                 \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        float lf[ROWS], mf[ROWS];                                                           \
+        for (int v = 0; v < RV; v++) {                                                      \
+            vstore(lf + v * LANES, l[v]);                                                   \
+            vstore(mf + v * LANES, m[v]);                                                   \
+        }                                                                                   \
+        for (int64_t r = 0; r < nrows; r++) {                                               \
+            int64_t rr = r0 + r, tok = rr / group, head = h * group + rr % group;           \
+            float inv = 1.0f / lf[r], *o = out + ((q_start + tok) * hq + head) * D;         \
+            for (int64_t d = 0; d < D; d++) o[d] = ot[d * ROWS + r] * inv;                  \
+            lse[(q_start + tok) * hq + head] = mf[r] + logf(lf[r]);                         \
+        }                                                                                   \
+    }                                                                                       \
+                                                                                            \
+    int NAME(const float *q, const T *k_cache, const T *v_cache,                            \
+             const int32_t *block_tables, int64_t bt_stride, const int32_t *seqs,           \
+             int64_t num_seqs, int64_t hq, int64_t hkv, int64_t D, int64_t bs, float scale, \
+             int64_t job, int64_t num_jobs, float *scratch, float *out, float *lse) {       \
+        if (hkv <= 0 || hq % hkv != 0 || D <= 0 || D > MAX_D) return -1;                   \
+        /* vectors of the scratch on 64-byte boundaries */                                  \
+        float *sc = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);                  \
+        const int64_t group = hq / hkv;                                                     \
+        int64_t u = 0;                                                                      \
+        for (int64_t i = 0; i < num_seqs; i++) {                                            \
+            const int32_t *s = seqs + 4 * i;                                                \
+            const int32_t *table = block_tables + (int64_t)s[3] * bt_stride;                \
+            const int64_t nrows = (int64_t)s[1] * group;                                    \
+            for (int64_t h = 0; h < hkv; h++) {                                             \
+                for (int64_t r0 = 0; r0 < nrows; r0 += ROWS, u++) {                         \
+                    if (u % num_jobs != job) continue;                                      \
+                    if (D == 64)                                                            \
+                        NAME##_unit(q, k_cache, v_cache, table, s[0], s[1], s[2], h, r0,    \
+                                    hq, hkv, 64, bs, scale, sc, out, lse);                  \
+                    else if (D == 128)                                                      \
+                        NAME##_unit(q, k_cache, v_cache, table, s[0], s[1], s[2], h, r0,    \
+                                    hq, hkv, 128, bs, scale, sc, out, lse);                 \
+                    else                                                                    \
+                        NAME##_unit(q, k_cache, v_cache, table, s[0], s[1], s[2], h, r0,    \
+                                    hq, hkv, D, bs, scale, sc, out, lse);                   \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        return 0;                                                                           \
+    }
+
+DEFINE_PREFILL(paged_prefill_bf16, uint16_t, row_bf16)
+DEFINE_PREFILL(paged_prefill_f32, float, row_f32)
