@@ -1,8 +1,10 @@
-"""The "cpu" attention backend (in-place paged decode kernel) against the "torch" reference
-on random paged layouts: the model's shapes (head dim 64, GQA 3) and others, bfloat16 and
-float32, block sizes 4 and 16, decode rows alone and mixed with prefill rows, one thread
-and several; the kernel's LSE and its keyless rows; fp8 caches on the reference path.
-(The shared conformance suite, tests/test_attention_backends.py, runs it too.)"""
+"""The "cpu" attention backend (in-place paged decode and prefill kernels) against the
+"torch" reference on random paged layouts: the model's shapes (head dim 64, GQA 3) and
+others, bfloat16 and float32, block sizes 4, 16 and 7, decode rows alone, prefill chunks
+(1..512 new tokens behind 0..several K cached ones) alone and mixed with decode rows, one
+thread and several; the kernels' LSE and the decode kernel's keyless rows; fp8 caches on
+the reference path. (The shared conformance suite, tests/test_attention_backends.py,
+runs it too.)"""
 
 from __future__ import annotations
 
@@ -57,10 +59,11 @@ def _both(
     fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(cpu out, torch out, cpu cache after, torch cache after) for one layer."""
-    meta, _ = _layout(seqs, block_size, 300, seed)
+    num_blocks = max(300, sum(-(-(c + n) // block_size) for c, n in seqs) + 20)
+    meta, _ = _layout(seqs, block_size, num_blocks, seed)
     gen = torch.Generator().manual_seed(seed)
     num_tokens = meta.query_start_loc[-1]
-    cache = torch.randn(2, 300, block_size, hkv, d, generator=gen).to(dtype)
+    cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=gen).to(dtype)
     if fp8:
         cache = quantize(cache)
     q = torch.randn(num_tokens, hq, d, generator=gen).to(dtype)
@@ -115,13 +118,85 @@ def test_matches_reference_on_random_paged_layouts(
     assert torch.equal(ours_cache, ref_cache)  # the same writes, and only those
 
 
+PREFILL = {
+    "cold-512": [(0, 512)],
+    "256-behind-3K": [(3000, 256)],
+    "short-chunks": [(0, 2), (1, 3), (4100, 2), (16, 17), (5, 1)],
+    "mixed": [(2500, 1), (700, 300), (0, 1), (0, 45), (1200, 1), (6, 33)],
+}
+"""(cached, new) per sequence: a cold chunk of 512, a chunk behind a long prefix, chunks
+of 2..17 tokens (fewer rows than a kernel unit) behind 0..4K, and decode rows interleaved
+with chunks (the unified engine's mixed steps)."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "seqs", [DECODE, [(700, 1)], [(300, 1), (45, 1)]], ids=["by-seq", "by-keys", "both"]
+    ("hq", "hkv", "d"), [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 24), (10, 2, 20)]
+)
+@pytest.mark.parametrize("block_size", [16, 7])
+@pytest.mark.parametrize("seqs", list(PREFILL.values()), ids=list(PREFILL))
+def test_prefill_rows_match_reference(
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    hq: int,
+    hkv: int,
+    d: int,
+    block_size: int,
+    seqs: list,
+) -> None:
+    calls = []
+    kernel = cpu_kernel.prefill
+    monkeypatch.setattr(cpu_kernel, "prefill", lambda *a: calls.append(1) or kernel(*a))
+    ours, ref, ours_cache, ref_cache = _both(
+        seqs, dtype=dtype, hq=hq, hkv=hkv, d=d, block_size=block_size, seed=len(seqs)
+    )
+    assert calls, "prefill rows went to the reference path, not the kernel"
+    assert ours.dtype == dtype and ours.shape == ref.shape
+    torch.testing.assert_close(ours.float(), ref.float(), **TOL[dtype])
+    assert torch.equal(ours_cache, ref_cache)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_prefill_kernel_lse_and_only_its_rows(
+    monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """Against attention in float64 over the keys each new token sees (lower-right
+    causal): out and lse = log sum exp(scale q k); rows of sequences not listed (here a
+    decode row) stay as they were; 4 threads deal the units out in turn."""
+    monkeypatch.setattr(cpu_kernel, "MIN_PREFILL_WORK_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    meta, tables = _layout([(40, 1), (20, 13), (0, 5), (90, 40)], 16, 80, 2)
+    gen = torch.Generator().manual_seed(2)
+    cache = torch.randn(2, 80, 16, 2, 64, generator=gen)
+    q = torch.randn(59, 6, 64, generator=gen)
+    seqs = torch.tensor([[1, 13, 33, 1], [14, 5, 5, 2], [19, 40, 130, 3]], dtype=torch.int32)
+    out, lse = torch.full((59, 6, 64), 7.0), torch.full((59, 6), 7.0)
+    cpu_kernel.prefill(q, cache, meta.block_tables, seqs, 0.125, out, lse)
+    assert (out[0] == 7.0).all() and (lse[0] == 7.0).all()
+    for first, q_len, seq_len, b in seqs.tolist():
+        slots = [tables[b][p // 16] * 16 + p % 16 for p in range(seq_len)]
+        k = cache[0].reshape(-1, 2, 64)[slots].repeat_interleave(3, dim=1).double()
+        v = cache[1].reshape(-1, 2, 64)[slots].repeat_interleave(3, dim=1).double()
+        for j in range(q_len):
+            n = seq_len - q_len + j + 1  # keys this token sees
+            s = torch.einsum("hd,nhd->hn", q[first + j].double(), k[:n]) * 0.125
+            want = torch.einsum("hn,nhd->hd", s.softmax(-1), v[:n])
+            torch.testing.assert_close(out[first + j].double(), want, atol=2e-6, rtol=1e-5)
+            torch.testing.assert_close(
+                lse[first + j].double(), s.logsumexp(-1), atol=2e-6, rtol=1e-6
+            )
+
+
+@pytest.mark.parametrize(
+    "seqs",
+    [DECODE, [(700, 1)], [(300, 1), (45, 1)], [(300, 40), (0, 9), (45, 1)]],
+    ids=["by-seq", "by-keys", "both", "prefill-units"],
 )
 def test_several_threads_split_the_step(monkeypatch: pytest.MonkeyPatch, seqs: list) -> None:
     """3 threads: 5 sequences split by sequence; 1 or 2 sequences have their keys cut into
-    block-aligned parts merged by LSE."""
+    block-aligned parts merged by LSE; prefill chunks' units dealt out in turn."""
     monkeypatch.setattr(cpu_kernel, "MIN_KEYS_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_kernel, "MIN_PREFILL_WORK_PER_THREAD", 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
