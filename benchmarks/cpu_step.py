@@ -4,6 +4,8 @@ clock (1 torch thread).
     python -m benchmarks.cpu_step [--context 2048] [--new 256] [--steps 32] [--reps 3]
     python -m benchmarks.cpu_step --decode-grid [--contexts 1024,4096,6144]
         [--batches 1,2,4] [--backends torch,cpu] [--dtype bfloat16] [--steps 16] [--reps 3]
+    python -m benchmarks.cpu_step --prefill-grid [--contexts 0,2048,6144] [--news 256,512]
+        [--backends torch,cpu] [--dtype bfloat16] [--reps 3]
 
 What an agentic turn costs a CPU engine, without HTTP: prefill of `--new` tokens behind a
 cached `--context`-token prefix (the common case: most of the prompt is reused), a cold
@@ -19,7 +21,15 @@ the in-place kernel, engine/attention/cpu_paged.py). One engine prefills each ce
 sequences once; then the model's attention backend is swapped between runs of `--steps`
 decode steps (torch, cpu, torch, cpu, ...) so a noisy neighbour affects both alike, and
 the median of `--reps` runs counts. Prefill of `--new` tokens behind the largest cached
-context is reported per backend too (both run the reference path for prefill rows).
+context is reported per backend too.
+
+`--prefill-grid`: prefill of a chunk of `new` tokens behind a cached `context`-token
+prefix, for every (context, new), with each attention backend ("torch": the reference,
+gathering the prefix and running SDPA with a lower-right causal mask; "cpu": the in-place
+prefill kernel): the whole model's tok/s (one engine; the prefix cached once, then fresh
+chunks behind it, backends interleaved, median of `--reps`), and one layer's attention
+alone in ms (SmolLM2's 9 query heads over 3 KV heads of 64 dims, block size 16, shuffled
+blocks; the step plan built once as for layers 2..30).
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import time
 
 import torch
 
-from engine.attention.base import AttentionBackend, get_backend
+from engine.attention.base import AttentionBackend, AttentionMetadata, get_backend
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
@@ -165,6 +175,76 @@ def decode_grid(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layer_attention_ms(name: str, context: int, new: int, dtype: torch.dtype, reps: int) -> float:
+    """One layer's attention of `new` tokens behind `context` cached ones, ms (median)."""
+    hq, hkv, d, bs = 9, 3, 64, 16
+    blocks = -(-(context + new) // bs)
+    order = torch.randperm(blocks + 8, generator=torch.Generator().manual_seed(0))
+    table = order[:blocks].to(torch.int32)
+    slots = torch.tensor([int(table[p // bs]) * bs + p % bs for p in range(context, context + new)])
+    cache = torch.randn(2, blocks + 8, bs, hkv, d).to(dtype)
+    q, k, v = (torch.randn(new, h, d).to(dtype) for h in (hq, hkv, hkv))
+    backend = get_backend(name)
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=[0, new],
+        seq_lens=[context + new],
+        block_tables=table[None],
+    )
+    backend.forward(q, k, v, cache, meta, d**-0.5)  # builds the step plan, warms up
+    times = [_cpu(lambda: backend.forward(q, k, v, cache, meta, d**-0.5)) for _ in range(reps)]
+    return 1000 * statistics.median(times)
+
+
+def prefill_grid(args: argparse.Namespace) -> int:
+    contexts = [int(c) for c in args.contexts.split(",")]
+    news = [int(n) for n in args.news.split(",")]
+    names = args.backends.split(",")
+    backends = {name: get_backend(name) for name in names}
+    need = max(contexts) + args.reps * len(names) * sum(news) + 4096
+    eng = LLMEngine.from_spec(
+        MODEL,
+        EngineConfig(
+            dtype=args.dtype,
+            attention_backend=names[0],
+            num_blocks=-(-need // 16) + 64,
+            max_num_batched_tokens=max(news),
+        ),
+    )
+    vocab = eng.info.config.vocab_size
+    rng = random.Random(0)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    tok_s: dict[tuple[str, int, int], list[float]] = {}
+    for context in contexts:
+        prefix = [rng.randrange(100, vocab) for _ in range(context)]
+        if prefix:
+            eng.generate([prefix], one)  # cached from here on
+        for new in news:
+            for _ in range(args.reps):
+                for name, backend in backends.items():
+                    _set_backend(eng, backend)
+                    ids = prefix + [rng.randrange(100, vocab) for _ in range(new)]
+                    t = _cpu(lambda ids=ids: eng.generate([ids], one))
+                    tok_s.setdefault((name, context, new), []).append(new / t)
+        eng.reset_prefix_cache()
+    eng.close()
+    dtype = getattr(torch, args.dtype)
+    cols = [(c, n) for c in contexts for n in news]
+    print(
+        f"{args.dtype}, prefill of `new` tokens behind a cached `context` (CPU clock, "
+        f"1 torch thread, median of {args.reps} interleaved runs)"
+    )
+    print("| | backend | " + " | ".join(f"{n} behind {c}" for c, n in cols) + " |")
+    print("|---|---|" + "---:|" * len(cols))
+    for name in names:
+        cells = [f"{statistics.median(tok_s[(name, c, n)]):,.0f}" for c, n in cols]
+        print(f"| model tok/s | {name} | " + " | ".join(cells) + " |")
+    for name in names:
+        cells = [f"{_layer_attention_ms(name, c, n, dtype, args.reps):.1f}" for c, n in cols]
+        print(f"| one layer's attention, ms | {name} | " + " | ".join(cells) + " |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu_step", description=__doc__)
     ap.add_argument("--context", type=int, default=2048)
@@ -172,13 +252,21 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--decode-grid", action="store_true")
-    ap.add_argument("--contexts", default="1024,4096,6144")
+    ap.add_argument("--prefill-grid", action="store_true")
+    ap.add_argument(
+        "--contexts", default=None, help="default 1024,4096,6144 (prefill: 0,2048,6144)"
+    )
+    ap.add_argument("--news", default="256,512")
     ap.add_argument("--batches", default="1,2,4")
     ap.add_argument("--backends", default="torch,cpu")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.prefill_grid:
+        args.contexts = args.contexts or "0,2048,6144"
+        return prefill_grid(args)
     if args.decode_grid:
+        args.contexts = args.contexts or "1024,4096,6144"
         return decode_grid(args)
     rows = []
     for label, dtype, packed in (
