@@ -102,10 +102,6 @@ MIN_PREFILL_WORK_PER_THREAD = 1 << 22
 """Multiply-adds (query rows x keys x head dim, summed over heads) below which another
 prefill thread costs more than it saves (~30 us of kernel at ~140 GFLOP/s)."""
 
-PREFILL_ROWS = 32
-"""Query rows (new token x query head of one KV head) per prefill work unit
-(cpu_prefill.c's ROWS)."""
-
 MAX_HEADS = 256
 """Query heads per sequence the decode kernel handles (its per-head running max and sum
 sit on the stack); the backend uses the reference beyond."""
@@ -173,6 +169,8 @@ def load() -> ctypes.CDLL:
         fn.restype = ctypes.c_int
     lib.prefill_scratch_floats.argtypes = [ctypes.c_int64]
     lib.prefill_scratch_floats.restype = ctypes.c_int64
+    lib.prefill_rows_per_unit.argtypes = []
+    lib.prefill_rows_per_unit.restype = ctypes.c_int64
     return lib
 
 
@@ -287,7 +285,7 @@ def prefill(
     log) and no others.
 
     With T torch threads and enough work, the units (32 query rows of one KV head of one
-    sequence) are dealt out to min(T, units) jobs in turn, so each job gets early and late
+    sequence with AVX-512, 16 with AVX2) are dealt out to min(T, units) jobs in turn, so each job gets early and late
     rows of a chunk (late rows see more keys)."""
     lib = load()
     fn = lib.paged_prefill_bf16 if kv_cache.dtype == torch.bfloat16 else lib.paged_prefill_f32
@@ -297,10 +295,10 @@ def prefill(
     assert seqs.is_contiguous() and out.is_contiguous() and lse.is_contiguous()
     _, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    group = num_heads // max(num_kv_heads, 1)
+    group, unit_rows = num_heads // max(num_kv_heads, 1), int(lib.prefill_rows_per_unit())
     units = work = 0
     for _, q_len, seq_len, _ in seqs.tolist():
-        units += num_kv_heads * -(-q_len * group // PREFILL_ROWS)
+        units += num_kv_heads * -(-q_len * group // unit_rows)
         work += q_len * seq_len * num_heads * head_dim
     if units == 0:
         return

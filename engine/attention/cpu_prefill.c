@@ -9,10 +9,11 @@
  * of a cache laid out [num_blocks][bs][Hkv][D] (K and V each; protocol/kv_layout.py).
  * New token j (position ctx + j) attends to keys 0 ..= ctx + j (lower-right causal).
  *
- * Work unit: one KV head h of one sequence and ROWS = 32 of its "rows", a row being a
- * (new token, query head of h) pair, token-major: the G = Hq / Hkv query heads of h read
- * the same keys, so every K and V row read serves up to 32 rows (GQA-shared reads). The
- * rows sit in vector lanes (16 floats a vector), which makes the softmax lane-wise:
+ * Work unit: one KV head h of one sequence and ROWS (two vectors: 32 with AVX-512, 16 with
+ * AVX2) of its "rows", a row being a (new token, query head of h) pair, token-major: the
+ * G = Hq / Hkv query heads of h read the same keys, so every K and V row read serves up
+ * to ROWS rows (GQA-shared reads). The rows sit in vector lanes, which makes the softmax
+ * lane-wise:
  *
  *     Qt[d][row]   the unit's queries, transposed once per unit
  *     per tile of KT = 16 keys (flash attention, online softmax):
@@ -23,8 +24,9 @@
  *     out[row] = Ot[.][row] / l,  lse[row] = m + log(l)
  *
  * so no horizontal reductions and no transposes of K or V. bf16 rows widen exactly (a
- * 16-bit shift) into a small tile buffer once per unit and tile; float32 rows are read
- * straight from the cache. Everything accumulates in float32.
+ * 16-bit shift) into a small tile buffer once per unit and tile (keys not at all where
+ * the CPU has a bf16 dot product, scores_bf16_dot); float32 rows are read straight from
+ * the cache. Everything accumulates in float32.
  *
  * A call runs the units u with u % num_jobs == job (interleaved: a sequence's later
  * rows see more keys, and interleaving spreads them over the jobs). q, out: [T][Hq][D]
@@ -37,12 +39,25 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-/* Loads and stores of vectors at 4-byte alignment (scratch and cache rows). */
-typedef float vfu __attribute__((vector_size(64), aligned(4)));
-
+/* Vectors of the machine's width (a wider generic vector would be split and spilled):
+ * LANES floats each, and KG keys x RV row vectors of score accumulators at a time, which
+ * with the two query vectors and a broadcast key fit the register file (32 zmm, 16 ymm
+ * or xmm). */
+#if defined(__AVX512F__)
 #define LANES 16
+#define KG 8
+#elif defined(__AVX__)
+#define LANES 8
+#define KG 4
+#else
+#define LANES 4
+#define KG 4
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+/* Loads and stores of vectors at 4-byte alignment (scratch and cache rows). */
+typedef float vfu __attribute__((vector_size(LANES * 4), aligned(4)));
+
 #define RV 2 /* row vectors per unit */
 #define ROWS (RV * LANES)
 #define KT 16 /* keys per tile */
@@ -79,6 +94,8 @@ static inline vf vexp_nonpos(vf x) {
     return (vf)((vi)(p * two_n) & ~tiny);
 }
 
+int64_t prefill_rows_per_unit(void) { return ROWS; }
+
 int64_t prefill_scratch_floats(int64_t D) {
     /* Qt and Ot [D][ROWS], two tiles [KT][D], P [KT][ROWS], a zero row, alignment */
     return 2 * D * ROWS + 2 * KT * D + KT * ROWS + D + LANES;
@@ -102,7 +119,76 @@ static inline const float *row_f32(const float *src, float *buf, int64_t D) {
     return src;
 }
 
-#define DEFINE_PREFILL(NAME, T, ROW)                                                        \
+/* S[v][j] = <Qt[.][rows of vector v], key row j> for a tile: keys broadcast, rows in lanes;
+ * two row vectors x KG keys of accumulators at a time. */
+static inline void scores_f32(const float *qt, const float *const *kr, int64_t D,
+                              vf s[RV][KT]) {
+    for (int jh = 0; jh < KT; jh += KG) {
+        vf a0[KG], a1[KG];
+        _Pragma("GCC unroll 8") for (int j = 0; j < KG; j++) {
+            a0[j] = (vf){};
+            a1[j] = (vf){};
+        }
+        for (int64_t d = 0; d < D; d++) {
+            vf q0 = vload(qt + d * ROWS), q1 = vload(qt + d * ROWS + LANES);
+            _Pragma("GCC unroll 8") for (int j = 0; j < KG; j++) {
+                float kd = kr[jh + j][d];
+                a0[j] += q0 * kd;
+                a1[j] += q1 * kd;
+            }
+        }
+        _Pragma("GCC unroll 8") for (int j = 0; j < KG; j++) {
+            s[0][jh + j] = a0[j];
+            s[1][jh + j] = a1[j];
+        }
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1
+/* The same over bf16 rows with the CPU's bf16 dot product (AVX512-BF16): each lane takes
+ * the products of a pair of dims (exact in float32) and adds them to its float32 sum, so
+ * one instruction does two dims, and key rows are read as they sit in the cache. qp:
+ * [D / 2][ROWS] pairs of the queries rounded to bf16 (exact for a bf16 model's queries). */
+static inline void scores_bf16_dot(const uint32_t *qp, const uint32_t *const *kr, int64_t D,
+                                   vf s[RV][KT]) {
+    for (int jh = 0; jh < KT; jh += KT / 2) {
+        __m512 a0[KT / 2], a1[KT / 2];
+        _Pragma("GCC unroll 8") for (int j = 0; j < KT / 2; j++) {
+            a0[j] = _mm512_setzero_ps();
+            a1[j] = _mm512_setzero_ps();
+        }
+        for (int64_t d2 = 0; d2 < D / 2; d2++) {
+            __m512bh q0 = (__m512bh)_mm512_loadu_si512(qp + d2 * ROWS);
+            __m512bh q1 = (__m512bh)_mm512_loadu_si512(qp + d2 * ROWS + LANES);
+            _Pragma("GCC unroll 8") for (int j = 0; j < KT / 2; j++) {
+                __m512bh kd = (__m512bh)_mm512_set1_epi32((int)kr[jh + j][d2]);
+                a0[j] = _mm512_dpbf16_ps(a0[j], q0, kd);
+                a1[j] = _mm512_dpbf16_ps(a1[j], q1, kd);
+            }
+        }
+        _Pragma("GCC unroll 8") for (int j = 0; j < KT / 2; j++) {
+            s[0][jh + j] = (vf)a0[j];
+            s[1][jh + j] = (vf)a1[j];
+        }
+    }
+}
+#else
+#define HAVE_BF16_DOT 0
+static inline void scores_bf16_dot(const uint32_t *qp, const uint32_t *const *kr, int64_t D,
+                                   vf s[RV][KT]) {
+    (void)qp, (void)kr, (void)D, (void)s;
+}
+#endif
+
+static inline uint16_t f32_to_bf16(float x) { /* round to nearest even (finite x) */
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+#define DEFINE_PREFILL(NAME, T, ROW, DOT)                                                        \
     static inline void NAME##_unit(                                                         \
         const float *q, const T *k_cache, const T *v_cache, const int32_t *table,           \
         int64_t q_start, int64_t q_len, int64_t seq_len, int64_t h, int64_t r0,             \
@@ -113,11 +199,20 @@ static inline const float *row_f32(const float *src, float *buf, int64_t D) {
         float *qt = scratch, *ot = qt + D * ROWS, *kbuf = ot + D * ROWS;                    \
         float *vbuf = kbuf + KT * D, *pbuf = vbuf + KT * D, *zero = pbuf + KT * ROWS;       \
         const int64_t last = ctx + (r0 + nrows - 1) / group; /* the unit's last position */ \
+        const int dot = DOT && D % 2 == 0;                                                  \
+        uint32_t *qp = (uint32_t *)qt; /* bf16 pairs in qt's place when dot */              \
         float posf[ROWS];                                                                   \
         for (int64_t r = 0; r < ROWS; r++) {                                                \
             int64_t rr = r < nrows ? r0 + r : r0 + nrows - 1, tok = rr / group;             \
             const float *qr = q + ((q_start + tok) * hq + h * group + rr % group) * D;      \
-            for (int64_t d = 0; d < D; d++) qt[d * ROWS + r] = r < nrows ? qr[d] : 0.0f;    \
+            if (dot)                                                                        \
+                for (int64_t d = 0; d < D; d += 2)                                          \
+                    qp[d / 2 * ROWS + r] = r < nrows ? (uint32_t)f32_to_bf16(qr[d]) |       \
+                                                           (uint32_t)f32_to_bf16(qr[d + 1]) \
+                                                               << 16                        \
+                                                     : 0;                                   \
+            else                                                                            \
+                for (int64_t d = 0; d < D; d++) qt[d * ROWS + r] = r < nrows ? qr[d] : 0.0f; \
             posf[r] = (float)(ctx + tok);                                                   \
         }                                                                                   \
         memset(ot, 0, (size_t)(D * ROWS) * sizeof(float));                                  \
@@ -131,38 +226,30 @@ static inline const float *row_f32(const float *src, float *buf, int64_t D) {
             first[v] = posf[v * LANES];                                                     \
         }                                                                                   \
         const float *kr[KT], *vr[KT];                                                       \
+        const uint32_t *kp[KT];                                                             \
         for (int64_t k0 = 0; k0 <= last; k0 += KT) {                                        \
             for (int j = 0; j < KT; j++) {                                                  \
                 int64_t t = k0 + j;                                                         \
                 if (t < seq_len) {                                                          \
                     int64_t at = ((int64_t)table[t / bs] * bs + t % bs) * row + h * D;      \
-                    kr[j] = ROW(k_cache + at, kbuf + j * D, D);                             \
+                    if (dot)                                                                \
+                        kp[j] = (const uint32_t *)(k_cache + at);                           \
+                    else                                                                    \
+                        kr[j] = ROW(k_cache + at, kbuf + j * D, D);                         \
                     vr[j] = ROW(v_cache + at, vbuf + j * D, D);                             \
                 } else { /* past the sequence: masked, read as zeros */                     \
                     kr[j] = zero;                                                           \
+                    kp[j] = (const uint32_t *)zero;                                         \
                     vr[j] = zero;                                                           \
                 }                                                                           \
             }                                                                               \
             vf s[RV][KT];                                                                   \
-            for (int jh = 0; jh < KT; jh += KT / 2) {                                       \
-                vf a0[KT / 2], a1[KT / 2];                                                  \
-                _Pragma("GCC unroll 8") for (int j = 0; j < KT / 2; j++) {                  \
-                    a0[j] = (vf){};                                                         \
-                    a1[j] = (vf){};                                                         \
-                }                                                                           \
-                for (int64_t d = 0; d < D; d++) {                                           \
-                    vf q0 = vload(qt + d * ROWS), q1 = vload(qt + d * ROWS + LANES);        \
-                    _Pragma("GCC unroll 8") for (int j = 0; j < KT / 2; j++) {              \
-                        float kd = kr[jh + j][d];                                           \
-                        a0[j] += q0 * kd;                                                   \
-                        a1[j] += q1 * kd;                                                   \
-                    }                                                                       \
-                }                                                                           \
-                _Pragma("GCC unroll 8") for (int j = 0; j < KT / 2; j++) {                  \
-                    s[0][jh + j] = a0[j] * scale;                                           \
-                    s[1][jh + j] = a1[j] * scale;                                           \
-                }                                                                           \
-            }                                                                               \
+            if (dot)                                                                        \
+                scores_bf16_dot(qp, kp, D, s);                                              \
+            else                                                                            \
+                scores_f32(qt, kr, D, s);                                                   \
+            for (int v = 0; v < RV; v++)                                                    \
+                for (int j = 0; j < KT; j++) s[v][j] *= scale;                              \
             vf alpha[RV];                                                                   \
             for (int v = 0; v < RV; v++) {                                                  \
                 if ((float)(k0 + KT - 1) > first[v]) /* the diagonal: some keys masked */   \
@@ -247,5 +334,5 @@ static inline const float *row_f32(const float *src, float *buf, int64_t D) {
         return 0;                                                                           \
     }
 
-DEFINE_PREFILL(paged_prefill_bf16, uint16_t, row_bf16)
-DEFINE_PREFILL(paged_prefill_f32, float, row_f32)
+DEFINE_PREFILL(paged_prefill_bf16, uint16_t, row_bf16, HAVE_BF16_DOT)
+DEFINE_PREFILL(paged_prefill_f32, float, row_f32, 0)
