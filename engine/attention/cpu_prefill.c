@@ -23,10 +23,13 @@
  *        Ot[d][row] = alpha Ot[d][row] + sum_key V[key][d] * P[key][row]
  *     out[row] = Ot[.][row] / l,  lse[row] = m + log(l)
  *
- * so no horizontal reductions and no transposes of K or V. bf16 rows widen exactly (a
- * 16-bit shift) into a small tile buffer once per unit and tile (keys not at all where
- * the CPU has a bf16 dot product, scores_bf16_dot); float32 rows are read straight from
- * the cache. Everything accumulates in float32.
+ * so no horizontal reductions and no transposes of K or V. Float32 rows are read
+ * straight from the cache; bf16 rows widen exactly (a 16-bit shift) into a small tile
+ * buffer once per unit and tile, except where the CPU has a bf16 dot product
+ * (AVX512-BF16) and D is a multiple of 8: there both products take dims (S) or keys
+ * (Ot) in pairs, the queries and probabilities rounded to bf16 (exact for a bf16 model's
+ * queries; SDPA's CPU flash kernel rounds the probabilities alike in bf16), twice the
+ * arithmetic per instruction. Everything accumulates in float32.
  *
  * A call runs the units u with u % num_jobs == job (interleaved: a sequence's later
  * rows see more keys, and interleaving spreads them over the jobs). q, out: [T][Hq][D]
@@ -174,11 +177,49 @@ static inline void scores_bf16_dot(const uint32_t *qp, const uint32_t *const *kr
         }
     }
 }
+
+/* Ot[d][rows of vector v] = alpha Ot + sum_key V[key][d] P[key][rows], the keys in pairs
+ * with the bf16 dot product: the probabilities rounded to bf16 (as SDPA's CPU flash
+ * kernel rounds them for its second product in bf16), a pair of keys' values of one dim
+ * broadcast. vr: the tile's KT bf16 value rows; vpair: scratch of KT / 2 * D pairs. */
+static inline void values_bf16_dot(float *ot, const float *pbuf, const uint16_t *const *vr,
+                                   int64_t D, const vf *alpha, uint32_t *vpair) {
+    for (int jp = 0; jp < KT / 2; jp++) {
+        const uint16_t *a = vr[2 * jp], *b = vr[2 * jp + 1];
+        for (int64_t d = 0; d < D; d++) vpair[jp * D + d] = a[d] | (uint32_t)b[d] << 16;
+    }
+    for (int v = 0; v < RV; v++) {
+        __m512i pp[KT / 2];
+        _Pragma("GCC unroll 8") for (int jp = 0; jp < KT / 2; jp++) {
+            __m512 p0 = _mm512_loadu_ps(pbuf + 2 * jp * ROWS + v * LANES);
+            __m512 p1 = _mm512_loadu_ps(pbuf + (2 * jp + 1) * ROWS + v * LANES);
+            __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
+            __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));
+            pp[jp] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+        }
+        for (int64_t d0 = 0; d0 + DCH <= D; d0 += DCH) {
+            __m512 acc[DCH];
+            _Pragma("GCC unroll 8") for (int e = 0; e < DCH; e++) acc[e] =
+                (__m512)(vload(ot + (d0 + e) * ROWS + v * LANES) * alpha[v]);
+            _Pragma("GCC unroll 8") for (int jp = 0; jp < KT / 2; jp++) {
+                const uint32_t *vp = vpair + jp * D + d0;
+                _Pragma("GCC unroll 8") for (int e = 0; e < DCH; e++) acc[e] =
+                    _mm512_dpbf16_ps(acc[e], (__m512bh)pp[jp], (__m512bh)_mm512_set1_epi32(vp[e]));
+            }
+            _Pragma("GCC unroll 8") for (int e = 0; e < DCH; e++)
+                _mm512_storeu_ps(ot + (d0 + e) * ROWS + v * LANES, acc[e]);
+        }
+    }
+}
 #else
 #define HAVE_BF16_DOT 0
 static inline void scores_bf16_dot(const uint32_t *qp, const uint32_t *const *kr, int64_t D,
                                    vf s[RV][KT]) {
     (void)qp, (void)kr, (void)D, (void)s;
+}
+static inline void values_bf16_dot(float *ot, const float *pbuf, const uint16_t *const *vr,
+                                   int64_t D, const vf *alpha, uint32_t *vpair) {
+    (void)ot, (void)pbuf, (void)vr, (void)D, (void)alpha, (void)vpair;
 }
 #endif
 
@@ -199,7 +240,7 @@ static inline uint16_t f32_to_bf16(float x) { /* round to nearest even (finite x
         float *qt = scratch, *ot = qt + D * ROWS, *kbuf = ot + D * ROWS;                    \
         float *vbuf = kbuf + KT * D, *pbuf = vbuf + KT * D, *zero = pbuf + KT * ROWS;       \
         const int64_t last = ctx + (r0 + nrows - 1) / group; /* the unit's last position */ \
-        const int dot = DOT && D % 2 == 0;                                                  \
+        const int dot = DOT && D % DCH == 0;                                                \
         uint32_t *qp = (uint32_t *)qt; /* bf16 pairs in qt's place when dot */              \
         float posf[ROWS];                                                                   \
         for (int64_t r = 0; r < ROWS; r++) {                                                \
@@ -227,20 +268,23 @@ static inline uint16_t f32_to_bf16(float x) { /* round to nearest even (finite x
         }                                                                                   \
         const float *kr[KT], *vr[KT];                                                       \
         const uint32_t *kp[KT];                                                             \
+        const uint16_t *vraw[KT]; /* bf16 value rows (dot only) */                          \
         for (int64_t k0 = 0; k0 <= last; k0 += KT) {                                        \
             for (int j = 0; j < KT; j++) {                                                  \
                 int64_t t = k0 + j;                                                         \
                 if (t < seq_len) {                                                          \
                     int64_t at = ((int64_t)table[t / bs] * bs + t % bs) * row + h * D;      \
-                    if (dot)                                                                \
+                    if (dot) { /* rows as they sit in the cache */                          \
                         kp[j] = (const uint32_t *)(k_cache + at);                           \
-                    else                                                                    \
+                        vraw[j] = (const uint16_t *)(v_cache + at);                         \
+                    } else {                                                                \
                         kr[j] = ROW(k_cache + at, kbuf + j * D, D);                         \
-                    vr[j] = ROW(v_cache + at, vbuf + j * D, D);                             \
+                        vr[j] = ROW(v_cache + at, vbuf + j * D, D);                         \
+                    }                                                                       \
                 } else { /* past the sequence: masked, read as zeros */                     \
-                    kr[j] = zero;                                                           \
+                    kr[j] = vr[j] = zero;                                                   \
                     kp[j] = (const uint32_t *)zero;                                         \
-                    vr[j] = zero;                                                           \
+                    vraw[j] = (const uint16_t *)zero;                                       \
                 }                                                                           \
             }                                                                               \
             vf s[RV][KT];                                                                   \
@@ -267,6 +311,10 @@ static inline uint16_t f32_to_bf16(float x) { /* round to nearest even (finite x
                 }                                                                           \
                 l[v] = l[v] * alpha[v] + sum;                                               \
                 m[v] = mn;                                                                  \
+            }                                                                               \
+            if (dot) {                                                                      \
+                values_bf16_dot(ot, pbuf, vraw, D, alpha, (uint32_t *)kbuf);                \
+                continue;                                                                   \
             }                                                                               \
             for (int v = 0; v < RV; v++) {                                                  \
                 for (int64_t d0 = 0; d0 + DCH <= D; d0 += DCH) {                            \
