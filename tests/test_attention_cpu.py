@@ -192,12 +192,19 @@ def test_prefill_kernel_lse_and_only_its_rows(
 
 @pytest.mark.parametrize(
     "seqs",
-    [DECODE, [(700, 1)], [(300, 1), (45, 1)], [(300, 40), (0, 9), (45, 1)]],
-    ids=["by-seq", "by-keys", "both", "prefill-units"],
+    [
+        DECODE,
+        [(700, 1)],
+        [(300, 1), (45, 1)],
+        [(300, 40), (0, 9), (45, 1)],
+        [(500, 300), (3, 1)],
+    ],
+    ids=["by-seq", "by-keys", "both", "prefill-units", "prefill-batches"],
 )
 def test_several_threads_split_the_step(monkeypatch: pytest.MonkeyPatch, seqs: list) -> None:
     """3 threads: 5 sequences split by sequence; 1 or 2 sequences have their keys cut into
-    block-aligned parts merged by LSE; prefill chunks' units dealt out in turn."""
+    block-aligned parts merged by LSE; prefill chunks' units dealt out in turn (300 new
+    tokens x 3 query heads of a KV head: 29 units, ~10 a job, run in batches of up to 8)."""
     monkeypatch.setattr(cpu_kernel, "MIN_KEYS_PER_THREAD", 1)
     monkeypatch.setattr(cpu_kernel, "MIN_PREFILL_WORK_PER_THREAD", 1)
     threads = torch.get_num_threads()

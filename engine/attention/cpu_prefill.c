@@ -99,11 +99,6 @@ static inline vf vexp_nonpos(vf x) {
 
 int64_t prefill_rows_per_unit(void) { return ROWS; }
 
-int64_t prefill_scratch_floats(int64_t D) {
-    /* Qt and Ot [D][ROWS], two tiles [KT][D], P [KT][ROWS], a zero row, alignment */
-    return 2 * D * ROWS + 2 * KT * D + KT * ROWS + D + LANES;
-}
-
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
     float f;
@@ -229,126 +224,192 @@ static inline uint16_t f32_to_bf16(float x) { /* round to nearest even (finite x
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-#define DEFINE_PREFILL(NAME, T, ROW, DOT)                                                        \
-    static inline void NAME##_unit(                                                         \
-        const float *q, const T *k_cache, const T *v_cache, const int32_t *table,           \
-        int64_t q_start, int64_t q_len, int64_t seq_len, int64_t h, int64_t r0,             \
-        int64_t hq, int64_t hkv, int64_t D, int64_t bs, float scale, float *scratch,        \
-        float *out, float *lse) {                                                           \
-        const int64_t group = hq / hkv, row = hkv * D, ctx = seq_len - q_len;               \
-        const int64_t nrows = q_len * group - r0 < ROWS ? q_len * group - r0 : ROWS;        \
-        float *qt = scratch, *ot = qt + D * ROWS, *kbuf = ot + D * ROWS;                    \
-        float *vbuf = kbuf + KT * D, *pbuf = vbuf + KT * D, *zero = pbuf + KT * ROWS;       \
-        const int64_t last = ctx + (r0 + nrows - 1) / group; /* the unit's last position */ \
-        const int dot = DOT && D % DCH == 0;                                                \
-        uint32_t *qp = (uint32_t *)qt; /* bf16 pairs in qt's place when dot */              \
-        float posf[ROWS];                                                                   \
-        for (int64_t r = 0; r < ROWS; r++) {                                                \
-            int64_t rr = r < nrows ? r0 + r : r0 + nrows - 1, tok = rr / group;             \
-            const float *qr = q + ((q_start + tok) * hq + h * group + rr % group) * D;      \
-            if (dot)                                                                        \
-                for (int64_t d = 0; d < D; d += 2)                                          \
-                    qp[d / 2 * ROWS + r] = r < nrows ? (uint32_t)f32_to_bf16(qr[d]) |       \
-                                                           (uint32_t)f32_to_bf16(qr[d + 1]) \
-                                                               << 16                        \
-                                                     : 0;                                   \
-            else                                                                            \
-                for (int64_t d = 0; d < D; d++) qt[d * ROWS + r] = r < nrows ? qr[d] : 0.0f; \
-            posf[r] = (float)(ctx + tok);                                                   \
-        }                                                                                   \
-        memset(ot, 0, (size_t)(D * ROWS) * sizeof(float));                                  \
-        memset(zero, 0, (size_t)D * sizeof(float));                                         \
-        vf m[RV], l[RV], pos[RV];                                                           \
-        float first[RV]; /* each row vector's smallest position */                          \
-        for (int v = 0; v < RV; v++) {                                                      \
-            m[v] = (vf){} - INFINITY;                                                       \
-            l[v] = (vf){};                                                                  \
-            pos[v] = vload(posf + v * LANES);                                               \
-            first[v] = posf[v * LANES];                                                     \
-        }                                                                                   \
-        const float *kr[KT], *vr[KT];                                                       \
-        const uint32_t *kp[KT];                                                             \
-        const uint16_t *vraw[KT]; /* bf16 value rows (dot only) */                          \
-        for (int64_t k0 = 0; k0 <= last; k0 += KT) {                                        \
-            for (int j = 0; j < KT; j++) {                                                  \
-                int64_t t = k0 + j;                                                         \
-                if (t < seq_len) {                                                          \
-                    int64_t at = ((int64_t)table[t / bs] * bs + t % bs) * row + h * D;      \
-                    if (dot) { /* rows as they sit in the cache */                          \
-                        kp[j] = (const uint32_t *)(k_cache + at);                           \
-                        vraw[j] = (const uint16_t *)(v_cache + at);                         \
-                    } else {                                                                \
-                        kr[j] = ROW(k_cache + at, kbuf + j * D, D);                         \
-                        vr[j] = ROW(v_cache + at, vbuf + j * D, D);                         \
-                    }                                                                       \
-                } else { /* past the sequence: masked, read as zeros */                     \
-                    kr[j] = vr[j] = zero;                                                   \
-                    kp[j] = (const uint32_t *)zero;                                         \
-                    vraw[j] = (const uint16_t *)zero;                                       \
-                }                                                                           \
-            }                                                                               \
-            vf s[RV][KT];                                                                   \
-            if (dot)                                                                        \
-                scores_bf16_dot(qp, kp, D, s);                                              \
-            else                                                                            \
-                scores_f32(qt, kr, D, s);                                                   \
-            for (int v = 0; v < RV; v++)                                                    \
-                for (int j = 0; j < KT; j++) s[v][j] *= scale;                              \
-            vf alpha[RV];                                                                   \
-            for (int v = 0; v < RV; v++) {                                                  \
-                if ((float)(k0 + KT - 1) > first[v]) /* the diagonal: some keys masked */   \
-                    for (int j = 0; j < KT; j++)                                            \
-                        s[v][j] = vselect((vf){} + (float)(k0 + j) > pos[v],               \
-                                          (vf){} - INFINITY, s[v][j]);                      \
-                vf mx = s[v][0];                                                            \
-                for (int j = 1; j < KT; j++) mx = vmax(mx, s[v][j]);                        \
-                vf mn = vmax(m[v], mx), sum = (vf){};                                       \
-                alpha[v] = vexp_nonpos(m[v] - mn);                                          \
-                for (int j = 0; j < KT; j++) {                                              \
-                    vf p = vexp_nonpos(s[v][j] - mn);                                       \
-                    vstore(pbuf + j * ROWS + v * LANES, p);                                 \
-                    sum += p;                                                               \
-                }                                                                           \
-                l[v] = l[v] * alpha[v] + sum;                                               \
-                m[v] = mn;                                                                  \
-            }                                                                               \
-            if (dot) {                                                                      \
-                values_bf16_dot(ot, pbuf, vraw, D, alpha, (uint32_t *)kbuf);                \
+/* One work unit's state: its queries and output accumulators, transposed, and per row
+ * vector the running max and sum and the rows' positions. */
+typedef struct {
+    vf m[RV], l[RV], pos[RV];
+    float first[RV]; /* each row vector's smallest position */
+    float *qt, *ot;  /* [D][ROWS] each; qt holds bf16 pairs [D / 2][ROWS] when dot */
+    int64_t r0, nrows, last; /* first row, rows, the last row's position */
+} unit_t;
+
+/* A tile's KT key and value rows: float32 (in the cache or widened into a buffer), or
+ * as they sit in the cache in bf16 when dot. */
+typedef struct {
+    const float *kr[KT], *vr[KT];
+    const uint32_t *kp[KT];
+    const uint16_t *vraw[KT];
+} tile_t;
+
+static inline __attribute__((always_inline)) void unit_begin(
+    unit_t *u, const float *q, int64_t q_start, int64_t q_len, int64_t ctx, int64_t h,
+    int64_t r0, int64_t hq, int64_t group, int64_t D, int dot, float *qt, float *ot) {
+    u->qt = qt, u->ot = ot, u->r0 = r0;
+    u->nrows = q_len * group - r0 < ROWS ? q_len * group - r0 : ROWS;
+    u->last = ctx + (r0 + u->nrows - 1) / group;
+    uint32_t *qp = (uint32_t *)qt;
+    float posf[ROWS];
+    for (int64_t r = 0; r < ROWS; r++) {
+        int64_t rr = r < u->nrows ? r0 + r : r0 + u->nrows - 1, tok = rr / group;
+        const float *qr = q + ((q_start + tok) * hq + h * group + rr % group) * D;
+        if (dot)
+            for (int64_t d = 0; d < D; d += 2)
+                qp[d / 2 * ROWS + r] =
+                    r < u->nrows ? f32_to_bf16(qr[d]) | (uint32_t)f32_to_bf16(qr[d + 1]) << 16
+                                 : 0;
+        else
+            for (int64_t d = 0; d < D; d++) qt[d * ROWS + r] = r < u->nrows ? qr[d] : 0.0f;
+        posf[r] = (float)(ctx + tok);
+    }
+    memset(ot, 0, (size_t)(D * ROWS) * sizeof(float));
+    for (int v = 0; v < RV; v++) {
+        u->m[v] = (vf){} - INFINITY;
+        u->l[v] = (vf){};
+        u->pos[v] = vload(posf + v * LANES);
+        u->first[v] = posf[v * LANES];
+    }
+}
+
+/* The online-softmax step of one unit over one tile of keys k0 .. k0 + KT - 1. */
+static inline __attribute__((always_inline)) void unit_tile(
+    unit_t *u, const tile_t *t, int64_t k0, int64_t D, float scale, int dot, float *pbuf,
+    uint32_t *vpair) {
+    vf s[RV][KT];
+    if (dot)
+        scores_bf16_dot((const uint32_t *)u->qt, t->kp, D, s);
+    else
+        scores_f32(u->qt, t->kr, D, s);
+    vf alpha[RV];
+    for (int v = 0; v < RV; v++) {
+        for (int j = 0; j < KT; j++) s[v][j] *= scale;
+        if ((float)(k0 + KT - 1) > u->first[v]) /* the diagonal: some keys masked */
+            for (int j = 0; j < KT; j++)
+                s[v][j] = vselect((vf){} + (float)(k0 + j) > u->pos[v], (vf){} - INFINITY,
+                                  s[v][j]);
+        vf mx = s[v][0];
+        for (int j = 1; j < KT; j++) mx = vmax(mx, s[v][j]);
+        vf mn = vmax(u->m[v], mx), sum = (vf){};
+        alpha[v] = vexp_nonpos(u->m[v] - mn);
+        for (int j = 0; j < KT; j++) {
+            vf p = vexp_nonpos(s[v][j] - mn);
+            vstore(pbuf + j * ROWS + v * LANES, p);
+            sum += p;
+        }
+        u->l[v] = u->l[v] * alpha[v] + sum;
+        u->m[v] = mn;
+    }
+    float *ot = u->ot;
+    if (dot) {
+        values_bf16_dot(ot, pbuf, t->vraw, D, alpha, vpair);
+        return;
+    }
+    for (int v = 0; v < RV; v++) {
+        for (int64_t d0 = 0; d0 + DCH <= D; d0 += DCH) {
+            vf acc[DCH];
+            _Pragma("GCC unroll 8") for (int e = 0; e < DCH; e++) acc[e] =
+                vload(ot + (d0 + e) * ROWS + v * LANES) * alpha[v];
+            for (int j = 0; j < KT; j++) {
+                vf p = vload(pbuf + j * ROWS + v * LANES);
+                const float *vj = t->vr[j] + d0;
+                _Pragma("GCC unroll 8") for (int e = 0; e < DCH; e++) acc[e] += p * vj[e];
+            }
+            _Pragma("GCC unroll 8") for (int e = 0; e < DCH; e++)
+                vstore(ot + (d0 + e) * ROWS + v * LANES, acc[e]);
+        }
+        for (int64_t d = D - D % DCH; d < D; d++) { /* D not a multiple of DCH */
+            vf acc = vload(ot + d * ROWS + v * LANES) * alpha[v];
+            for (int j = 0; j < KT; j++)
+                acc += vload(pbuf + j * ROWS + v * LANES) * t->vr[j][d];
+            vstore(ot + d * ROWS + v * LANES, acc);
+        }
+    }
+}
+
+static inline void unit_end(const unit_t *u, int64_t q_start, int64_t h, int64_t hq,
+                            int64_t group, int64_t D, float *out, float *lse) {
+    float lf[ROWS], mf[ROWS];
+    for (int v = 0; v < RV; v++) {
+        vstore(lf + v * LANES, u->l[v]);
+        vstore(mf + v * LANES, u->m[v]);
+    }
+    for (int64_t r = 0; r < u->nrows; r++) {
+        int64_t rr = u->r0 + r, tok = rr / group, head = h * group + rr % group;
+        float inv = 1.0f / lf[r], *o = out + ((q_start + tok) * hq + head) * D;
+        for (int64_t d = 0; d < D; d++) o[d] = u->ot[d * ROWS + r] * inv;
+        lse[(q_start + tok) * hq + head] = mf[r] + logf(lf[r]);
+    }
+}
+
+#define BATCH 8
+/* Units run together over the keys, a chunk of CHUNK keys at a time: the chunk's K and V
+ * rows of one head (64 KB at D = 64 in float32) stay in the core's L2 while every unit
+ * of the batch reads them, where one unit after another would each stream the whole
+ * head's KV from memory (3.3 MB at 6K keys in float32). */
+#define CHUNK 128
+
+/* The rows of tile k0 (bf16 rows widened into kbuf / vbuf unless dot; keys past the
+ * sequence read a zero row: masked, and 0 * 0 keeps NaN out). */
+#define DEFINE_TILE_ROWS(NAME, T, ROW)                                                      \
+    static inline __attribute__((always_inline)) void NAME##_tile_rows(                     \
+        tile_t *t, const T *k_cache, const T *v_cache, const int32_t *table, int64_t k0,    \
+        int64_t seq_len, int64_t h, int64_t row, int64_t D, int64_t bs, int dot,            \
+        float *kbuf, float *vbuf, const float *zero) {                                      \
+        for (int j = 0; j < KT; j++) {                                                      \
+            int64_t p = k0 + j;                                                             \
+            if (p >= seq_len) {                                                             \
+                t->kr[j] = t->vr[j] = zero;                                                 \
+                t->kp[j] = (const uint32_t *)zero;                                          \
+                t->vraw[j] = (const uint16_t *)zero;                                        \
                 continue;                                                                   \
             }                                                                               \
-            for (int v = 0; v < RV; v++) {                                                  \
-                for (int64_t d0 = 0; d0 + DCH <= D; d0 += DCH) {                            \
-                    vf acc[DCH];                                                            \
-                    _Pragma("GCC unroll 8") for (int e = 0; e < DCH; e++) acc[e] =         \
-                        vload(ot + (d0 + e) * ROWS + v * LANES) * alpha[v];                 \
-                    for (int j = 0; j < KT; j++) {                                          \
-                        vf p = vload(pbuf + j * ROWS + v * LANES);                          \
-                        const float *vj = vr[j] + d0;                                       \
-                        _Pragma("GCC unroll 8") for (int e = 0; e < DCH; e++) acc[e] +=    \
-                            p * vj[e];                                                      \
-                    }                                                                       \
-                    _Pragma("GCC unroll 8") for (int e = 0; e < DCH; e++)                   \
-                        vstore(ot + (d0 + e) * ROWS + v * LANES, acc[e]);                   \
-                }                                                                           \
-                for (int64_t d = D - D % DCH; d < D; d++) { /* D not a multiple of DCH */   \
-                    vf acc = vload(ot + d * ROWS + v * LANES) * alpha[v];                   \
-                    for (int j = 0; j < KT; j++)                                            \
-                        acc += vload(pbuf + j * ROWS + v * LANES) * vr[j][d];               \
-                    vstore(ot + d * ROWS + v * LANES, acc);                                 \
-                }                                                                           \
+            int64_t at = ((int64_t)table[p / bs] * bs + p % bs) * row + h * D;              \
+            if (dot) {                                                                      \
+                t->kp[j] = (const uint32_t *)(k_cache + at);                                \
+                t->vraw[j] = (const uint16_t *)(v_cache + at);                              \
+            } else {                                                                        \
+                t->kr[j] = ROW(k_cache + at, kbuf + j * D, D);                              \
+                t->vr[j] = ROW(v_cache + at, vbuf + j * D, D);                              \
             }                                                                               \
         }                                                                                   \
-        float lf[ROWS], mf[ROWS];                                                           \
-        for (int v = 0; v < RV; v++) {                                                      \
-            vstore(lf + v * LANES, l[v]);                                                   \
-            vstore(mf + v * LANES, m[v]);                                                   \
+    }
+
+DEFINE_TILE_ROWS(bf16, uint16_t, row_bf16)
+DEFINE_TILE_ROWS(f32, float, row_f32)
+
+int64_t prefill_scratch_floats(int64_t D) {
+    /* per unit of a batch Qt and Ot [D][ROWS]; two tiles [KT][D], P [KT][ROWS], a zero
+     * row, alignment */
+    return BATCH * 2 * D * ROWS + 2 * KT * D + KT * ROWS + D + LANES;
+}
+
+#define DEFINE_PREFILL(NAME, TR, T, DOT)                                                    \
+    static inline __attribute__((always_inline)) void NAME##_batch(                         \
+        const int64_t *r0s, int n, const float *q, const T *k_cache, const T *v_cache,      \
+        const int32_t *table, int64_t q_start, int64_t q_len, int64_t seq_len, int64_t h,   \
+        int64_t hq, int64_t hkv, int64_t D, int64_t bs, float scale, float *sc,             \
+        float *out, float *lse) {                                                           \
+        const int64_t group = hq / hkv, ctx = seq_len - q_len;                              \
+        const int dot = DOT && D % DCH == 0;                                                \
+        float *kbuf = sc + BATCH * 2 * D * ROWS, *vbuf = kbuf + KT * D;                     \
+        float *pbuf = vbuf + KT * D, *zero = pbuf + KT * ROWS;                              \
+        memset(zero, 0, (size_t)D * sizeof(float));                                         \
+        unit_t units[BATCH];                                                                \
+        int64_t last = 0;                                                                   \
+        for (int i = 0; i < n; i++) {                                                       \
+            float *qt = sc + i * 2 * D * ROWS;                                              \
+            unit_begin(&units[i], q, q_start, q_len, ctx, h, r0s[i], hq, group, D, dot, qt, \
+                       qt + D * ROWS);                                                      \
+            last = units[i].last > last ? units[i].last : last;                             \
         }                                                                                   \
-        for (int64_t r = 0; r < nrows; r++) {                                               \
-            int64_t rr = r0 + r, tok = rr / group, head = h * group + rr % group;           \
-            float inv = 1.0f / lf[r], *o = out + ((q_start + tok) * hq + head) * D;         \
-            for (int64_t d = 0; d < D; d++) o[d] = ot[d * ROWS + r] * inv;                  \
-            lse[(q_start + tok) * hq + head] = mf[r] + logf(lf[r]);                         \
-        }                                                                                   \
+        tile_t t;                                                                           \
+        for (int64_t c0 = 0; c0 <= last; c0 += CHUNK)                                       \
+            for (int i = 0; i < n; i++)                                                     \
+                for (int64_t k0 = c0; k0 < c0 + CHUNK && k0 <= units[i].last; k0 += KT) {  \
+                    TR##_tile_rows(&t, k_cache, v_cache, table, k0, seq_len, h, hkv * D, D, \
+                                   bs, dot, kbuf, vbuf, zero);                              \
+                    unit_tile(&units[i], &t, k0, D, scale, dot, pbuf, (uint32_t *)kbuf);    \
+                }                                                                           \
+        for (int i = 0; i < n; i++) unit_end(&units[i], q_start, h, hq, group, D, out, lse); \
     }                                                                                       \
                                                                                             \
     int NAME(const float *q, const T *k_cache, const T *v_cache,                            \
@@ -359,28 +420,32 @@ static inline uint16_t f32_to_bf16(float x) { /* round to nearest even (finite x
         /* vectors of the scratch on 64-byte boundaries */                                  \
         float *sc = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);                  \
         const int64_t group = hq / hkv;                                                     \
-        int64_t u = 0;                                                                      \
+        int64_t u = 0, r0s[BATCH];                                                          \
         for (int64_t i = 0; i < num_seqs; i++) {                                            \
             const int32_t *s = seqs + 4 * i;                                                \
             const int32_t *table = block_tables + (int64_t)s[3] * bt_stride;                \
             const int64_t nrows = (int64_t)s[1] * group;                                    \
             for (int64_t h = 0; h < hkv; h++) {                                             \
+                int n = 0;                                                                  \
                 for (int64_t r0 = 0; r0 < nrows; r0 += ROWS, u++) {                         \
-                    if (u % num_jobs != job) continue;                                      \
+                    if (u % num_jobs == job) r0s[n++] = r0;                                 \
+                    if (n < BATCH && r0 + ROWS < nrows) continue;                           \
+                    if (n == 0) continue;                                                   \
                     if (D == 64)                                                            \
-                        NAME##_unit(q, k_cache, v_cache, table, s[0], s[1], s[2], h, r0,    \
-                                    hq, hkv, 64, bs, scale, sc, out, lse);                  \
+                        NAME##_batch(r0s, n, q, k_cache, v_cache, table, s[0], s[1], s[2],  \
+                                     h, hq, hkv, 64, bs, scale, sc, out, lse);              \
                     else if (D == 128)                                                      \
-                        NAME##_unit(q, k_cache, v_cache, table, s[0], s[1], s[2], h, r0,    \
-                                    hq, hkv, 128, bs, scale, sc, out, lse);                 \
+                        NAME##_batch(r0s, n, q, k_cache, v_cache, table, s[0], s[1], s[2],  \
+                                     h, hq, hkv, 128, bs, scale, sc, out, lse);             \
                     else                                                                    \
-                        NAME##_unit(q, k_cache, v_cache, table, s[0], s[1], s[2], h, r0,    \
-                                    hq, hkv, D, bs, scale, sc, out, lse);                   \
+                        NAME##_batch(r0s, n, q, k_cache, v_cache, table, s[0], s[1], s[2],  \
+                                     h, hq, hkv, D, bs, scale, sc, out, lse);               \
+                    n = 0;                                                                  \
                 }                                                                           \
             }                                                                               \
         }                                                                                   \
         return 0;                                                                           \
     }
 
-DEFINE_PREFILL(paged_prefill_bf16, uint16_t, row_bf16, HAVE_BF16_DOT)
-DEFINE_PREFILL(paged_prefill_f32, float, row_f32, 0)
+DEFINE_PREFILL(paged_prefill_bf16, bf16, uint16_t, HAVE_BF16_DOT)
+DEFINE_PREFILL(paged_prefill_f32, f32, float, 0)
