@@ -32,7 +32,8 @@
  * arithmetic per instruction. Everything accumulates in float32.
  *
  * A call runs the units u with u % num_jobs == job (interleaved: a sequence's later
- * rows see more keys, and interleaving spreads them over the jobs). q, out: [T][Hq][D]
+ * rows see more keys, and interleaving spreads them over the jobs), up to BATCH units of
+ * one head together, a chunk of CHUNK keys at a time (the chunk stays in L2 for them). q, out: [T][Hq][D]
  * float32 (rows of the flat step; only the listed sequences' rows are written); lse:
  * [T][Hq] float32, natural log. seqs: [num_seqs][4] int32 (first query row, q_len,
  * seq_len, block table row). scratch: at least prefill_scratch_floats(D) floats.
