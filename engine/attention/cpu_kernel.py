@@ -285,8 +285,8 @@ def prefill(
     log) and no others.
 
     With T torch threads and enough work, the units (32 query rows of one KV head of one
-    sequence with AVX-512, 16 with AVX2) are dealt out to min(T, units) jobs in turn, so each job gets early and late
-    rows of a chunk (late rows see more keys)."""
+    sequence with AVX-512, 16 with AVX2) are dealt out to min(T, units) jobs in turn, so
+    each job gets early and late rows of a chunk (late rows see more keys)."""
     lib = load()
     fn = lib.paged_prefill_bf16 if kv_cache.dtype == torch.bfloat16 else lib.paged_prefill_f32
     assert kv_cache.dtype in (torch.bfloat16, torch.float32) and kv_cache.is_contiguous()
