@@ -301,7 +301,6 @@ def simulate(trace: Trace, policy: Policy, m: Model, seed: int = 0) -> Result:
     res = Result()
     offsets = {s: rng.uniform(0, 1.0) for s in trace.sessions}
     threads = {t.key: t for t in trace.threads}
-    done_at: dict[tuple[str, int], float] = {}
     thread_end: dict[str, float] = {}
     waiting: dict[str, list] = {}
     events: list[tuple[float, int, str, int]] = []
@@ -322,7 +321,7 @@ def simulate(trace: Trace, policy: Policy, m: Model, seed: int = 0) -> Result:
             continue
         arrive = max([ready] + [thread_end[j] for j in joins]) + req.wait_s * m.time_scale
         if arrive >= m.duration_s:
-            _end_thread(t, key, i, arrive, thread_end, waiting, events, done_at, seq)
+            _finish(key, arrive, thread_end, waiting, events)  # the replay stopped sending
             continue
         ceiling.add(req.hash_ids, req.input_length)
         start = max(arrive, server_free)
@@ -372,7 +371,6 @@ def simulate(trace: Trace, policy: Policy, m: Model, seed: int = 0) -> Result:
         res.pool += pool_tok
         res.ttfts.append(first_token - arrive)
         finished = first_token + req.output_length * m.itl_s
-        done_at[(key, i)] = finished
         # the thread's next request, and subagents spawned after this one
         if i + 1 < len(t.requests):
             heapq.heappush(events, (finished, seq, key, i + 1))
@@ -416,11 +414,6 @@ def _finish(key: str, at: float, thread_end: dict, waiting: dict, events: list) 
             waiting[wkey] = keep
         else:
             del waiting[wkey]
-
-
-def _end_thread(t, key, i, at, thread_end, waiting, events, done_at, seq) -> None:  # noqa: ANN001
-    """The replay stopped sending: the thread ends (so nothing waits on it forever)."""
-    _finish(key, at, thread_end, waiting, events)
 
 
 POLICIES = (
