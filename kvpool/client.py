@@ -216,6 +216,14 @@ class PoolClient:
         log.warning("removing %d damaged pool object(s), e.g. %s", len(keys), keys[0])
         self._remove(keys)
 
+    def remove_chunks(self, chunk_keys: Sequence[ChunkKey]) -> None:
+        """Remove every stage's object of `chunk_keys` (retention: the client frees room
+        itself; kvpool/retention.py). Failures are counted, never raised."""
+        if chunk_keys and not self.breaker.is_open:
+            self._remove(
+                [self.keys.object_key(c, s.index) for c in chunk_keys for s in self.stages]
+            )
+
     def _remove(self, keys: list[str]) -> None:
         try:
             for status in self.backend.remove(keys):

@@ -69,6 +69,17 @@ class PoolMetrics:
         self.save_dropped = counter(
             "kvserve_pool_save_dropped", "Chunks not saved because the save queue was full"
         ).labels(**labels)
+        self.retention_removed = counter(
+            "kvserve_pool_retention_removed",
+            "Chunks this instance removed from the pool itself to stay within its retention "
+            "budget (pool.retention: client; kvpool/retention.py)",
+        ).labels(**labels)
+        self.retained_chunks = Gauge(
+            "kvserve_pool_retained_chunks",
+            "Chunks this instance saved and still counts against its retention budget",
+            ["instance"],
+            registry=registry,
+        ).labels(**labels)
         self.failures = Counter(
             "kvserve_pool_failures",
             "Pool operations that failed, by operation and reason",
