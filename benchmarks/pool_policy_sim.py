@@ -33,12 +33,13 @@ Policies (`write/evict`):
                         evicts
     through/pin         + soft pin on every save (DESIGN §12 session retention), TTL
                         --pin-ttl, renewed by lookups
-    through/client      the client evicts first (kvpool/retention.py): it keeps what it wrote
-                        under --budget of the store, removing least recently used chains
-                        tail-first (a chunk's recency is the last request that used it
-                        from the pool or saved it); Mooncake never reaches its watermark
-    through/client-live same, but a request's whole chain is touched, also the part the GPU
-                        served (its pool copy stays as fresh as the session)
+    through/client      the client evicts first, as kvpool/retention.py does (pool.retention:
+                        client): it keeps what it wrote under --budget of the store,
+                        removing least recently used chains tail first; a request's whole
+                        chain (also the part the GPU served) and its saves get the
+                        request's stamp; Mooncake never reaches its watermark
+    through/client-hits the same eviction, but only pool hits are touched (at the lookup)
+                        and saves stamped when written
     victim/client       chunks are saved when the GPU cache evicts them, not when computed
                         (exclusive: what the GPU holds is not also in the pool); needs the
                         engine's eviction hook, simulated here only
@@ -106,8 +107,9 @@ class _Obj:
     shard: int
     lease: float = -1.0  # lease_timeout; -1: the epoch (never read)
     pin_until: float = -1.0
-    touched: float = 0.0  # the client's recency
+    touched: float = 0.0  # the client's recency (a request's use stamp)
     depth: int = 0  # chunk index in its chain (tail-first ties)
+    used_at: float = 0.0  # when last used (the client never removes one used < 10 s ago)
 
 
 @dataclass
@@ -137,10 +139,13 @@ class Pool:
         for i, k in enumerate(keys):
             o = self.objs.get(k)
             if o is not None:
-                o.touched = now
+                o.touched = max(o.touched, now)
                 o.depth = first_depth + i
+                o.used_at = now
 
-    def put(self, keys: list[int], now: float, first_depth: int) -> None:
+    def put(
+        self, keys: list[int], now: float, first_depth: int, stamp: float | None = None
+    ) -> None:
         for i, k in enumerate(keys):
             if k in self.objs:
                 continue  # put of an existing key: 0, nothing changes
@@ -151,7 +156,8 @@ class Pool:
                 if len(self.objs) >= self.capacity:
                     continue  # NO_SPACE (retried once in the client; ignored here)
             pin = now + self.pin_ttl_s if self.pin_ttl_s > 0 else -1.0
-            self.objs[k] = _Obj(hash(k) % NUM_SHARDS, -1.0, pin, now, first_depth + i)
+            recency = now if stamp is None else stamp
+            self.objs[k] = _Obj(hash(k) % NUM_SHARDS, -1.0, pin, recency, first_depth + i, now)
             if self.client_budget is None and len(self.objs) > WATERMARK * self.capacity:
                 excess = len(self.objs) / self.capacity - WATERMARK
                 self._mooncake_evict(now, EVICT_RATIO + excess)
@@ -163,12 +169,15 @@ class Pool:
     def _client_evict(self, now: float, reserve: int) -> None:
         assert self.client_budget is not None
         limit = int(self.client_budget * self.capacity) - reserve
-        over = len(self.objs) - limit
-        if over <= 0:
+        if len(self.objs) <= limit:
             return
+        over = len(self.objs) - int(limit * 0.97)  # removals come in batches
         # Least recently used first; within one recency the deepest chunk first, so a
-        # chain loses its tail and keeps a usable prefix. Leased objects cannot go.
-        order = sorted((o.touched, -o.depth, k) for k, o in self.objs.items() if o.lease <= now)
+        # chain loses its tail and keeps a usable prefix. Chunks used in the last 10 s
+        # stay (a load may be reading them).
+        order = sorted(
+            (o.touched, -o.depth, k) for k, o in self.objs.items() if now - o.used_at >= LEASE_S
+        )
         for _, _, k in order[:over]:
             del self.objs[k]
             self.evicted += 1
@@ -218,7 +227,7 @@ class Pool:
 @dataclass(frozen=True)
 class Policy:
     write: str  # through | victim | exclusive
-    evict: str  # mooncake | pin | client | client-live
+    evict: str  # mooncake | pin | client-hits | client
 
 
 @dataclass
@@ -339,6 +348,8 @@ def simulate(trace: Trace, policy: Policy, m: Model, seed: int = 0) -> Result:
         first = gpu_tok // CHUNK_TOKENS
         last = (req.input_length - 1) // CHUNK_TOKENS
         pool_tok = 0
+        if policy.evict == "client":  # the request's whole chain is in use (its stamp)
+            pool.touch(ckeys[: max(first, last)], start, 0)
         if first < last:
             found = pool.exists(ckeys[first:last], start)
             run = 0
@@ -351,8 +362,6 @@ def simulate(trace: Trace, policy: Policy, m: Model, seed: int = 0) -> Result:
                 pool.touch(ckeys[first : first + run], start, first)
                 if policy.write == "exclusive":
                     pool.remove(ckeys[first : first + run])
-        if policy.evict == "client-live":
-            pool.touch(ckeys[: min(first, len(ckeys))], start, 0)
         computed = req.input_length - gpu_tok - pool_tok
         service = computed / m.compute_tok_s
         restore = pool_tok * TOKEN_BYTES / (m.restore_gbs * 1e9)
@@ -363,7 +372,9 @@ def simulate(trace: Trace, policy: Policy, m: Model, seed: int = 0) -> Result:
         if policy.write == "through":
             save_from = (gpu_tok + pool_tok) // CHUNK_TOKENS
             full = req.input_length // CHUNK_TOKENS
-            pool.put(_saved(ckeys, save_from, full, gpu_tok + pool_tok, m), end, save_from)
+            stamp = start if policy.evict == "client" else None
+            saved = _saved(ckeys, save_from, full, gpu_tok + pool_tok, m)
+            pool.put(saved, end, save_from, stamp)
         first_token = max(end, start + restore)
         res.requests += 1
         res.prompt += req.input_length
@@ -419,8 +430,8 @@ def _finish(key: str, at: float, thread_end: dict, waiting: dict, events: list) 
 POLICIES = (
     Policy("through", "mooncake"),
     Policy("through", "pin"),
+    Policy("through", "client-hits"),
     Policy("through", "client"),
-    Policy("through", "client-live"),
     Policy("victim", "client"),
     Policy("exclusive", "client"),
 )
