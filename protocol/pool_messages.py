@@ -67,6 +67,9 @@ class PoolCounts(msgspec.Struct):
     """(stage, objects stored) since the last report."""
     loaded_objects: list[tuple[int, int]] = []
     """(stage, objects read, verified and unpacked) since the last report."""
+    restore_phases: list[tuple[int, str, float]] = []
+    """(stage, phase, seconds) of restore time by phase since the last report
+    (kvpool/metrics.py RESTORE_PHASES)."""
 
     def is_empty(self) -> bool:
         return self == PoolCounts()

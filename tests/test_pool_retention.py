@@ -195,6 +195,12 @@ def test_evicted_history_comes_back_from_the_pool_as_the_budget_promises(
         # (the GPU may still hold B's first blocks: blocks are freed tail first)
         assert again_b.num_pool_tokens > CHUNK
         assert again_b.num_cached_tokens + again_b.num_pool_tokens == 3 * CHUNK
+        for stage in ("0", "1", "2"):  # where the restores' time went, by phase
+            for phase in ("read", "check", "unpack"):
+                got = metrics.restore_phase_seconds.labels(
+                    instance="test", stage=stage, phase=phase
+                )._value.get()
+                assert got > 0, (stage, phase)
         again_a = e.generate([prompts["A"]], GREEDY)[0]
         _settle(e)
         assert again_a.num_cached_tokens == 0 and again_a.num_pool_tokens == CHUNK
