@@ -243,8 +243,8 @@ class Model:
     pin_ttl_s: float = 60.0
     step_tokens: int = 8192
     save_slots: int | None = 15
-    """Save slots of the prefill's pool buffer (1 GiB: 31 slots of 32 MiB, half for
-    saves); None: never short of slots."""
+    """Save slots of the prefill's pool buffer (1 GiB: 31 slots of 32 MiB, 15 for saves;
+    4 GiB: 63; 6 GiB: 95); None: never short of slots."""
 
 
 @dataclass
@@ -397,18 +397,25 @@ def simulate(trace: Trace, policy: Policy, m: Model, seed: int = 0) -> Result:
 
 
 def _saved(ckeys: list[int], first: int, end: int, start_tok: int, m: Model) -> list[int]:
-    """The chunks [first, end) that reach the pool: per step of m.step_tokens, those
-    completed in it beyond m.save_slots free save slots are dropped (a hole: every later
-    chunk of the chain is unreachable from the pool until the GPU covers the hole)."""
+    """The chunks [first, end) that reach the pool. Per step of m.step_tokens, a chunk
+    completed in it needs a free save slot, and the slots the previous step packed are
+    still busy (the step thread packs the next step right after the forward whose KV the
+    previous step's D2H copies wait for; the write comes after them): a step gets the
+    m.save_slots not taken by the step before. Without a slot a chunk is dropped, a hole:
+    the chain's later chunks are unreachable from the pool until the GPU covers it."""
     if m.save_slots is None:
         return ckeys[first:end]
-    out = []
-    per_step: dict[int, int] = {}
+    by_step: dict[int, list[int]] = {}
     for c in range(first, end):
         step = ((c + 1) * CHUNK_TOKENS - 1 - start_tok) // m.step_tokens
-        per_step[step] = per_step.get(step, 0) + 1
-        if per_step[step] <= m.save_slots:
-            out.append(ckeys[c])
+        by_step.setdefault(step, []).append(c)
+    out: list[int] = []
+    busy = 0
+    for step in range(max(by_step, default=-1) + 1):
+        chunks = by_step.get(step, [])
+        take = chunks[: max(0, m.save_slots - busy)]
+        out += [ckeys[c] for c in take]
+        busy = len(take)
     return out
 
 
