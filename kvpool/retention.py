@@ -25,6 +25,7 @@ compares the two on the agentic trace. Engine thread only (PoolScheduler).
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Sequence
 
@@ -102,12 +103,15 @@ class LruChainRetention(Retention):
             return []
         now = time.monotonic() if now is None else now
         over = len(self._chunks) - self.target
-        order = sorted(
-            (stamp, -depth, k)
-            for k, (stamp, depth) in self._chunks.items()
-            if now - self._touched[k] >= self.protect_s
+        order = heapq.nsmallest(
+            over,
+            (
+                (stamp, -depth, k)
+                for k, (stamp, depth) in self._chunks.items()
+                if now - self._touched[k] >= self.protect_s
+            ),
         )
-        out = [k for _, _, k in order[:over]]
+        out = [k for _, _, k in order]
         for k in out:
             self.missing(k)
         return out
