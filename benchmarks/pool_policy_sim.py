@@ -1,7 +1,8 @@
 """Pool retention policies on the agentic trace, simulated on the CPU in seconds.
 
     python -m benchmarks.pool_policy_sim [--sessions 32] [--turns 10] [--max-context 60000]
-        [--seed 0] [--gpu-tokens 262144] [--pool-gib 80] [--policies a,b,...]
+        [--seed 0] [--gpu-tokens 262144] [--pool-gib 80] [--save-slots 15] [--runs 3]
+        [--policies a,b,...]
 
 Replays the synthetic trace of `kvserve bench agentic --synthetic` (same generator, same
 seed, the replay's closed loops: start offsets, waits x time_scale, subagent spawns and
