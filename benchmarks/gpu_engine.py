@@ -406,9 +406,19 @@ def main() -> None:
     ap.add_argument(
         "--skip-prefill", action="store_true", help="decode timings only (prefill unchanged)"
     )
+    ap.add_argument(
+        "--compare",
+        choices=("unfused", "cublas", "none"),
+        default="unfused",
+        help="also time 1K decode with graphs of the eager layer ops, or of compiled ones "
+        "that keep cuBLAS for one-row steps",
+    )
     args = ap.parse_args()
     global BLOCK
     BLOCK = args.block_size
+    # One process compiles the layer ops for the tiny check, the 8B model and the
+    # comparison's ops: more than dynamo's default 8 graphs per function.
+    torch._dynamo.config.recompile_limit = 64
     torch.backends.cuda.matmul.allow_tf32 = False
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "block_size": BLOCK}
     bw, tflops = ceilings()
@@ -471,18 +481,21 @@ def main() -> None:
     runner.graphs = graphs
     report["decode_b1_ctx1k_graphs_off_ms"] = eager_ms
     print(f"decode b1 ctx1024 without CUDA graphs: {eager_ms:.2f} ms/step", flush=True)
-    if graphs is not None and model.layers[0].ops.fused:  # type: ignore[union-attr]
-        # The same graphs over the unfused (eager) layer ops: what compiling buys.
-        set_layer_ops(model, EAGER)
+    if graphs is not None and model.layers[0].ops.fused and args.compare != "none":  # type: ignore[union-attr]
+        # The same graphs over other layer ops: the eager ones ("unfused": what compiling
+        # buys) or compiled ones with cuBLAS for one-row steps too ("cublas": what
+        # inductor's GEMV buys at batch 1).
+        other = EAGER if args.compare == "unfused" else compiled_layer_ops(gemv=False)
+        set_layer_ops(model, other)
         graphs.capture()
-        unfused = {}
+        alt = {}
         for batch in (1, 32, 128):
             ms, _ = time_decode(runner, batch, 1024, num_blocks, seed=batch + 1024)
-            unfused[f"b{batch}"] = ms
+            alt[f"b{batch}"] = ms
             print(
-                f"decode b{batch} ctx1024, graphs of unfused layers: {ms:.2f} ms/step", flush=True
+                f"decode b{batch} ctx1024, graphs of {args.compare}: {ms:.2f} ms/step", flush=True
             )
-        report["decode_ctx1k_unfused_layers_ms"] = unfused
+        report[f"decode_ctx1k_{args.compare}_ms"] = alt
         set_layer_ops(model, compiled_layer_ops())
         graphs.capture()
     for ctx in () if args.skip_prefill else (0, 57344):

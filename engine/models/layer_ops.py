@@ -10,6 +10,7 @@ cuBLAS for the matmuls:
     attn_in:   x -> RMSNorm -> qkv matmul -> (q|k RMSNorm) -> RoPE       -> q, k, v
     attn_out:  x, attn -> o matmul -> + x -> RMSNorm                     -> x, h
     mlp:       x, h -> gate|up matmul -> silu(gate) * up -> down matmul -> + x
+    norm:      the final RMSNorm;  logits: lm_head matmul -> float32
 
 EAGER runs them as written (the CPU path and the float32 reference: token-identical to
 transformers); `compiled()` gives the fused versions (CUDA engines with decode graphs,
@@ -17,6 +18,13 @@ EngineConfig.compile_layers). One compiled function serves every layer (weights 
 arguments, not attributes: no recompile per layer) and every batch size: the first call
 compiles for its T, the second (another T) for a symbolic T (torch.compile's automatic
 dynamic shapes; weight shapes stay static, so reductions keep their fixed-size kernels).
+
+One-row steps (T = 1, decode at batch 1: torch.compile always specializes a size of 1)
+compile with inductor's coordinate-descent tuning, under which inductor writes a [1, K] x
+[K, N] matmul as a multiply-and-sum reduction it generates and tunes itself (a GEMV
+kernel, with the RMSNorm before it and the SwiGLU or residual add around it fused in)
+instead of calling cuBLAS, whose kernels for that shape read the weights below the
+copy bandwidth (benchmarks/gpu_engine.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -88,34 +96,64 @@ def glue(lin: Any) -> tuple[Any, Any, Any]:
     return attn_in, attn_out, mlp
 
 
+def head(lin: Any) -> tuple[Any, Any]:
+    """The final RMSNorm and the lm_head matmul (float32 logits) through `lin`."""
+
+    def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def logits(h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        return lin(h, lm_head).float()
+
+    return norm, logits
+
+
 @dataclass(frozen=True)
 class LayerOps:
-    """The three functions a LlamaDecoderLayer calls around attention."""
+    """The functions a LlamaDecoderLayer calls around attention (attn_in, attn_out, mlp)
+    and the model calls after the last layer (norm, logits)."""
 
     attn_in: Any
     attn_out: Any
     mlp: Any
+    norm: Any
+    logits: Any
     fused: bool = False
 
 
-EAGER = LayerOps(*glue(linear))
+EAGER = LayerOps(*glue(linear), *head(linear))
 
-_COMPILED: LayerOps | None = None
+_COMPILED: tuple[bool, LayerOps] | None = None
 
 
-def compiled() -> LayerOps:
+GEMV_OPTIONS = {"coordinate_descent_tuning": True}
+"""Inductor options of the one-row (T = 1) compilations: under coordinate-descent tuning
+inductor decomposes a matmul with one row into a reduction it generates (its `mm`
+decomposition) and tunes that kernel's block sizes by measuring them."""
+
+
+def compiled(gemv: bool = True) -> LayerOps:
     """The torch.compile'd LayerOps (built once per process; inductor compiles on first
     call, again per distinct dtype / None-ness of the optional weights, and once more
-    with a symbolic T when T changes)."""
+    with a symbolic T when T changes). `gemv`: one-row steps through inductor's generated
+    GEMV (GEMV_OPTIONS); False keeps cuBLAS for them too."""
     global _COMPILED
-    if _COMPILED is None:
+    if _COMPILED is None or _COMPILED[0] != gemv:
 
         def fuse(fn: Any) -> Any:
-            return torch.compile(fn, fullgraph=True)
+            general = torch.compile(fn, fullgraph=True)
+            if not gemv:
+                return general
+            one_row = torch.compile(fn, fullgraph=True, options=GEMV_OPTIONS)
 
-        attn_in, attn_out, mlp = glue(F.linear)
-        _COMPILED = LayerOps(fuse(attn_in), fuse(attn_out), fuse(mlp), fused=True)
-    return _COMPILED
+            def call(x: torch.Tensor, *args: Any) -> Any:
+                return (one_row if x.shape[0] == 1 else general)(x, *args)
+
+            return call
+
+        ops = (*glue(F.linear), *head(F.linear))
+        _COMPILED = (gemv, LayerOps(*(fuse(f) for f in ops), fused=True))
+    return _COMPILED[1]
 
 
 def set_layer_ops(model: torch.nn.Module, ops: LayerOps) -> None:
