@@ -5,7 +5,8 @@ kernels torch.compile generates, at the step's row counts (1, 32, 128).
 
 Per weight shape of the model (q|k|v 6144 x 4096, o 4096 x 4096, gate|up 28672 x 4096,
 down 4096 x 14336, lm_head 128256 x 4096; bf16) the matmul runs over 32 different copies
-of the weight in turn (as the 32 layers do, so the 60 MB L2 holds none of them), timed
+of the weight in turn (as the 32 layers do, so the 60 MB L2 holds none of them), all 32
+calls in one CUDA graph (no launch overhead, as in the engine's decode graphs), timed
 with CUDA events; GB/s counts the weight bytes read. Variants:
 
 - cublas: F.linear, what an uncompiled step calls;
@@ -45,16 +46,26 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def events_ms(fn: Any, weights: list[torch.Tensor], reps: int = 5) -> float:
-    """Median over `reps` passes of the mean ms of one call, each pass one call per weight."""
-    for w in weights[:2]:
-        fn(w)
+    """Median over `reps` replays of the mean ms of one call: one CUDA graph calls fn once
+    per weight (launch overhead out, as in the engine's decode graphs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights[:2]:
+            fn(w)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    graph.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0.record()
-        for w in weights:
-            fn(w)
+        graph.replay()
         t1.record()
         torch.cuda.synchronize()
         times.append(t0.elapsed_time(t1) / len(weights))

@@ -29,6 +29,7 @@ copy bandwidth (benchmarks/gpu_engine.py, docs/benchmarks.md).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,26 +124,33 @@ class LayerOps:
 
 EAGER = LayerOps(*glue(linear), *head(linear))
 
-_COMPILED: tuple[bool, LayerOps] | None = None
+_COMPILED: tuple[frozenset[str], LayerOps] | None = None
 
 
-GEMV_OPTIONS = {"coordinate_descent_tuning": True}
+GEMV_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
 """Inductor options of the one-row (T = 1) compilations: under coordinate-descent tuning
 inductor decomposes a matmul with one row into a reduction it generates (its `mm`
 decomposition) and tunes that kernel's block sizes by measuring them."""
 
 
-def compiled(gemv: bool = True) -> LayerOps:
-    """The torch.compile'd LayerOps (built once per process; inductor compiles on first
-    call, again per distinct dtype / None-ness of the optional weights, and once more
-    with a symbolic T when T changes). `gemv`: one-row steps through inductor's generated
-    GEMV (GEMV_OPTIONS); False keeps cuBLAS for them too."""
+GEMV_OPS = frozenset({"attn_in", "attn_out", "mlp", "logits"})
+"""The ops whose one-row steps go through inductor's GEMV by default (the others keep
+cuBLAS for them)."""
+
+
+def compiled(gemv: Collection[str] | None = None) -> LayerOps:
+    """The torch.compile'd LayerOps (built once per process and choice of `gemv`; inductor
+    compiles on first call, again per distinct dtype / None-ness of the optional weights,
+    and once more with a symbolic T when T changes). `gemv`: the ops (of attn_in,
+    attn_out, mlp, logits) whose one-row steps go through inductor's GEMV (GEMV_OPTIONS);
+    None: GEMV_OPS; empty: cuBLAS for every matmul."""
     global _COMPILED
-    if _COMPILED is None or _COMPILED[0] != gemv:
+    key = GEMV_OPS if gemv is None else frozenset(gemv)
+    if _COMPILED is None or _COMPILED[0] != key:
 
         def fuse(fn: Any) -> Any:
             general = torch.compile(fn, fullgraph=True)
-            if not gemv:
+            if fn.__name__ not in key:
                 return general
             one_row = torch.compile(fn, fullgraph=True, options=GEMV_OPTIONS)
 
@@ -151,8 +159,12 @@ def compiled(gemv: bool = True) -> LayerOps:
 
             return call
 
-        ops = (*glue(F.linear), *head(F.linear))
-        _COMPILED = (gemv, LayerOps(*(fuse(f) for f in ops), fused=True))
+        attn_in, attn_out, mlp = glue(F.linear)
+        norm, logits = head(F.linear)
+        fused = LayerOps(
+            fuse(attn_in), fuse(attn_out), fuse(mlp), fuse(norm), fuse(logits), fused=True
+        )
+        _COMPILED = (key, fused)
     return _COMPILED[1]
 
 
