@@ -160,7 +160,13 @@ def test_decode_ahead_on_cuda_equals_off(tiny_llama_dir, weights_cache_dir):
         eng = _engine(
             tiny_llama_dir, weights_cache_dir, attention_backend="flex", decode_ahead=ahead
         )
-        outs[ahead] = [(c.token_ids, c.logprobs) for c in eng.generate(prompts, params)]
+        outs[ahead] = eng.generate(prompts, params)
         if ahead:
             assert _runner(eng).ahead_taken >= 30, _runner(eng).ahead_taken
-    assert outs[True] == outs[False]
+    for a, b in zip(outs[True], outs[False], strict=True):
+        assert a.token_ids == b.token_ids
+        # a step taken from a launched one may have run in a larger batch bucket: the
+        # logits agree to float rounding, not bit for bit
+        assert [lp is None for lp in a.logprobs] == [lp is None for lp in b.logprobs]
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x is None or y is None or abs(x - y) < 1e-3
