@@ -1,0 +1,155 @@
+"""Instructions the router executes per request, counted by valgrind's callgrind.
+
+Wall time and CPU time on a shared 2-core box move with whatever else runs; the count
+of instructions does not. The router (benchmarks/router_overhead.py's, in front of the
+same stand-in workers) runs under `valgrind --tool=callgrind`; one client sends
+`--warmup` requests on one keep-alive connection, the counters are zeroed
+(`callgrind_control -z`), `--requests` more follow, and the counters are dumped
+(`callgrind_control -d`): their total over `--requests` is the router's cost per
+request, startup and warm-up excluded. The router's periodic health checks and KV
+polls are set to once an hour: they cost instructions per second of wall time, and
+the wall time under valgrind moves with the machine's load.
+
+    python -m benchmarks.router_instructions [--stream] [--requests 200] [--warmup 30]
+
+Slow (the router runs ~50x slower under valgrind): a few minutes. Not run in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.router_overhead import (
+    MODEL,
+    NUM_OUTPUT_TOKENS,
+    OUTPUT_TEXT,
+    Client,
+    _free_port,
+    _wait_up,
+    completion_text,
+)
+from router.http1 import Http1Pool
+
+
+def _callgrind_control(flag: str, pid: int) -> None:
+    subprocess.run(
+        ["callgrind_control", flag, str(pid)], check=True, capture_output=True, timeout=120
+    )
+
+
+def _total(out_dir: str, pid: int) -> int:
+    """Instructions in the last dump of `pid` (the `summary:` / `totals:` line)."""
+    dumps = sorted(glob.glob(f"{out_dir}/callgrind.out.{pid}*"), key=os.path.getmtime)
+    text = Path(dumps[-1]).read_text(errors="replace")
+    match = re.search(r"^(?:totals|summary):\s+(\d+)", text, re.M)
+    assert match is not None, f"no totals in {dumps[-1]}"
+    return int(match.group(1))
+
+
+async def _requests(client: Client, url: str, stream: bool, count: int, expected: str) -> None:
+    for _ in range(count):
+        text = completion_text(
+            await client.post(
+                url + "/v1/completions", json.dumps(client.openai_body(stream)).encode()
+            ),
+            stream,
+        )
+        assert text == expected, (text, expected)
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    from modelinfo.info import load_model_info
+
+    tokenizer = load_model_info(MODEL).tokenizer
+    tokens = tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False)[:NUM_OUTPUT_TOKENS]
+    pieces = [
+        tokenizer.decode(tokens[: i + 1])[len(tokenizer.decode(tokens[:i])) :]
+        for i in range(len(tokens))
+    ]
+    ports = {k: _free_port() for k in ("prefill", "decode", "router")}
+    url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    me = [sys.executable, "-m", "benchmarks.router_overhead"]
+    canned = json.dumps({"tokens": tokens, "pieces": pieces, "ttft_s": args.ttft_ms / 1e3})
+    out_dir = tempfile.mkdtemp(prefix="router-callgrind-")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for role in ("prefill", "decode"):
+            procs.append(
+                subprocess.Popen([*me, "--serve-worker", role, str(ports[role]), canned], env=env)
+            )
+        for role, proc in zip(("prefill", "decode"), procs, strict=True):
+            _wait_up(url[role], proc, "/health")
+        router = subprocess.Popen(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                f"--callgrind-out-file={out_dir}/callgrind.out.%p",
+                *me,
+                "--serve-router",
+                str(ports["router"]),
+                url["prefill"],
+                url["decode"],
+                "--quiet",  # no health checks or KV polls: their count grows with wall time
+            ],
+            env=env,
+            stderr=subprocess.DEVNULL,
+        )
+        procs.append(router)
+        _wait_up(url["router"], router, "/health", timeout_s=900)
+        pool = Http1Pool(connect_timeout_s=30.0)
+        client = Client(pool, url["prefill"], url["decode"], tokenizer.encode("x"))
+        expected = tokenizer.decode(tokens)
+        await _requests(client, url["router"], args.stream, args.warmup, expected)
+        _callgrind_control("-z", router.pid)
+        start = time.monotonic()
+        await _requests(client, url["router"], args.stream, args.requests, expected)
+        wall = time.monotonic() - start
+        _callgrind_control("-d", router.pid)
+        pool.close()
+        total = _total(out_dir, router.pid)
+        return {
+            "stream": args.stream,
+            "requests": args.requests,
+            "instructions": total,
+            "instructions_per_request": total / args.requests,
+            "wall_s_under_valgrind": wall,
+            "dump_dir": out_dir,
+        }
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--stream", action="store_true", help="SSE instead of one JSON body")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--ttft-ms", type=float, default=20.0)
+    args = parser.parse_args()
+    import uvloop
+
+    result = uvloop.run(run(args))
+    print(json.dumps(result, indent=2))
+    print(f"{result['instructions_per_request'] / 1e6:.3f} M instructions per request")  # type: ignore[operator]
+
+
+if __name__ == "__main__":
+    main()
