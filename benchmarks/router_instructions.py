@@ -6,9 +6,9 @@ same stand-in workers) runs under `valgrind --tool=callgrind`; one client sends
 `--warmup` requests on one keep-alive connection, the counters are zeroed
 (`callgrind_control -z`), `--requests` more follow, and the counters are dumped
 (`callgrind_control -d`): their total over `--requests` is the router's cost per
-request, startup and warm-up excluded. The router's periodic health checks and KV
-polls are set to once an hour: they cost instructions per second of wall time, and
-the wall time under valgrind moves with the machine's load.
+request, startup and warm-up excluded. The router's periodic health checks (every 30
+s) and KV polls (hourly) are made rare: they cost instructions per second of wall time,
+and the wall time under valgrind moves with the machine's load.
 
     python -m benchmarks.router_instructions [--stream] [--requests 200] [--warmup 30]
 
@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import httpx
 
 from benchmarks.router_overhead import (
     MODEL,
@@ -53,6 +55,18 @@ def _total(out_dir: str, pid: int) -> int:
     match = re.search(r"^(?:totals|summary):\s+(\d+)", text, re.M)
     assert match is not None, f"no totals in {dumps[-1]}"
     return int(match.group(1))
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
+    """Until the router's health checks found every worker up (a check that timed out
+    under valgrind's slowness is repeated 30 s later)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        body = httpx.get(url + "/health", trust_env=False, timeout=30).json()
+        if all(body[role]["healthy"] == body[role]["total"] for role in ("prefill", "decode")):
+            return
+        time.sleep(1.0)
+    raise RuntimeError("the router's workers did not become healthy")
 
 
 async def _requests(client: Client, url: str, stream: bool, count: int, expected: str) -> None:
@@ -102,10 +116,11 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 "--quiet",  # no health checks or KV polls: their count grows with wall time
             ],
             env=env,
-            stderr=subprocess.DEVNULL,
+            stderr=open(f"{out_dir}/router.log", "wb"),  # noqa: SIM115 (the child owns it)
         )
         procs.append(router)
         _wait_up(url["router"], router, "/health", timeout_s=900)
+        _wait_healthy(url["router"], router)
         pool = Http1Pool(connect_timeout_s=30.0)
         client = Client(pool, url["prefill"], url["decode"], tokenizer.encode("x"))
         expected = tokenizer.decode(tokens)

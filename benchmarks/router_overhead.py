@@ -241,8 +241,8 @@ def _wait_up(url: str, proc: subprocess.Popen[bytes], path: str, timeout_s: floa
 def serve_router(
     port: int, prefill_url: str, decode_url: str, workers: int, quiet: bool = False
 ) -> None:
-    """`quiet`: health checks and KV polls once an hour, so that what the router executes
-    is the requests' work alone (benchmarks/router_instructions.py)."""
+    """`quiet`: health checks every 30 s and KV polls once an hour, so that what the
+    router executes is nearly all the requests' work (benchmarks/router_instructions.py)."""
     from router.config import InstanceEndpoint, RouterSettings
     from router.server import run_router
 
@@ -255,7 +255,7 @@ def serve_router(
     )
     if quiet:
         settings = msgspec.structs.replace(
-            settings, health_interval_s=3600.0, kv_poll_interval_s=3600.0
+            settings, health_interval_s=30.0, kv_poll_interval_s=3600.0
         )
     run_router(settings, log_level="warning")
 
