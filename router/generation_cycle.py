@@ -133,15 +133,7 @@ class GenerationCycle:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
         if self.disconnected and not self.watch.gone:
-            self._client_gone()
-
-    def _client_gone(self) -> None:
-        watch = self.watch
-        watch.gone = True
-        owner = watch._owner
-        if owner is not None:
-            watch._cancelled_owner = True
-            owner.cancel()
+            self.watch.client_left()
 
     # -- the request's task -----------------------------------------------------------------
 
