@@ -13,7 +13,11 @@ and the wall time under valgrind moves with the machine's load.
     python -m benchmarks.router_instructions [--stream] [--requests 200] [--warmup 30]
         [--concurrency 1]
 
-Slow (the router runs ~50x slower under valgrind): a few minutes. Not run in CI.
+Slow (the router runs ~50x slower under valgrind): a few minutes. Not run in CI. With
+`--concurrency` above 1 on a loaded machine, the router's health checks (1 s timeout)
+may time out under valgrind and mark a worker down for 30 s: such requests are sent
+again after the worker is healthy, and counted in `retried_after_503` (a run with many
+is not a clean count).
 """
 
 from __future__ import annotations
