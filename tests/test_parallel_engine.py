@@ -182,6 +182,110 @@ def test_decode_tp_forward_failure_fails_its_request_alone(
     ]
 
 
+class SaveRecordingWorker(KVConnectorWorker):
+    """Its step metadata is the list of requests the step computes; it "saves" each one
+    given to start_saves and reports `<stage>|<ids saved>`."""
+
+    def __init__(self) -> None:
+        self.stage = -1
+        self.saved: list[str] = []
+
+    def register_kv_caches(self, kv_caches, place: WorkerPlace) -> None:
+        self.stage = place.stage
+
+    def start_loads(self, meta: bytes) -> None:
+        return None
+
+    def without_requests(self, meta: bytes, request_ids: set[str]) -> bytes:
+        ids = msgspec.msgpack.decode(meta) if meta else []
+        return msgspec.msgpack.encode([r for r in ids if r not in request_ids])
+
+    def start_saves(self, meta: bytes) -> None:
+        self.saved = msgspec.msgpack.decode(meta) if meta else []
+
+    def get_finished(self) -> bytes:
+        return f"{self.stage}|{','.join(self.saved)}".encode()
+
+
+class CulpritCheckingScheduler(NoConnectorScheduler):
+    """Checks that no stage from FAULT_STAGE on saves the poisoned request, that the
+    stages before it did, and that the scheduler side was told to drop its saves."""
+
+    POISONED = "req-1"
+    FAULT_STAGE = 0
+
+    def __init__(self) -> None:
+        self.dropped: set[str] = set()
+        self.saved_by: dict[int, set[str]] = {}
+
+    def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
+        if not computed:
+            return b""
+        return msgspec.msgpack.encode([str(kv.request.request_id) for kv in computed])
+
+    def without_requests(self, meta: bytes, request_ids: set[str]) -> bytes:
+        self.dropped |= request_ids
+        return meta
+
+    def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
+        for r in reports:
+            stage, ids = r.decode().split("|", 1)
+            saved = set(ids.split(",")) - {""}
+            self.saved_by.setdefault(int(stage), set()).update(saved)
+            if int(stage) >= self.FAULT_STAGE:
+                assert self.POISONED not in saved, f"stage {stage} saved the culprit"
+        if self.POISONED in self.dropped:  # these are the reports of the step that failed
+            for stage in range(self.FAULT_STAGE):
+                assert self.POISONED in self.saved_by.get(stage, set()), f"stage {stage}"
+        return ConnectorUpdate()
+
+    def request_finished(self, request, block_ids) -> bool:
+        if request.request_id == self.POISONED:
+            assert self.POISONED in self.dropped, "the culprit's saves were still expected"
+        return False
+
+
+class CulpritCheckingStage1(CulpritCheckingScheduler):
+    FAULT_STAGE = 1
+
+
+def culprit_connector_stage0(rank: int):  # type: ignore[no-untyped-def]
+    return (CulpritCheckingScheduler() if rank == 0 else None), SaveRecordingWorker()
+
+
+def culprit_connector_stage1(rank: int):  # type: ignore[no-untyped-def]
+    return (CulpritCheckingStage1() if rank == 0 else None), SaveRecordingWorker()
+
+
+@pytest.mark.parametrize("stage", [None, 0, 1])
+def test_prefill_pipeline_forward_failure_fails_its_request_alone(
+    tiny_parallel_dir, prompts, reference, weights_cache_dir, stage
+):
+    """A stage's forward fails while a poisoned request is in the step: that stage
+    bisects alone, the stages after it skip the culprit (also in its later chunks
+    already on the ring), no stage from the failing one on saves it (the connector's
+    scheduler side stops expecting it; the stages before saved valid KV), the culprit
+    ends without tokens, the others are exact, and every block is freed."""
+    from engine.faults import EngineFaults
+
+    faults = EngineFaults(fail_seed=999, place="forward", stage=stage)
+    params = [PARAMS] * len(prompts)
+    params[1] = msgspec.structs.replace(PARAMS, seed=999)  # 37 tokens: two chunks of 32
+    got = generate_parallel(
+        str(tiny_parallel_dir),
+        _config(weights_cache_dir, faults=faults),
+        prompts,
+        params,
+        pp=2,
+        layer_split=(3, 1),
+        connector=culprit_connector_stage1 if stage == 1 else culprit_connector_stage0,
+    )
+    assert got[1] == []
+    assert [g for i, g in enumerate(got) if i != 1] == [
+        w for i, w in enumerate(reference) if i != 1
+    ]
+
+
 def test_prefill_pipeline_matches_single_process(
     tiny_parallel_dir, prompts, reference, weights_cache_dir
 ):
