@@ -34,12 +34,12 @@ from engine.kv_connector import (
 )
 from engine.request import Request, RequestStatus
 from protocol.handoff_messages import (
-    without_sends,
     FlowOpen,
     FlowReport,
     FlowResult,
     FlowSend,
     HandoffMeta,
+    without_sends,
 )
 from protocol.ids import BlockId, RequestId
 from protocol.landing_capability import LandingCapabilityError, verify

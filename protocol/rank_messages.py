@@ -68,7 +68,10 @@ class RankStep(msgspec.Struct, frozen=True, tag="rank_step"):
     reports); its outputs are discarded."""
     fault: str = ""
     """Test-only injected forward fault (engine/faults.py): every rank raises it before
-    its forward, as a request's input makes every rank fail alike."""
+    its forward, as a request's input makes every rank fail alike, or only
+    `fault_rank`, before layer `fault_layer`."""
+    fault_rank: int = -1
+    fault_layer: int = 0
 
 
 class RankCommand(msgspec.Struct, frozen=True, tag="rank_command"):

@@ -154,17 +154,30 @@ def test_decode_tp_dcp_matches_single_process(
     assert got == reference
 
 
-@pytest.mark.parametrize(("tp", "dcp", "connector"), [(2, 1, False), (2, 2, True)])
+@pytest.mark.parametrize(
+    ("tp", "dcp", "connector", "rank", "layer"),
+    [
+        (2, 1, False, None, 0),
+        (2, 2, True, None, 0),
+        (2, 1, False, 1, 1),
+        (2, 2, True, 1, 2),
+        (2, 2, True, 0, 3),
+    ],
+)
 def test_decode_tp_forward_failure_fails_its_request_alone(
-    tiny_parallel_dir, prompts, reference, weights_cache_dir, tp, dcp, connector
+    tiny_parallel_dir, prompts, reference, weights_cache_dir, tp, dcp, connector, rank, layer
 ):
     """Every rank's forward fails while a poisoned request is in the step (as its input
-    would make every rank fail): the ranks bisect in lockstep, the poisoned request ends
-    without tokens, the others are exact; with a connector, every rank still gets each
-    step's metadata once and reports it in order, and every block is freed."""
+    would make every rank fail), or only `rank`'s, inside its forward before `layer`
+    (the others are then in the layer's collectives: the failing rank completes them
+    with zeros and the ranks agree the step failed): the ranks bisect in lockstep, the
+    poisoned request ends without tokens, the others are exact; with a connector, every
+    rank still gets each step's metadata once and reports it in order, and every block
+    is freed."""
     from engine.faults import EngineFaults
 
-    config = _config(weights_cache_dir, faults=EngineFaults(fail_seed=999, place="forward"))
+    faults = EngineFaults(fail_seed=999, place="forward", rank=rank, layer=layer)
+    config = _config(weights_cache_dir, faults=faults)
     params = [PARAMS] * len(prompts)
     params[1] = msgspec.structs.replace(PARAMS, seed=999)
     got = generate_parallel(

@@ -32,7 +32,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from engine.attention.base import AttentionMetadata, get_backend
+from engine.attention.base import get_backend
 from engine.config import EngineConfig
 from engine.faults import EngineFaults
 from engine.grammar import GrammarCompiler
@@ -119,7 +119,13 @@ class PPStage:
                 step.poisoned,
             )
             out, found = forward_isolating(
-                forward, batch, hidden, skip, self.model.config.hidden_size, self.model.dtype, device
+                forward,
+                batch,
+                hidden,
+                skip,
+                self.model.config.hidden_size,
+                self.model.dtype,
+                device,
             )
             for b, err in sorted(found.items()):
                 log.warning(
