@@ -17,7 +17,10 @@ long prompt's chunks (which do not sample until the last) fill the pipeline one 
 another. A request whose step samples is paused until its token is back; its token is
 dropped if it was aborted or preempted meanwhile. Progress advances when a step is
 issued: every stage computes steps in order, so a later step (or another request's
-prefix-cache hit on these blocks) always finds the KV in place.
+prefix-cache hit on these blocks) always finds the KV in place. A step's result names
+the requests whose forward failed on a stage (engine/parallel/pp_isolation.py): they
+fail alone, the prefix cache forgets the blocks the step computed for them, and a
+request that took a hit on those blocks meanwhile fails too (its KV is not valid).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ The stages form a ring; every step travels it once, and several steps are on it 
 start_loads(meta) before the stage's layers, start_saves(meta) and get_finished() after,
 so each stage moves its own layers' KV from its own process, all stages in parallel. A
 step without tokens (a connector poll) skips the layers and carries no hidden states.
+A stage whose layers fail finds the requests that make them fail, skips them with the
+stages after it and drops their saves and sends (engine/parallel/pp_isolation.py).
 
 Each stage owns its layers' paged KV with the same block ids (one scheduler, in the
 driver). Steps reach every stage in order, so a block freed and reused by a later step is

@@ -12,12 +12,13 @@
     close ── Shutdown ─────────────────────────────▶  return
 
 Every message goes to every rank in one order (broadcast), so ranks never disagree on
-what runs next. A forward that fails on every rank alike (the step's input makes it
-fail, and every rank has the same input) leaves the ranks in step: each skips its saves
+what runs next. After each forward the ranks agree whether it failed anywhere
+(engine/parallel/rank_isolation.py: a rank whose forward raised completes the step's
+remaining collectives with zeros first, so a failure of one rank alone never leaves the
+others in a collective). A failed step leaves the ranks in step: each skips its saves
 and report, and the driver bisects the step with probe runs every rank takes part in
-(engine/step_isolation.py). A failure of one rank alone (its device, its memory) leaves
-the others in a collective: the instance then goes down as a whole (the driver watches
-its children).
+(engine/step_isolation.py). A collective that itself fails (a rank process died) takes
+the instance down as a whole (the driver watches its children).
 """
 
 from __future__ import annotations
