@@ -105,8 +105,7 @@ class Preprocessor:
             raise InvalidRequest("messages must hold at least one message", param="messages")
         if len(req.messages) > MAX_MESSAGES:
             raise InvalidRequest(
-                f"messages holds {len(req.messages)} messages; at most {MAX_MESSAGES} are "
-                "accepted",
+                f"messages holds {len(req.messages)} messages; at most {MAX_MESSAGES} are accepted",
                 param="messages",
             )
         messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
