@@ -225,6 +225,9 @@ class CulpritCheckingScheduler(NoConnectorScheduler):
     stages before it did, and that the scheduler side was told to drop its saves."""
 
     POISONED = "req-1"
+    DEPENDENT: str | None = None
+    """A request that shares the culprit's prefix (when the test has one): never saved
+    from the failing stage on either."""
     FAULT_STAGE = 0
 
     def __init__(self) -> None:
@@ -247,6 +250,7 @@ class CulpritCheckingScheduler(NoConnectorScheduler):
             self.saved_by.setdefault(int(stage), set()).update(saved)
             if int(stage) >= self.FAULT_STAGE:
                 assert self.POISONED not in saved, f"stage {stage} saved the culprit"
+                assert self.DEPENDENT not in saved, f"stage {stage} saved its dependent"
         if self.POISONED in self.dropped:  # these are the reports of the step that failed
             for stage in range(self.FAULT_STAGE):
                 assert self.POISONED in self.saved_by.get(stage, set()), f"stage {stage}"
@@ -260,6 +264,14 @@ class CulpritCheckingScheduler(NoConnectorScheduler):
 
 class CulpritCheckingStage1(CulpritCheckingScheduler):
     FAULT_STAGE = 1
+
+
+class SharerCheckingStage1(CulpritCheckingStage1):
+    DEPENDENT = "req-2"
+
+
+def sharer_connector_stage1(rank: int):  # type: ignore[no-untyped-def]
+    return (SharerCheckingStage1() if rank == 0 else None), SaveRecordingWorker()
 
 
 def culprit_connector_stage0(rank: int):  # type: ignore[no-untyped-def]
@@ -297,6 +309,31 @@ def test_prefill_pipeline_forward_failure_fails_its_request_alone(
     assert [g for i, g in enumerate(got) if i != 1] == [
         w for i, w in enumerate(reference) if i != 1
     ]
+
+
+def test_prefill_pipeline_forward_failure_fails_a_request_that_hit_its_blocks(
+    tiny_parallel_dir, prompts, reference, weights_cache_dir
+):
+    """The poisoned request's first chunk is on the ring when another request takes a
+    prefix hit on the blocks it is computing (they are cached when the step is issued):
+    once stage 1 fails the chunk, that request fails too (its KV on stage 1 would not be
+    valid; stage 1 skips it and saves nothing of it), the unrelated one is exact."""
+    from engine.faults import EngineFaults
+
+    g = torch.Generator().manual_seed(11)
+    poisoned = torch.randint(3, 49152, (40,), generator=g).tolist()
+    sharer = poisoned[:36] + torch.randint(3, 49152, (8,), generator=g).tolist()
+    params = [PARAMS, msgspec.structs.replace(PARAMS, seed=999), PARAMS]
+    got = generate_parallel(
+        str(tiny_parallel_dir),
+        _config(weights_cache_dir, faults=EngineFaults(fail_seed=999, place="forward", stage=1)),
+        [prompts[0], poisoned, sharer],
+        params,
+        pp=2,
+        layer_split=(3, 1),
+        connector=sharer_connector_stage1,
+    )
+    assert got == [reference[0], [], []]
 
 
 def test_prefill_pipeline_matches_single_process(

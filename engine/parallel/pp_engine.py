@@ -143,13 +143,12 @@ class PipelinedEngine(LLMEngine):
         self, flight: _InFlight, culprits: list[tuple[str, str]]
     ) -> list[RequestOutput]:
         """Requests whose forward failed on a stage of this step fail alone
-        (engine/parallel/pp_isolation.py). Before the step's reports are applied: the
-        connector stops expecting their saves, of this step and of those still on the
-        ring, which the stage that failed and those after it skip."""
-        ids = {rid for rid, _ in culprits}
-        for f in (flight, *self._in_flight):
-            self.connector.without_requests(f.kv_meta, ids)  # accounting: result unused
-        outputs = []
+        (engine/parallel/pp_isolation.py), and so does a request that took a prefix hit
+        on the blocks the step was computing for them (their KV is not valid on the
+        stage that failed and those after it, which skip such a request too). Before the
+        step's reports are applied: the connector stops expecting their saves, of this
+        step and of those still on the ring."""
+        failing: dict[RequestId, tuple[Request, str]] = {}
         invalid: set[BlockId] = set()
         for rid, err in culprits:
             req = self._requests.get(RequestId(rid))
@@ -159,14 +158,17 @@ class PipelinedEngine(LLMEngine):
             blocks = self.kv.block_table(req.request_id)[start // self.config.block_size :]
             self.pool.uncache(blocks)
             invalid.update(blocks)
-            outputs.append(self.fail_request(req, f"forward failed: {err}"))
-        # A request issued while the failed step was on the ring may have taken a prefix
-        # hit on those blocks: what it computed on them is not valid either.
-        for req in list(self._requests.values()):
-            if invalid.intersection(self.kv.block_table(req.request_id)):
-                why = "its prompt prefix was being computed by a request whose forward failed"
-                outputs.append(self.fail_request(req, why))
-        return outputs
+            failing[req.request_id] = (req, f"forward failed: {err}")
+        why = "its prompt prefix was being computed by a request whose forward failed"
+        for req in self._requests.values():
+            if req.request_id not in failing and invalid.intersection(
+                self.kv.block_table(req.request_id)
+            ):
+                failing[req.request_id] = (req, why)
+        ids = {str(rid) for rid, _ in culprits} | {str(rid) for rid in failing}
+        for f in (flight, *self._in_flight):
+            self.connector.without_requests(f.kv_meta, ids)  # accounting: result unused
+        return [self.fail_request(req, err) for req, err in failing.values()]
 
     def abort_all(self) -> int:
         """Abort every request; steps in flight are still collected (and their tokens

@@ -59,29 +59,55 @@ def subset_batch(batch: StepBatch, seqs: Sequence[int]) -> tuple[StepBatch, list
 
 
 class KnownCulprits:
-    """Requests whose forward failed, as one stage process knows them, kept while steps
-    issued before the driver learnt of them may still arrive (`horizon` steps: the
-    driver never has more in flight)."""
+    """Requests whose forward failed, as one stage process knows them, and the blocks
+    the failed step was writing for them, kept while steps issued before the driver
+    learnt of them may still arrive (`horizon` steps: the driver never has more in
+    flight; after that the driver has freed those blocks and forgotten their prefix
+    entries). A later sequence of a culprit, or one that reads one of those blocks as
+    its prefix (a prefix-cache hit taken while the failed step was on the ring), is not
+    computed on this stage: its KV there would not be valid."""
 
-    def __init__(self, horizon: int) -> None:
+    def __init__(self, horizon: int, block_size: int) -> None:
         self.horizon = horizon
+        self.block_size = block_size
         self._found_at: dict[str, int] = {}
+        self._blocks_at: dict[int, int] = {}
 
     def skipped(
-        self, step_id: int, request_ids: Sequence[str], upstream: Sequence[tuple[int, str]]
+        self,
+        step_id: int,
+        batch: StepBatch,
+        request_ids: Sequence[str],
+        upstream: Sequence[tuple[int, str]],
     ) -> set[int]:
         """Sequences of step `step_id` this stage must not compute."""
         for rid, at in list(self._found_at.items()):
             if step_id >= at + self.horizon:
                 del self._found_at[rid]
+        for block, at in list(self._blocks_at.items()):
+            if step_id >= at + self.horizon:
+                del self._blocks_at[block]
         skip = {b for b, _ in upstream}
         skip.update(b for b, rid in enumerate(request_ids) if rid in self._found_at)
+        if self._blocks_at:
+            for b, table in enumerate(batch.block_tables):
+                first = batch.positions[batch.query_start_loc[b]]
+                prefix = table[: (first + self.block_size - 1) // self.block_size]
+                if any(block in self._blocks_at for block in prefix):
+                    skip.add(b)
         return skip
 
-    def remember(self, step_id: int, request_ids: Sequence[str], seqs: Sequence[int]) -> None:
+    def remember(
+        self, step_id: int, batch: StepBatch, request_ids: Sequence[str], seqs: Sequence[int]
+    ) -> None:
+        """Sequences `seqs` of step `step_id` failed (here or upstream)."""
         for b in seqs:
             if b < len(request_ids):
                 self._found_at.setdefault(request_ids[b], step_id)
+            q0, q1 = batch.query_start_loc[b], batch.query_start_loc[b + 1]
+            table = batch.block_tables[b]
+            for p in batch.positions[q0:q1]:
+                self._blocks_at.setdefault(table[p // self.block_size], step_id)
 
 
 def forward_isolating(

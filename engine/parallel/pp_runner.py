@@ -108,7 +108,7 @@ class PPStage:
         worker.start_loads(step.kv_meta)
         out = None
         culprits = list(step.culprits)
-        skip = known.skipped(step.step_id, step.request_ids, step.culprits)
+        skip = known.skipped(step.step_id, batch, step.request_ids, step.culprits)
         if batch.positions:
             device = self.kv_caches[0].device
             forward = stage_forward(
@@ -135,7 +135,7 @@ class PPStage:
                 )
             culprits += sorted(found.items())
             skip.update(found)
-        known.remember(step.step_id, step.request_ids, [b for b, _ in culprits])
+        known.remember(step.step_id, batch, step.request_ids, [b for b, _ in culprits])
         meta = step.kv_meta
         if skip:
             meta = worker.without_requests(meta, {step.request_ids[b] for b in skip})
@@ -234,7 +234,7 @@ class PipelineExecutor:
         self._to_next = Outbox(1)
         self._step_ids = count()
         self._closed = False
-        self._known = KnownCulprits(depth)
+        self._known = KnownCulprits(depth, stage.layout.block_size)
 
     def execute(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> torch.Tensor | None:
         raise NotImplementedError("a pipeline runs through PipelinedEngine.step (submit/collect)")
@@ -305,7 +305,7 @@ def _serve(stage: PPStage, ctx: ParallelContext, worker: KVConnectorWorker, dept
     sampler = Sampler()
     grammars: GrammarCompiler | None = None
     hidden_size = stage.model.config.hidden_size
-    known = KnownCulprits(depth)
+    known = KnownCulprits(depth, stage.layout.block_size)
     while True:
         msg = _step_decoder.decode(recv_bytes(prev, ctx.cpu_group))
         if isinstance(msg, Shutdown):
