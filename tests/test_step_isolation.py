@@ -158,7 +158,13 @@ def test_a_pipeline_stage_isolates_its_culprits():
     assert found == {} and calls[-1] == [0, 3] and not out[3:8].any()
     assert torch.equal(out[8:], want[8:])
 
-    known = KnownCulprits(horizon=2)
-    known.remember(5, ["a", "b"], [1])
-    assert known.skipped(6, ["b", "c"], [(1, "upstream")]) == {0, 1}
-    assert known.skipped(7, ["b"], []) == set()  # issued after the driver learnt of it
+    # block size 4; "b" fails in step 5 writing positions 4, 5 of its block 3
+    known = KnownCulprits(horizon=2, block_size=4)
+    step5 = StepBatch([], [0, 4, 5], [0, 1, 3], [1, 6], [[9], [2, 3]])
+    known.remember(5, step5, ["a", "b"], [1])
+    # step 6: "b" again; "c" reads block 3 as its prefix (a hit); "d" only block 2
+    step6 = StepBatch([], [6, 8, 4], [0, 1, 2, 3], [7, 9, 5], [[2, 3], [2, 3, 7], [2, 8]])
+    assert known.skipped(6, step6, ["b", "c", "d"], []) == {0, 1}
+    assert known.skipped(6, step6, ["b", "c", "d"], [(2, "upstream")]) == {0, 1, 2}
+    # issued after the driver learnt of it (and freed and uncached its blocks)
+    assert known.skipped(7, step6, ["b", "c", "d"], []) == set()
