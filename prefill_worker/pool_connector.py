@@ -49,7 +49,13 @@ from protocol.hashing import chunk_keys
 from protocol.ids import BlockId, ChunkKey, RequestId
 from protocol.kv_layout import KVLayout
 from protocol.namespace import KVNamespace
-from protocol.pool_messages import PoolLoad, PoolSave, PoolStepMeta, PoolWorkerReport
+from protocol.pool_messages import (
+    PoolLoad,
+    PoolSave,
+    PoolStepMeta,
+    PoolWorkerReport,
+    without_saves,
+)
 
 __all__ = [
     "PoolScheduler",
@@ -300,7 +306,7 @@ class PoolScheduler(KVConnectorScheduler):
         if not meta:
             return meta
         m = _meta_decoder.decode(meta)
-        keep = [s for s in m.saves if s.request_id not in request_ids]
+        kept = without_saves(m, request_ids)
         for save in m.saves:
             if save.request_id not in request_ids:
                 continue
@@ -310,9 +316,9 @@ class PoolScheduler(KVConnectorScheduler):
                     st.expected -= self.num_workers
                     if st.expected <= 0:
                         del self._saving[key]
-        if not (m.loads or m.cancels or keep):
+        if not (kept.loads or kept.cancels or kept.saves):
             return b""
-        return msgspec.msgpack.encode(PoolStepMeta(m.loads, m.cancels, keep))
+        return msgspec.msgpack.encode(kept)
 
     def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
         assert len(reports) == self.num_workers, (

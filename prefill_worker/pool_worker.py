@@ -42,7 +42,13 @@ from kvpool.stats import StageCounters
 from prefill_worker.pool_pack import pack_blocks, unpack_blocks
 from prefill_worker.pool_restore_gpu import GpuRestore
 from protocol.ids import BlockId, ChunkKey
-from protocol.pool_messages import PoolLoad, PoolLoadDone, PoolStepMeta, PoolWorkerReport
+from protocol.pool_messages import (
+    PoolLoad,
+    PoolLoadDone,
+    PoolStepMeta,
+    PoolWorkerReport,
+    without_saves,
+)
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +168,14 @@ class PoolWorker(KVConnectorWorker):
                 ready = torch.cuda.Event()
                 ready.record()
             self._loads.put(_Load(job, ready))
+
+    def without_requests(self, meta: bytes, request_ids: set[str]) -> bytes:
+        """Drops their saves (this stage's forward of them failed); loads stay (they
+        were started before the forward)."""
+        m = self._decode(meta)
+        if m is None:
+            return meta
+        return msgspec.msgpack.encode(without_saves(m, request_ids))
 
     def start_saves(self, meta: bytes) -> None:
         m = self._decode(meta)

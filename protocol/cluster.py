@@ -176,8 +176,14 @@ class EngineFaultsConfig(_Section, frozen=True, kw_only=True):
     fail_seed: int
     """Every step holding a request with this sampling seed fails at `place`."""
     place: Literal["sample", "forward"] = "sample"
-    """"sample": the batched sampler raises; "forward": the batched model forward raises
-    (single-process instances only: PP 1, TP 1)."""
+    """"sample": the batched sampler raises; "forward": the batched model forward raises."""
+    stage: int | None = None
+    """"forward" on a prefill pipeline: the one stage whose forward raises (None: each)."""
+    rank: int | None = None
+    """"forward" on a decode TP x DCP instance: the one rank that raises, inside its
+    forward before layer `layer` (the others do not: a failure of that rank's device or
+    memory); None: every rank alike, before the forward (what a request's input does)."""
+    layer: int = 0
 
 
 class PrefillConfig(_Section, frozen=True, kw_only=True):

@@ -44,6 +44,13 @@ class PoolStepMeta(msgspec.Struct, frozen=True):
     saves: list[PoolSave] = []
 
 
+def without_saves(meta: PoolStepMeta, request_ids: set[str]) -> PoolStepMeta:
+    """`meta` without the saves of `request_ids` (their forward failed: their KV of the
+    step is not valid); loads and cancels stay."""
+    saves = [s for s in meta.saves if s.request_id not in request_ids]
+    return PoolStepMeta(meta.loads, meta.cancels, saves)
+
+
 class PoolFailure(msgspec.Struct, frozen=True, array_like=True):
     op: str
     reason: str
