@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import count
 from typing import Protocol, runtime_checkable
 
@@ -323,7 +323,13 @@ class LLMEngine:
                 )
                 for r in sampling
             ]
-            result, failed_rows = sample_isolating(self.sampler, logits, states, self.config.faults)
+            result, failed_rows = sample_isolating(
+                self.sampler,
+                logits,
+                states,
+                self.config.faults,
+                before_wait=self._decode_ahead(plan, scheduled, culprits),
+            )
             tokens, logprobs = result.token_ids, result.logprobs
             tops = result.top_logprobs or [None] * len(tokens)
         for s in scheduled:
@@ -339,6 +345,51 @@ class LLMEngine:
         if trace is not None:
             trace.step(t0, t_sched, t_exec, rows)
         return outputs
+
+    def _decode_ahead(
+        self,
+        plan: SchedulerOutput,
+        scheduled: list[ScheduledRequest],
+        culprits: dict[RequestId, str],
+    ) -> Callable[[torch.Tensor], None] | None:
+        """The sampler's hook that launches the next decode step while this step's tokens
+        travel to the host (engine/decode_ahead.py), or None when that step would likely
+        be dropped or cannot run ahead: this step is not pure decode, something else
+        could join the next step (waiting or loading requests, connector work), or every
+        request ends at this token by length."""
+        runner = self.runner
+        sched = self.scheduler
+        if (
+            not self.config.decode_ahead
+            or not isinstance(runner, ModelRunner)
+            or runner.graphs is None
+            or culprits
+            or plan.kv_meta
+            or self.config.faults is not None
+            or sched.waiting
+            or sched.loading
+            or len(scheduled) != len(sched.running)
+            or any(s.num_new_tokens != 1 or not s.samples for s in scheduled)
+            or all(
+                s.request.num_output_tokens + 1 >= s.request.params.max_tokens for s in scheduled
+            )
+        ):
+            return None
+        kv, bs = self.kv, self.config.block_size
+
+        def launch(tokens: torch.Tensor) -> None:
+            try:
+                for s in scheduled:  # the KV block of the next position, one step early
+                    r = s.request
+                    short = (r.num_computed_tokens + 1) // bs >= len(kv.block_table(r.request_id))
+                    if short and not kv.allocate_slots(r, 2):
+                        return
+                runner.launch_ahead(scheduled, kv, tokens)
+            except Exception:  # the step itself is done: only the head start is lost
+                log.exception("launching the next decode step early failed")
+                runner.drop_ahead()
+
+        return launch
 
     def _execute(
         self, plan: SchedulerOutput

@@ -53,17 +53,23 @@ def sample_isolating(
     logits: torch.Tensor,
     states: Sequence[SamplingState],
     faults: EngineFaults | None = None,
+    before_wait: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[SamplerOutput, dict[int, str]]:
     """Sample every row; (output, {row: error} of the rows that could not be sampled).
-    A failed row's token is FAILED_TOKEN."""
+    A failed row's token is FAILED_TOKEN. `before_wait`: Sampler.sample's, for the whole
+    batch only (not called when a row fails)."""
 
-    def sample(rows: torch.Tensor, row_states: Sequence[SamplingState]) -> SamplerOutput:
+    def sample(
+        rows: torch.Tensor,
+        row_states: Sequence[SamplingState],
+        hook: Callable[[torch.Tensor], None] | None = None,
+    ) -> SamplerOutput:
         if faults is not None:
             faults.check("sample", (s.params for s in row_states))
-        return sampler.sample(rows, row_states)
+        return sampler.sample(rows, row_states, hook)
 
     try:
-        return sample(logits, states), {}
+        return sample(logits, states, before_wait), {}
     except Exception as batch_error:
         if len(states) == 1:
             return SamplerOutput([FAILED_TOKEN], [None], [None]), {0: describe(batch_error)}

@@ -36,7 +36,7 @@ from engine.attention.base import (
     LSEAttentionBackend,
     merge_partials,
 )
-from engine.models.llama import rms_norm
+from engine.models.layer_ops import rms_norm
 from engine.models.mla import MlaAttention
 from engine.models.moe import SparseMoeBlock
 from engine.parallel.comm import ParallelContext, all_gather, all_reduce_
