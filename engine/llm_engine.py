@@ -15,6 +15,7 @@ KV moves in and out only through the KV connector (engine/kv_connector.py), set 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from itertools import count
 from typing import Protocol, runtime_checkable
@@ -40,6 +41,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, SamplingState, TopLogprobs
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerCounters, SchedulerOutput
 from engine.step_isolation import ForwardFailed, describe, find_culprits, sample_isolating
+from engine.step_trace import Row, StepTrace
 from engine.weights.cache import load_weights
 from modelinfo.detokenizer import RequestOutputText
 from modelinfo.info import ModelInfo, load_model_info
@@ -129,6 +131,8 @@ class LLMEngine:
         """The KV connector's scheduler side (engine/kv_connector.py)."""
         self.kv_worker: KVConnectorWorker = NoConnectorWorker()
         """This process's worker side of the KV connector."""
+        self.trace: StepTrace | None = None
+        """Where steps are recorded (engine/step_trace.py); None: not recorded."""
 
     def _local_runner(self) -> ModelRunner:
         """The whole model and its cache in this process."""
@@ -283,11 +287,23 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return outputs of requests that produced tokens (or
         failed alone: engine/step_isolation.py)."""
+        trace = self.trace
+        t0 = time.monotonic() if trace is not None else 0.0
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             self._poll_connector(plan)
             return []
+        t_sched = time.monotonic() if trace is not None else 0.0
+        rows: list[Row] = (
+            [
+                (s.request.request_id, s.num_new_tokens, s.request.num_computed_tokens, s.samples)
+                for s in plan.scheduled
+            ]
+            if trace is not None
+            else []
+        )
         logits, reports, culprits = self._execute(plan)
+        t_exec = time.monotonic() if trace is not None else 0.0
         scheduled = [s for s in plan.scheduled if s.request.request_id not in culprits]
         sampling = [s.request for s in scheduled if s.samples]
         tokens: list[int] = []
@@ -326,6 +342,8 @@ class LLMEngine:
                 outputs.append(self.fail_request(req, f"sampling failed: {failed_rows[i]}"))
             else:
                 outputs.append(self.append_isolating(req, tok, lp, top))
+        if trace is not None:
+            trace.step(t0, t_sched, t_exec, rows)
         return outputs
 
     def _decode_ahead(
