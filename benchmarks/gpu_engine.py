@@ -9,8 +9,10 @@ download), against ceilings measured in the same run and against transformers.
 2. Checks: a tiny float32 Llama: greedy tokens of flex (graphs on, off) == torch reference
    == transformers; the 8B bf16 model: flex logits against the torch reference backend
    (relative error, argmax agreement) over a 1000-token prefill and 8 decode steps.
-3. Decode ms/step (ModelRunner.execute + argmax, host preparation included) and MBU at
-   batch 1 / 32 / 128, contexts 1K and 32K. MBU counts weight bytes plus every sequence's KV
+3. Decode ms/step in steady state (the engine's step around the model: execute, argmax,
+   the next step launched ahead with the tokens on the device, the tokens read; host
+   work included; also without launching ahead at 1K) and MBU at batch 1 / 32 / 128,
+   contexts 1K and 32K. MBU counts weight bytes plus every sequence's KV
    bytes read. 32 x 32K tokens of KV (137 GB) does not fit next to the weights, so block
    tables draw blocks at random from a ~90 GB cache (sequences share blocks at random, as
    a prefix cache would; no two rows of one step read a block at the same moment by
@@ -34,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.attention.base import get_backend
 from engine.model_runner import ModelRunner
+from engine.models import layer_ops
 from engine.models.layer_ops import EAGER, set_layer_ops
 from engine.models.layer_ops import compiled as compiled_layer_ops
 from engine.models.llama import LlamaForCausalLM
@@ -312,12 +315,18 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
 
 
 def time_decode(
-    runner: ModelRunner, batch: int, ctx: int, num_blocks: int, seed: int
+    runner: ModelRunner, batch: int, ctx: int, num_blocks: int, seed: int, ahead: bool = True
 ) -> tuple[float, int]:
-    """Median ms of one decode step (execute + argmax + sync) of `batch` sequences at
-    context `ctx`; and the KV bytes one step reads."""
+    """Median ms of one decode step of `batch` sequences at context `ctx` in steady state,
+    and the KV bytes one step reads. A step is what LLMEngine.step does around the model
+    for greedy rows: `execute`, argmax, the tokens' copy to the host queued, then (with
+    `ahead`) `launch_ahead` of the next step with the tokens still on the device, then the
+    wait for the tokens and the requests' advance by one token. Steps run back to back
+    (no device sync between them): ms/step = wall time of 20 steps / 20, median of 3."""
     gen = torch.Generator().manual_seed(seed)
-    per_seq = -(-(ctx + 1) // BLOCK)
+    steps, warmup, rounds = 20, 3, 3
+    room = warmup + rounds * steps + 2  # tokens the requests grow by
+    per_seq = -(-(ctx + 1 + room) // BLOCK)
     need = batch * per_seq
     perm = torch.cat(
         [torch.randperm(num_blocks, generator=gen) for _ in range(-(-need // num_blocks))]
@@ -328,16 +337,35 @@ def time_decode(
         kv.tables[f"d{i}"] = perm[i * per_seq : (i + 1) * per_seq].tolist()
         reqs.append(FakeRequest(f"d{i}", [7] * (ctx + 1), ctx))
     sched = step_of(reqs, [1] * batch)
+    host = torch.empty(batch, dtype=torch.int64, pin_memory=True)
 
     def step() -> None:
         logits = runner.execute(sched, cast(Any, kv))
         assert logits is not None
-        logits.argmax(-1).tolist()
+        tokens = logits.argmax(-1)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        if ahead:
+            runner.launch_ahead(sched, cast(Any, kv), tokens)
+        copied.synchronize()
+        for r, t in zip(reqs, host.tolist(), strict=True):
+            r.num_computed_tokens += 1
+            r.all_token_ids.append(t)
 
-    t = sync_time(step, 20, warmup=3)
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        times.append((time.perf_counter() - t0) / steps)
+    runner.drop_ahead()
+    torch.cuda.synchronize()
     c = runner.model.config
     kv_bytes = batch * (ctx + 1) * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
-    return t * 1e3, kv_bytes
+    return sorted(times)[rounds // 2] * 1e3, kv_bytes
 
 
 def time_prefill(runner: ModelRunner, ctx: int, new: int) -> float:
@@ -406,9 +434,27 @@ def main() -> None:
     ap.add_argument(
         "--skip-prefill", action="store_true", help="decode timings only (prefill unchanged)"
     )
+    ap.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        help="also time 1K decode with graphs of other layer ops: 'unfused' (eager ops; "
+        "batch 1, 32, 128) or 'gemv=OPS' (compiled, inductor's GEMV for one-row steps of "
+        "the comma-separated ops only, cuBLAS for the others; batch 1); repeatable",
+    )
+    ap.add_argument(
+        "--gemv-ops",
+        default=",".join(sorted(layer_ops.GEMV_OPS)),
+        help="ops whose one-row steps use inductor's GEMV in the main rows",
+    )
     args = ap.parse_args()
+    gemv_ops = [n for n in args.gemv_ops.split(",") if n]
+    layer_ops.GEMV_OPS = frozenset(gemv_ops)  # what ModelRunner's compiled ops use
     global BLOCK
     BLOCK = args.block_size
+    # One process compiles the layer ops for the tiny check, the 8B model and the
+    # comparison's ops: more than dynamo's default 8 graphs per function.
+    torch._dynamo.config.recompile_limit = 64
     torch.backends.cuda.matmul.allow_tf32 = False
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "block_size": BLOCK}
     bw, tflops = ceilings()
@@ -455,6 +501,7 @@ def main() -> None:
     print(f"runner with {num_blocks} blocks; graphs captured in {start_s:.0f} s", flush=True)
     report["graph_capture_s"] = start_s
     report["layers_fused"] = bool(model.layers[0].ops.fused)  # type: ignore[union-attr]
+    report["gemv_ops"] = gemv_ops
     print(f"decoder layers fused by torch.compile: {report['layers_fused']}", flush=True)
 
     rows = []
@@ -471,19 +518,31 @@ def main() -> None:
     runner.graphs = graphs
     report["decode_b1_ctx1k_graphs_off_ms"] = eager_ms
     print(f"decode b1 ctx1024 without CUDA graphs: {eager_ms:.2f} ms/step", flush=True)
-    if graphs is not None and model.layers[0].ops.fused:  # type: ignore[union-attr]
-        # The same graphs over the unfused (eager) layer ops: what compiling buys.
-        set_layer_ops(model, EAGER)
+    serial = {}
+    for batch in (1, 32, 128):
+        ms, _ = time_decode(runner, batch, 1024, num_blocks, seed=batch + 7, ahead=False)
+        serial[f"b{batch}"] = ms
+        print(f"decode b{batch} ctx1024 without launching ahead: {ms:.2f} ms/step", flush=True)
+    report["decode_ctx1k_no_ahead_ms"] = serial
+    for compare in args.compare if graphs is not None else []:
+        # The same graphs over other layer ops: the eager ones ("unfused": what compiling
+        # buys) or compiled ones with inductor's GEMV for one-row steps of the listed ops
+        # only ("gemv=": cuBLAS for all; "gemv=attn_in,mlp": ...).
+        if compare == "unfused":
+            other = EAGER
+        else:
+            names = compare.removeprefix("gemv=")
+            other = compiled_layer_ops(gemv=[n for n in names.split(",") if n])
+        set_layer_ops(model, other)
         graphs.capture()
-        unfused = {}
-        for batch in (1, 32, 128):
+        alt = {}
+        for batch in (1, 32, 128) if compare == "unfused" else (1,):
             ms, _ = time_decode(runner, batch, 1024, num_blocks, seed=batch + 1024)
-            unfused[f"b{batch}"] = ms
-            print(
-                f"decode b{batch} ctx1024, graphs of unfused layers: {ms:.2f} ms/step", flush=True
-            )
-        report["decode_ctx1k_unfused_layers_ms"] = unfused
-        set_layer_ops(model, compiled_layer_ops())
+            alt[f"b{batch}"] = ms
+            print(f"decode b{batch} ctx1024, graphs of {compare}: {ms:.2f} ms/step", flush=True)
+        report[f"decode_ctx1k_{compare}_ms"] = alt
+    if args.compare:
+        set_layer_ops(model, compiled_layer_ops(gemv=gemv_ops))
         graphs.capture()
     for ctx in () if args.skip_prefill else (0, 57344):
         s = time_prefill(runner, ctx, 8192)

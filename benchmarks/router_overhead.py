@@ -238,7 +238,11 @@ def _wait_up(url: str, proc: subprocess.Popen[bytes], path: str, timeout_s: floa
         time.sleep(0.2)
 
 
-def serve_router(port: int, prefill_url: str, decode_url: str, workers: int) -> None:
+def serve_router(
+    port: int, prefill_url: str, decode_url: str, workers: int, quiet: bool = False
+) -> None:
+    """`quiet`: health checks every 30 s and KV polls once an hour, so that what the
+    router executes is nearly all the requests' work (benchmarks/router_instructions.py)."""
     from router.config import InstanceEndpoint, RouterSettings
     from router.server import run_router
 
@@ -249,6 +253,10 @@ def serve_router(port: int, prefill_url: str, decode_url: str, workers: int) -> 
         prefill=(InstanceEndpoint(name="p0", url=prefill_url),),
         decode=(InstanceEndpoint(name="d0", url=decode_url),),
     )
+    if quiet:
+        settings = msgspec.structs.replace(
+            settings, health_interval_s=30.0, kv_poll_interval_s=3600.0
+        )
     run_router(settings, log_level="warning")
 
 
@@ -357,7 +365,7 @@ def main() -> None:
         serve(sys.argv[2], int(sys.argv[3]), canned["tokens"], canned["pieces"], canned["ttft_s"])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-router":
-        serve_router(int(sys.argv[2]), sys.argv[3], sys.argv[4], 1)
+        serve_router(int(sys.argv[2]), sys.argv[3], sys.argv[4], 1, "--quiet" in sys.argv[5:])
         return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

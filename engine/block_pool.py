@@ -124,6 +124,21 @@ class BlockPool:
         if self.record_events:
             self.events.append(BlockPoolEvent("stored", [block_hash]))
 
+    def uncache(self, block_ids: Iterable[BlockId]) -> list[BlockHash]:
+        """Forget the content of these blocks (their KV turned out not to be valid: a
+        pipeline caches a step's blocks when it issues the step, before a later stage
+        could fail it). Returns the hashes dropped."""
+        removed: list[BlockHash] = []
+        for b in block_ids:
+            h = self._hash[b]
+            if h is not None and self._cached.get(h) == b:
+                del self._cached[h]
+                removed.append(h)
+            self._hash[b] = None
+        if removed and self.record_events:
+            self.events.append(BlockPoolEvent("removed", removed))
+        return removed
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash (blocks in use keep their data but lose their identity).
         Returns how many hashes were dropped."""

@@ -46,6 +46,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """With CUDA graphs: fuse each decoder layer's element-wise glue (RMSNorm, RoPE, residual
     adds, SwiGLU) with torch.compile before capture (engine/models/layer_ops.py); falls
     back to the eager ops if compiling fails. No effect without graphs (CPU)."""
+    decode_ahead: bool = True
+    """With CUDA graphs: launch the next pure-decode step with this step's sampled tokens
+    still on the device, before the host has read them, so the host's work between steps
+    runs while the GPU computes (engine/decode_ahead.py). Same tokens either way."""
     enable_prefix_caching: bool = True
     cache_dir: str | None = None
     """Where converted weights are cached; None means ~/.cache/kvserve."""

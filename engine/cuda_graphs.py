@@ -163,10 +163,13 @@ class DecodeGraphs:
         slots: list[int],
         seq_lens: list[int],
         rows: list[int],
+        device_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [n, V] float32 logits, valid until the next run
         """One decode step of n = len(ids) rows in bucket `size`: the step's inputs go up
         in one copy from pinned memory (two buffers alternate; a buffer is rewritten only
-        once its previous copy is done), then the graph replays."""
+        once its previous copy is done), then the graph replays. `device_ids` [n] int64
+        (a device tensor) replaces `ids`: a step launched before its input tokens reached
+        the host (engine/decode_ahead.py)."""
         n = len(ids)
         turn = self._turn
         self._turn ^= 1
@@ -179,6 +182,8 @@ class DecodeGraphs:
         if n < size:
             step[:, n:] = self._padding
         self.packed[: 5 * size].copy_(host, non_blocking=True)
+        if device_ids is not None:
+            self.packed[:n].copy_(device_ids)  # row 0 of the [5, size] view: the ids
         if self.cuda:
             done = torch.cuda.Event()
             done.record()

@@ -26,6 +26,18 @@ class EngineFaults(msgspec.Struct, frozen=True, kw_only=True):
 
     fail_seed: int
     place: FaultPlace = "sample"
+    stage: int | None = None
+    """"forward" on a prefill pipeline: the one stage whose forward raises (None: each)."""
+    rank: int | None = None
+    """"forward" on a TP x DCP instance: the one rank that raises, inside its forward
+    before layer `layer`, while the others run on (None: every rank alike, before the
+    forward, as a request's input makes every rank fail)."""
+    layer: int = 0
+
+    def poisoned(self, params: Iterable[SamplingParams]) -> list[int]:
+        """Indices of the poisoned requests among `params` (for "forward" faults raised
+        in another process than the one that sees the requests' parameters)."""
+        return [i for i, p in enumerate(params) if p.seed == self.fail_seed]
 
     def check(self, place: FaultPlace, params: Iterable[SamplingParams]) -> None:
         """Raise InjectedFault if this is the place and a poisoned request is here."""

@@ -189,6 +189,14 @@ class KVConnectorWorker(ABC):
     def start_saves(self, meta: bytes) -> None:
         """Begin the step's saves / sends (after its forward); never waits on I/O."""
 
+    def without_requests(self, meta: bytes, request_ids: set[str]) -> bytes:
+        """Worker side of KVConnectorScheduler.without_requests: the step's metadata
+        without the saves and sends of `request_ids`, because THIS process's forward of
+        them failed (a pipeline stage finds its culprits itself; the scheduler side
+        learns them with the step's result and stops expecting their saves). Loads
+        stay. A connector whose workers save or send KV overrides it."""
+        return meta
+
     @abstractmethod
     def get_finished(self) -> bytes:
         """Report of what finished (or failed) since the last call; b"" for nothing."""

@@ -135,6 +135,14 @@ class MultiConnectorWorker(KVConnectorWorker):
         for p, m in zip(self.parts, _unpack(meta, len(self.parts)), strict=True):
             p.start_saves(m)
 
+    def without_requests(self, meta: bytes, request_ids: set[str]) -> bytes:
+        if not meta:
+            return meta
+        parts = _unpack(meta, len(self.parts))
+        return _pack(
+            [p.without_requests(m, request_ids) for p, m in zip(self.parts, parts, strict=True)]
+        )
+
     def get_finished(self) -> bytes:
         return _pack([p.get_finished() for p in self.parts])
 

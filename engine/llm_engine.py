@@ -15,7 +15,8 @@ KV moves in and out only through the KV connector (engine/kv_connector.py), set 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from itertools import count
 from typing import Protocol, runtime_checkable
 
@@ -40,6 +41,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, SamplingState, TopLogprobs
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerCounters, SchedulerOutput
 from engine.step_isolation import ForwardFailed, describe, find_culprits, sample_isolating
+from engine.step_trace import Row, StepTrace
 from engine.weights.cache import load_weights
 from modelinfo.detokenizer import RequestOutputText
 from modelinfo.info import ModelInfo, load_model_info
@@ -129,6 +131,8 @@ class LLMEngine:
         """The KV connector's scheduler side (engine/kv_connector.py)."""
         self.kv_worker: KVConnectorWorker = NoConnectorWorker()
         """This process's worker side of the KV connector."""
+        self.trace: StepTrace | None = None
+        """Where steps are recorded (engine/step_trace.py); None: not recorded."""
 
     def _local_runner(self) -> ModelRunner:
         """The whole model and its cache in this process."""
@@ -283,11 +287,23 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return outputs of requests that produced tokens (or
         failed alone: engine/step_isolation.py)."""
+        trace = self.trace
+        t0 = time.monotonic() if trace is not None else 0.0
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             self._poll_connector(plan)
             return []
+        t_sched = time.monotonic() if trace is not None else 0.0
+        rows: list[Row] = (
+            [
+                (s.request.request_id, s.num_new_tokens, s.request.num_computed_tokens, s.samples)
+                for s in plan.scheduled
+            ]
+            if trace is not None
+            else []
+        )
         logits, reports, culprits = self._execute(plan)
+        t_exec = time.monotonic() if trace is not None else 0.0
         scheduled = [s for s in plan.scheduled if s.request.request_id not in culprits]
         sampling = [s.request for s in scheduled if s.samples]
         tokens: list[int] = []
@@ -307,7 +323,13 @@ class LLMEngine:
                 )
                 for r in sampling
             ]
-            result, failed_rows = sample_isolating(self.sampler, logits, states, self.config.faults)
+            result, failed_rows = sample_isolating(
+                self.sampler,
+                logits,
+                states,
+                self.config.faults,
+                before_wait=self._decode_ahead(plan, scheduled, culprits),
+            )
             tokens, logprobs = result.token_ids, result.logprobs
             tops = result.top_logprobs or [None] * len(tokens)
         for s in scheduled:
@@ -320,7 +342,54 @@ class LLMEngine:
                 outputs.append(self.fail_request(req, f"sampling failed: {failed_rows[i]}"))
             else:
                 outputs.append(self.append_isolating(req, tok, lp, top))
+        if trace is not None:
+            trace.step(t0, t_sched, t_exec, rows)
         return outputs
+
+    def _decode_ahead(
+        self,
+        plan: SchedulerOutput,
+        scheduled: list[ScheduledRequest],
+        culprits: dict[RequestId, str],
+    ) -> Callable[[torch.Tensor], None] | None:
+        """The sampler's hook that launches the next decode step while this step's tokens
+        travel to the host (engine/decode_ahead.py), or None when that step would likely
+        be dropped or cannot run ahead: this step is not pure decode, something else
+        could join the next step (waiting or loading requests, connector work), or every
+        request ends at this token by length."""
+        runner = self.runner
+        sched = self.scheduler
+        if (
+            not self.config.decode_ahead
+            or not isinstance(runner, ModelRunner)
+            or runner.graphs is None
+            or culprits
+            or plan.kv_meta
+            or self.config.faults is not None
+            or sched.waiting
+            or sched.loading
+            or len(scheduled) != len(sched.running)
+            or any(s.num_new_tokens != 1 or not s.samples for s in scheduled)
+            or all(
+                s.request.num_output_tokens + 1 >= s.request.params.max_tokens for s in scheduled
+            )
+        ):
+            return None
+        kv, bs = self.kv, self.config.block_size
+
+        def launch(tokens: torch.Tensor) -> None:
+            try:
+                for s in scheduled:  # the KV block of the next position, one step early
+                    r = s.request
+                    short = (r.num_computed_tokens + 1) // bs >= len(kv.block_table(r.request_id))
+                    if short and not kv.allocate_slots(r, 2):
+                        return
+                runner.launch_ahead(scheduled, kv, tokens)
+            except Exception:  # the step itself is done: only the head start is lost
+                log.exception("launching the next decode step early failed")
+                runner.drop_ahead()
+
+        return launch
 
     def _execute(
         self, plan: SchedulerOutput

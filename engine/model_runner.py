@@ -19,6 +19,7 @@ import torch
 from engine import cuda_graphs as cuda_graphs_module
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
+from engine.decode_ahead import DecodeAhead
 from engine.device_tables import DeviceBlockTables
 from engine.kv_cache_manager import KVCacheManager
 from engine.models.layer_ops import EAGER, set_layer_ops
@@ -99,12 +100,17 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.layer_split: tuple[int, ...] = (layout.num_layers,)
         self.graphs: DecodeGraphs | None = None
+        self.max_len = max_model_len or model.config.max_position_embeddings
+        self._ahead: DecodeAhead | None = None
+        self.ahead_launched = 0
+        self.ahead_taken = 0
+        """Decode steps launched ahead, and how many of them a step used (tests, metrics)."""
         if not use_graphs:
             self.tables = DeviceBlockTables(device)
         else:
             # Sized once for every step the scheduler can form (max_batch requests, the
             # longest sequence): the graphs read this tensor in place.
-            max_len = max_model_len or model.config.max_position_embeddings
+            max_len = self.max_len
             width = -(-max_len // layout.block_size)
             self.tables = DeviceBlockTables(device, rows=max_batch + 1, width=width)
             self.graphs = DecodeGraphs(
@@ -222,9 +228,60 @@ class ModelRunner:
         return logits.index_select(0, torch.tensor(sample, device=self.device))
 
     @torch.inference_mode()
+    def launch_ahead(
+        self, scheduled: list[ScheduledRequest], kv: KVCacheManager, tokens: torch.Tensor
+    ) -> bool:
+        """Launch the decode step that follows `scheduled` (a step that just ran, every row
+        decoding one token and sampling; called before its requests advance) with
+        `tokens` [n] int64, the step's sampled tokens still on the device, as its input
+        ids (engine/decode_ahead.py). The next `execute` takes its logits if the scheduler
+        asks for that step. False, with nothing launched, when it cannot run through the
+        graphs or a row has no KV slot yet for its next position."""
+        self._ahead = None
+        graphs = self.graphs
+        n = len(scheduled)
+        if graphs is None or n == 0 or tokens.shape != (n,) or n > graphs.max_batch:
+            return False
+        bs = self.layout.block_size
+        row_tables = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for s in scheduled:
+            r = s.request
+            p = r.num_computed_tokens + 1  # the sampled token's position
+            table = kv.block_table(r.request_id)
+            if s.num_new_tokens != 1 or not s.samples or p >= self.max_len or p // bs >= len(table):
+                return False
+            row_tables.append((r.request_id, table))
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+        size = graphs.bucket(n, max(len(t) for _, t in row_tables))
+        if size is None:
+            return False
+        rows = self.tables.update(row_tables)
+        if graphs.block_tables.table is not graphs.source:
+            return False
+        lens = [p + 1 for p in pos]
+        logits = graphs.run(size, [0] * n, pos, slots, lens, rows, device_ids=tokens)
+        self._ahead = DecodeAhead([s.request for s in scheduled], pos, slots, logits.clone())
+        self.ahead_launched += 1
+        return True
+
+    def drop_ahead(self) -> None:
+        """Forget a launched step (its work is discarded)."""
+        self._ahead = None
+
+    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> torch.Tensor | None:
         """Run one step; return float32 logits [num_sampling_requests, V] (None if none
-        sample)."""
+        sample). A step launched ahead (launch_ahead) that computed exactly these rows is
+        not run again: its logits are returned."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            logits = ahead.take(scheduled, kv, self.layout.block_size)
+            if logits is not None:
+                self.ahead_taken += 1
+                return logits
         if self.graphs is not None:
             out = self._graph_step(scheduled, kv)
             if out is not False:

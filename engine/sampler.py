@@ -28,7 +28,7 @@ Unseeded rows draw from the Sampler's shared generator.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -154,7 +154,15 @@ class Sampler:
             self.generator.manual_seed(seed)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        states: Sequence[SamplingState],
+        before_wait: Callable[[torch.Tensor], None] | None = None,
+    ) -> SamplerOutput:
+        """One token per row. `before_wait(token_ids)` (the [N] int64 tokens on the device)
+        runs after the copy to the host is queued and before the host waits for it: work
+        queued there runs on the device while the tokens travel (engine/decode_ahead.py)."""
         assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
         num_rows = len(states)
         raw = logits
@@ -184,7 +192,20 @@ class Sampler:
                 local = torch.tensor([logprob_rows.index(i) for i in top_rows], device=idx.device)
                 top = log_probs[local].topk(max_top, dim=-1)  # [R, k], descending
                 pieces += [top.indices.double().flatten(), top.values.double().flatten()]
-        host = torch.cat(pieces).tolist()
+        packed = torch.cat(pieces)
+        if before_wait is None:
+            host = packed.tolist()
+        elif packed.is_cuda:
+            pinned = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            pinned.copy_(packed, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            before_wait(token_ids)
+            copied.synchronize()
+            host = pinned.tolist()
+        else:
+            before_wait(token_ids)
+            host = packed.tolist()
 
         tokens = [int(t) for t in host[:num_rows]]
         pos = num_rows

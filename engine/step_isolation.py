@@ -8,10 +8,13 @@
               writes of a step are idempotent: the same tokens into the same slots), a
               half that raises is split again; a single request that raises alone is a
               culprit; the rest runs once more as one batch for its logits. On a TP x
-              DCP instance every rank raises alike (ForwardFailed) and keeps serving;
-              the driver broadcasts each bisection run (RankStep.probe) and the final
-              one, so collectives stay matched; the connector's loads ran once, its
-              saves and reports only with the final run
+              DCP instance the ranks agree the step failed, whether every rank raised
+              or one alone (engine/parallel/rank_isolation.py), and stay in step
+              (ForwardFailed); the driver broadcasts each bisection run (RankStep.probe)
+              and the final one, so collectives stay matched; the connector's loads ran
+              once, its saves and reports only with the final run. A pipeline stage
+              bisects on its own and tells the stages after it through the step
+              (engine/parallel/pp_isolation.py)
     append    detokenization and stop checks of one request raise ─▶ that request fails
 
 The engine then fails the culprits with the error (RequestOutput.error; their KV is
@@ -36,10 +39,10 @@ FAILED_TOKEN = -1
 
 
 class ForwardFailed(RuntimeError):
-    """The forward of a step failed on every rank of a TP x DCP instance alike (the
-    failure came from the step's input, which every rank holds): the ranks are in step
-    and wait for the driver's next message, which re-runs parts of the step to find the
-    culprits, every rank together."""
+    """The forward of a step failed on a rank of a TP x DCP instance (on every rank
+    alike, as the step's input makes them fail, or on some alone), and the ranks agreed
+    it failed: they are in step and wait for the driver's next message, which re-runs
+    parts of the step to find the culprits, every rank together."""
 
 
 def describe(e: BaseException) -> str:
@@ -53,17 +56,23 @@ def sample_isolating(
     logits: torch.Tensor,
     states: Sequence[SamplingState],
     faults: EngineFaults | None = None,
+    before_wait: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[SamplerOutput, dict[int, str]]:
     """Sample every row; (output, {row: error} of the rows that could not be sampled).
-    A failed row's token is FAILED_TOKEN."""
+    A failed row's token is FAILED_TOKEN. `before_wait`: Sampler.sample's, for the whole
+    batch only (not called when a row fails)."""
 
-    def sample(rows: torch.Tensor, row_states: Sequence[SamplingState]) -> SamplerOutput:
+    def sample(
+        rows: torch.Tensor,
+        row_states: Sequence[SamplingState],
+        hook: Callable[[torch.Tensor], None] | None = None,
+    ) -> SamplerOutput:
         if faults is not None:
             faults.check("sample", (s.params for s in row_states))
-        return sampler.sample(rows, row_states)
+        return sampler.sample(rows, row_states, hook)
 
     try:
-        return sample(logits, states), {}
+        return sample(logits, states, before_wait), {}
     except Exception as batch_error:
         if len(states) == 1:
             return SamplerOutput([FAILED_TOKEN], [None], [None]), {0: describe(batch_error)}

@@ -39,11 +39,35 @@ def json_response(obj: msgspec.Struct) -> Response:
     return Response(msgspec.json.encode(obj), media_type="application/json")
 
 
+MAX_MESSAGE_BYTES = 64 << 20
+"""Largest body a worker reads (a prompt at the longest contexts is a few MiB of JSON);
+larger is a 413 before it is read whole."""
+
+
+async def _read_body(request: Request) -> bytes | None:
+    """The body, or None once it is known to exceed MAX_MESSAGE_BYTES."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_MESSAGE_BYTES:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_MESSAGE_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def read_message(request: Request, typ: type[msgspec.Struct]) -> msgspec.Struct | Response:
     """Decode a request body as `typ`, or an error response naming what is wrong
-    (including a protocol version other than this worker's)."""
+    (including a protocol version other than this worker's, or a body over
+    MAX_MESSAGE_BYTES: 413)."""
+    body = await _read_body(request)
+    if body is None:
+        return error_response(413, f"the {typ.__name__} body exceeds {MAX_MESSAGE_BYTES} bytes")
     try:
-        msg = msgspec.json.decode(await request.body(), type=typ)
+        msg = msgspec.json.decode(body, type=typ)
     except msgspec.ValidationError as e:
         return error_response(400, f"invalid {typ.__name__}: {e}")
     except msgspec.DecodeError as e:

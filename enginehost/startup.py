@@ -133,7 +133,13 @@ def engine_config(
         cache_dir=cluster.cache.weights_cache_dir,
         faults=None
         if faults is None
-        else EngineFaults(fail_seed=faults.fail_seed, place=faults.place),
+        else EngineFaults(
+            fail_seed=faults.fail_seed,
+            place=faults.place,
+            stage=faults.stage,
+            rank=faults.rank,
+            layer=faults.layer,
+        ),
     )
 
 

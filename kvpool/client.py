@@ -163,6 +163,7 @@ class PoolClient:
         if self.breaker.is_open:
             self.metrics.failure("load", "unreachable")
             return 0
+        t0 = time.perf_counter()
         try:
             results = self.backend.get_into(
                 keys, [buf.ptr(s) for s in slots], [buf.slot_bytes] * len(keys)
@@ -171,6 +172,8 @@ class PoolClient:
             self.metrics.failure("load", KeyStatus.UNAVAILABLE.value)
             self.breaker.trip(str(e))
             return 0
+        t1 = time.perf_counter()
+        self.metrics.restore_phase(stage, "read", t1 - t0)
         valid: list[bool] = []
         damaged: list[str] = []
         injected = faults.take("load", stage)
@@ -195,6 +198,7 @@ class PoolClient:
                 continue
             self.metrics.load_bytes.inc(res)
             valid.append(True)
+        self.metrics.restore_phase(stage, "check", time.perf_counter() - t1)
         if damaged:
             self.metrics.checksum_failures.inc(len(damaged))
             log.warning("removing %d damaged pool object(s), e.g. %s", len(damaged), damaged[0])
@@ -215,6 +219,14 @@ class PoolClient:
         self.metrics.checksum_failures.inc(len(keys))
         log.warning("removing %d damaged pool object(s), e.g. %s", len(keys), keys[0])
         self._remove(keys)
+
+    def remove_chunks(self, chunk_keys: Sequence[ChunkKey]) -> None:
+        """Remove every stage's object of `chunk_keys` (retention: the client frees room
+        itself; kvpool/retention.py). Failures are counted, never raised."""
+        if chunk_keys and not self.breaker.is_open:
+            self._remove(
+                [self.keys.object_key(c, s.index) for c in chunk_keys for s in self.stages]
+            )
 
     def _remove(self, keys: list[str]) -> None:
         try:

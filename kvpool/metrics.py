@@ -13,6 +13,19 @@ from protocol.pool_messages import PoolCounts
 
 FAILURE_OPS = ("lookup", "load", "save", "remove")
 """Operations of kvserve_pool_failures_total{op}; reasons vary (Mooncake status codes)."""
+RESTORE_PHASES = (
+    "read",  # the pool read into the load slots (Mooncake get_into; wall time)
+    "check",  # size and header checks on the host (+ payload checksums without a GPU)
+    "unpack",  # CPU engine: payloads from the slots into the KV blocks
+    "device",  # GPU engine: the load thread's time in the device pipeline (queueing the
+    # copies, checksums and unpacks, and waiting for them)
+    "h2d_gpu",  # GPU stream time of the copies out of the load slots (pinned -> device)
+    "checksum_gpu",  # GPU stream time of the payload checksums
+    "unpack_gpu",  # GPU stream time of the unpacks into the pages
+)
+"""Phases of kvserve_pool_restore_phase_seconds_total. Host phases are wall time of the
+load thread; *_gpu phases are time on the device's streams (they overlap each other and
+the host phases)."""
 RESTORE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5, 10)
 
 
@@ -69,6 +82,17 @@ class PoolMetrics:
         self.save_dropped = counter(
             "kvserve_pool_save_dropped", "Chunks not saved because the save queue was full"
         ).labels(**labels)
+        self.retention_removed = counter(
+            "kvserve_pool_retention_removed",
+            "Chunks this instance removed from the pool itself to stay within its retention "
+            "budget (pool.retention: client; kvpool/retention.py)",
+        ).labels(**labels)
+        self.retained_chunks = Gauge(
+            "kvserve_pool_retained_chunks",
+            "Chunks this instance saved and still counts against its retention budget",
+            ["instance"],
+            registry=registry,
+        ).labels(**labels)
         self.failures = Counter(
             "kvserve_pool_failures",
             "Pool operations that failed, by operation and reason",
@@ -82,6 +106,12 @@ class PoolMetrics:
             "Objects one pipeline stage stored (op=save) or read, verified and unpacked "
             "(op=load) from its own process",
             ["instance", "stage", "op"],
+            registry=registry,
+        )
+        self.restore_phase_seconds = Counter(
+            "kvserve_pool_restore_phase_seconds",
+            "Restore time by stage and phase (RESTORE_PHASES): where a restore's time goes",
+            ["instance", "stage", "phase"],
             registry=registry,
         )
         self.checksum_failures = counter(
@@ -103,6 +133,11 @@ class PoolMetrics:
     def restore(self, stage: int, seconds: float) -> None:
         self.restore_seconds.labels(instance=self.instance, stage=str(stage)).observe(seconds)
 
+    def restore_phase(self, stage: int, phase: str, seconds: float) -> None:
+        self.restore_phase_seconds.labels(
+            instance=self.instance, stage=str(stage), phase=phase
+        ).inc(seconds)
+
     def apply(self, c: PoolCounts) -> None:
         """Add a worker's counts (kvpool/stats.py) to these series."""
         if c.lookups:
@@ -121,3 +156,5 @@ class PoolMetrics:
             self.stage_objects("save", stage, n)
         for stage, n in c.loaded_objects:
             self.stage_objects("load", stage, n)
+        for stage, phase, seconds in c.restore_phases:
+            self.restore_phase(stage, phase, seconds)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.cluster import ClusterConfig, PoolConfig, PoolStoreConfig
+from protocol.cluster import ClusterConfig, PoolConfig, PoolInstance, PoolStoreConfig
 
 
 def _pool(cluster: ClusterConfig) -> PoolConfig:
@@ -72,6 +72,22 @@ def prefill_segment(cluster: ClusterConfig, instance: str) -> tuple[int, bool]:
             pp = next(p.pipeline_parallel for p in cluster.prefill if p.name == instance)
             return int(s.size) // pp, s.hugepages
     return 0, False
+
+
+def retention_share_bytes(cluster: ClusterConfig, instance: str) -> int:
+    """Pool bytes pool instance `instance` may fill with its saves under retention
+    "client": retention_budget of the stores its master pools (all of them when shared,
+    its node's when split), split evenly among the pool instances using that master."""
+    pool = _pool(cluster)
+    insts: list[PoolInstance] = [*cluster.prefill, *cluster.unified]
+    node = next(i.node for i in insts if i.name == instance)
+    if pool.shared:
+        stores, writers = pool.stores, insts
+    else:
+        stores = tuple(s for s in pool.stores if s.node == node)
+        writers = [i for i in insts if i.node == node]
+    total = sum(int(s.size) for s in stores)
+    return int(total * pool.retention_budget) // max(1, len(writers))
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from protocol.handoff_messages import (
     FlowResult,
     FlowSend,
     HandoffMeta,
+    without_sends,
 )
 from protocol.ids import BlockId, RequestId
 from protocol.landing_capability import LandingCapabilityError, verify
@@ -131,9 +132,7 @@ class HandoffScheduler(KVConnectorScheduler):
         when every stage closed its flow) until the abort that follows cancels them."""
         if not meta:
             return meta
-        m = _meta.decode(meta)
-        sends = [s for s in m.sends if s.request_id not in request_ids]
-        return msgspec.msgpack.encode(HandoffMeta(m.opens, sends, m.cancels))
+        return msgspec.msgpack.encode(without_sends(_meta.decode(meta), request_ids))
 
     def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
         update = ConnectorUpdate()
@@ -208,6 +207,13 @@ class HandoffWorker(KVConnectorWorker):
 
     def start_loads(self, meta: bytes) -> None:
         return None
+
+    def without_requests(self, meta: bytes, request_ids: set[str]) -> bytes:
+        """Drops their sends (this stage's forward of them failed); the flows stay open
+        until the cancel that follows their failure closes them."""
+        if not meta:
+            return meta
+        return msgspec.msgpack.encode(without_sends(_meta.decode(meta), request_ids))
 
     def start_saves(self, meta: bytes) -> None:
         if not meta:

@@ -39,8 +39,9 @@ from enginehost.kv_events import KVReporter
 from kvpool.backend import BackendConfig, create_backend
 from kvpool.client import PoolClient
 from kvpool.metrics import PoolMetrics
+from kvpool.retention import LruChainRetention, Retention
 from kvpool.stats import StageCounters
-from kvpool.topology import master_address, prefill_segment
+from kvpool.topology import master_address, prefill_segment, retention_share_bytes
 from prefill_worker.pool_pack import pack_blocks, unpack_blocks
 from prefill_worker.pool_worker import PoolWorker
 from protocol.cluster import ClusterConfig, PoolInstance
@@ -48,7 +49,13 @@ from protocol.hashing import chunk_keys
 from protocol.ids import BlockId, ChunkKey, RequestId
 from protocol.kv_layout import KVLayout
 from protocol.namespace import KVNamespace
-from protocol.pool_messages import PoolLoad, PoolSave, PoolStepMeta, PoolWorkerReport
+from protocol.pool_messages import (
+    PoolLoad,
+    PoolSave,
+    PoolStepMeta,
+    PoolWorkerReport,
+    without_saves,
+)
 
 __all__ = [
     "PoolScheduler",
@@ -85,6 +92,8 @@ class _Lookup:
     hit: int | None = None
     """Leading chunks every stage holds; None while the lookup is in flight."""
     done_at: float = 0.0
+    seen: bool = False
+    """Its answer was handed to the retention policy (a chunk found missing)."""
 
 
 @dataclass
@@ -92,6 +101,10 @@ class _SaveState:
     expected: int = 0
     """Reports still due (one per worker per time the chunk was planned)."""
     all_stored: bool = True
+    depth: int = 0
+    """The chunk's index in its request's chain (retention: tail first)."""
+    stamp: float = 0.0
+    """Use stamp of the request that saves it (retention: recency)."""
 
 
 class PoolScheduler(KVConnectorScheduler):
@@ -111,11 +124,13 @@ class PoolScheduler(KVConnectorScheduler):
         on_saved: Callable[[list[ChunkKey]], None] | None = None,
         on_restored: Callable[[int, float], None] | None = None,
         wake: Callable[[], None] | None = None,
+        retention: Retention | None = None,
     ) -> None:
         """`on_saved(chunk_keys)` and `on_restored(bytes, seconds)` tell the worker's KV
         reporter what the pool now holds and how fast restores run (KV-aware routing);
         `wake()` ends the engine's idle wait when a lookup is back (this process's
-        worker's `wake`)."""
+        worker's `wake`); `retention` picks the chunks this instance removes itself
+        (kvpool/retention.py; default: none, the master evicts)."""
         self.client = client
         self.metrics = metrics
         self.num_workers = num_workers
@@ -133,10 +148,18 @@ class PoolScheduler(KVConnectorScheduler):
         self._saving: dict[bytes, _SaveState] = {}
         self._depth: dict[int, int] = {}
         self._wake = wake
+        self.retention = retention if retention is not None else Retention()
+        self._stamps: dict[RequestId, float] = {}
+        """Use stamp of each request (retention): its first lookup's time."""
         self._lookups: dict[RequestId, _Lookup] = {}
         """Lookups by request (guarded by _lock: the lookup thread fills in `hit`)."""
+        self._removals = 0
+        """Removal batches queued for the lookup thread and not done (guarded by _lock)."""
         self._lock = threading.Lock()
-        self._lookup_queue: queue.Queue[tuple[RequestId, _Lookup] | None] = queue.Queue()
+        self._lookup_queue: queue.Queue[tuple[RequestId, _Lookup] | list[ChunkKey] | None] = (
+            queue.Queue()
+        )
+        """Lookups, and chunks to remove (retention), for the lookup thread."""
         self._lookup_thread = threading.Thread(
             target=self._lookup_loop, name="pool-lookup", daemon=True
         )
@@ -156,11 +179,21 @@ class PoolScheduler(KVConnectorScheduler):
         last = min((request.num_tokens - 1) // cs, request.num_prompt_tokens // cs)
         first = num_computed_tokens // cs
         rid = request.request_id
+        if rid not in self._stamps:  # its whole chain is in use from now on
+            self._stamps[rid] = time.monotonic()
+            self.retention.used(self._keys(request, 0, last), 0, self._stamps[rid])
         if first >= last:
             with self._lock:
                 self._lookups.pop(rid, None)
             return 0, True
         now = time.monotonic()
+        with self._lock:
+            look = self._lookups.get(rid)
+            answer = None if look is None or look.seen else look.hit
+            if answer is not None and look is not None:
+                look.seen = True
+        if answer is not None and look is not None:  # first time this answer is read
+            self._lookup_answered(look, self._stamps[rid])
         with self._lock:
             look = self._lookups.get(rid)
             # An answer covering these chunks is reused while fresh (a request that waits
@@ -178,11 +211,30 @@ class PoolScheduler(KVConnectorScheduler):
         self._lookup_queue.put((rid, look))
         return None, True
 
+    def _lookup_answered(self, look: _Lookup, stamp: float) -> None:
+        """Retention hears what the lookup found: its hits are about to be read (kept),
+        the first chunk missing on some stage is gone (the objects its other stages may
+        still hold are removed: they can never be a hit)."""
+        assert look.hit is not None
+        self.retention.used(look.keys[: look.hit], look.first, stamp)
+        if look.hit < len(look.keys) and self.retention.missing(look.keys[look.hit]):
+            self._remove_later([look.keys[look.hit]])
+
+    def _remove_later(self, keys: list[ChunkKey]) -> None:
+        with self._lock:
+            self._removals += 1
+        self._lookup_queue.put(keys)
+
     def _lookup_loop(self) -> None:
         while True:
             item = self._lookup_queue.get()
             if item is None:
                 return
+            if isinstance(item, list):  # retention: chunks this instance removes
+                self.client.remove_chunks(item)
+                with self._lock:
+                    self._removals -= 1
+                continue
             rid, look = item
             with self._lock:
                 if self._lookups.get(rid) is not look:
@@ -240,8 +292,11 @@ class PoolScheduler(KVConnectorScheduler):
         self._next_save[rid] = last
         bpc = self.blocks_per_chunk
         keys = [bytes(k) for k in self._keys(kv.request, nxt, last)]
-        for k in keys:
-            self._saving.setdefault(k, _SaveState()).expected += self.num_workers
+        stamp = self._stamps.setdefault(rid, time.monotonic())
+        for depth, k in enumerate(keys, nxt):
+            st = self._saving.setdefault(k, _SaveState())
+            st.expected += self.num_workers
+            st.depth, st.stamp = depth, max(st.stamp, stamp)
         blocks = [[int(b) for b in kv.block_ids[c * bpc : (c + 1) * bpc]] for c in range(nxt, last)]
         return PoolSave(rid, keys, blocks)
 
@@ -251,7 +306,7 @@ class PoolScheduler(KVConnectorScheduler):
         if not meta:
             return meta
         m = _meta_decoder.decode(meta)
-        keep = [s for s in m.saves if s.request_id not in request_ids]
+        kept = without_saves(m, request_ids)
         for save in m.saves:
             if save.request_id not in request_ids:
                 continue
@@ -261,9 +316,9 @@ class PoolScheduler(KVConnectorScheduler):
                     st.expected -= self.num_workers
                     if st.expected <= 0:
                         del self._saving[key]
-        if not (m.loads or m.cancels or keep):
+        if not (kept.loads or kept.cancels or kept.saves):
             return b""
-        return msgspec.msgpack.encode(PoolStepMeta(m.loads, m.cancels, keep))
+        return msgspec.msgpack.encode(kept)
 
     def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
         assert len(reports) == self.num_workers, (
@@ -289,12 +344,18 @@ class PoolScheduler(KVConnectorScheduler):
                     del self._saving[key]
                     if st.all_stored:
                         saved.append(ChunkKey(key))
+                        self.retention.saved(ChunkKey(key), st.depth, st.stamp)
         if self._depth:
             self.metrics.save_queue_depth.set(max(self._depth.values()))
         if saved:
             self.metrics.save_chunks.inc(len(saved))
             if self._on_saved is not None:
                 self._on_saved(saved)
+            victims = self.retention.victims()
+            if victims:  # removed on the lookup thread (a network call)
+                self.metrics.retention_removed.inc(len(victims))
+                self._remove_later(victims)
+            self.metrics.retained_chunks.set(self.retention.num_chunks)
         return out
 
     def _load_reported(self, worker: int, rid: str, tokens: int, out: ConnectorUpdate) -> None:
@@ -323,6 +384,7 @@ class PoolScheduler(KVConnectorScheduler):
         rid = request.request_id
         if request.status is not RequestStatus.WAITING:  # finished, not preempted
             self._next_save.pop(rid, None)
+            self._stamps.pop(rid, None)
             with self._lock:
                 self._lookups.pop(rid, None)
         st = self._loads.get(rid)
@@ -335,7 +397,7 @@ class PoolScheduler(KVConnectorScheduler):
 
     def has_pending(self) -> bool:
         with self._lock:
-            looking = any(look.hit is None for look in self._lookups.values())
+            looking = self._removals > 0 or any(look.hit is None for look in self._lookups.values())
         return bool(looking or self._loads or self._saving or self._cancels)
 
     def close(self) -> None:
@@ -415,5 +477,17 @@ def build_pool_connector(
         on_saved=reporter.record_pool_saved if reporter is not None else None,
         on_restored=reporter.record_restore if reporter is not None else None,
         wake=worker.wake,
+        retention=build_retention(cluster, inst, client),
     )
     return scheduler, worker
+
+
+def build_retention(cluster: ClusterConfig, inst: PoolInstance, client: PoolClient) -> Retention:
+    """The instance's retention policy (pool.retention): "client" keeps its saved chunks
+    within its share of the pool (kvpool/retention.py), "mooncake" leaves it to the
+    master."""
+    pool = cluster.pool
+    if pool is None or not pool.enabled or pool.retention != "client":
+        return Retention()
+    chunk_bytes = sum(spec.object_bytes for spec in client.specs.values())
+    return LruChainRetention(max(1, retention_share_bytes(cluster, inst.name) // chunk_bytes))

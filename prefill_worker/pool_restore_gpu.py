@@ -67,6 +67,10 @@ class GpuRestore:
         """Recorded after the unpacks reading each staging buffer."""
         self.kernels = restore_kernels.available(self.device)
         self._tables: dict[tuple[int, ...], restore_kernels.LayerTable] = {}
+        self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        """(phase, start, end) events of the device work queued since the last
+        `drain_times` (kvpool/metrics.py RESTORE_PHASES: h2d_gpu, checksum_gpu,
+        unpack_gpu)."""
 
     def unpack(
         self,
@@ -108,6 +112,7 @@ class GpuRestore:
             payloads = staged.payloads.view(getattr(torch, spec.dtype))
             payloads = payloads.view(len(staged.group), *spec.shape)
             with torch.cuda.stream(self.stream):
+                begin = _timing_event()
                 k0 = 0
                 c = first + staged.group.start  # the group's first chunk
                 b0 = max(start_block, c * bpc)
@@ -119,8 +124,8 @@ class GpuRestore:
                 if good > k0:
                     ids = block_ids[(c + k0) * bpc : (c + good) * bpc]
                     self._unpack_whole(payloads[k0:good], layers, ids)
-                free = torch.cuda.Event()
-                free.record()
+                free = _timing_event()
+                self._timed.append(("unpack_gpu", begin, free))
                 self._staging_free[gi % 2] = free
             if good < len(staged.group):
                 return staged.group.start + good
@@ -161,11 +166,12 @@ class GpuRestore:
             if free is not None:
                 self.copy_stream.wait_event(free)
             payloads = self._staging[b][: len(group) * nbytes].view(len(group), nbytes)
+            begin = _timing_event()
             for i, j in enumerate(group):
                 off = slots[j] * buf.slot_bytes + HEADER_BYTES
                 payloads[i].copy_(buf.tensor[off : off + nbytes], non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
+            copied = _timing_event()
+            self._timed.append(("h2d_gpu", begin, copied))
         sums = torch.empty(len(group), 2, dtype=torch.int64, pin_memory=True)
         return _Staged(group, payloads, sums, copied, copied)
 
@@ -177,9 +183,10 @@ class GpuRestore:
             sums = restore_kernels.payload_sums
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(staged.copied)
+            begin = _timing_event()
             staged.sums.copy_(sums(staged.payloads), non_blocking=True)
-            staged.summed = torch.cuda.Event()
-            staged.summed.record()
+            staged.summed = _timing_event()
+            self._timed.append(("checksum_gpu", begin, staged.summed))
 
     def sync_copies(self) -> None:
         """Wait for the H2D copies out of the load slots (before the slots are reused)."""
@@ -190,6 +197,22 @@ class GpuRestore:
         reported: nothing may still write its blocks)."""
         self.copy_stream.synchronize()
         self.stream.synchronize()
+
+    def drain_times(self) -> dict[str, float]:
+        """Seconds of device stream time per phase since the last call; call after
+        `sync` (every timed event is then complete)."""
+        out: dict[str, float] = {}
+        for phase, begin, end in self._timed:
+            out[phase] = out.get(phase, 0.0) + begin.elapsed_time(end) / 1000.0
+        self._timed = []
+        return out
+
+
+def _timing_event() -> torch.cuda.Event:
+    """An event recorded now on the current stream, with timing (restore phases)."""
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
 
 
 def _ids(blocks: list[int]) -> list[BlockId]:

@@ -42,7 +42,13 @@ from kvpool.stats import StageCounters
 from prefill_worker.pool_pack import pack_blocks, unpack_blocks
 from prefill_worker.pool_restore_gpu import GpuRestore
 from protocol.ids import BlockId, ChunkKey
-from protocol.pool_messages import PoolLoad, PoolLoadDone, PoolStepMeta, PoolWorkerReport
+from protocol.pool_messages import (
+    PoolLoad,
+    PoolLoadDone,
+    PoolStepMeta,
+    PoolWorkerReport,
+    without_saves,
+)
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +168,14 @@ class PoolWorker(KVConnectorWorker):
                 ready = torch.cuda.Event()
                 ready.record()
             self._loads.put(_Load(job, ready))
+
+    def without_requests(self, meta: bytes, request_ids: set[str]) -> bytes:
+        """Drops their saves (this stage's forward of them failed); loads stay (they
+        were started before the forward)."""
+        m = self._decode(meta)
+        if m is None:
+            return meta
+        return msgspec.msgpack.encode(without_saves(m, request_ids))
 
     def start_saves(self, meta: bytes) -> None:
         m = self._decode(meta)
@@ -330,7 +344,9 @@ class PoolWorker(KVConnectorWorker):
                     log.exception("pool load of %s failed", rid)
                     self.counters.failure("load", "error")
                 finally:  # nothing may still write the blocks once the load is reported
+                    t = time.perf_counter()
                     self._sync_unpacks()
+                    self._count_device_times(time.perf_counter() - t)
             with self._lock:
                 self._done.append(PoolLoadDone(rid, num_tokens))
                 self._in_flight.discard(rid)
@@ -364,19 +380,25 @@ class PoolWorker(KVConnectorWorker):
                 # previous window's last unpacks may still run (they read the device
                 # staging, not the slots): they overlap this read.
                 self._sync_copies()
+                waited = time.perf_counter() - t
                 slots = load_slots[i * window : i * window + len(wkeys)]
                 gpu = self._restore
                 n = self.client.read(stage.index, wkeys, slots, verify_payload=gpu is None)
                 n = min(n, window_ok)
                 layers = self._layers(stage)
                 first = job.first_chunk + num_ok  # the window's first chunk
+                t_dev = time.perf_counter()
                 if gpu is not None:
                     start_block = job.token_start // (cs // self.blocks_per_chunk)
                     n = gpu.unpack(
                         stage.index, wkeys, slots, n, layers, job.block_ids, first, start_block
                     )
+                    phase = "device"
                 else:
                     n = self._unpack_on_host(job, stage.index, slots, n, first, layers)
+                    phase = "unpack"
+                spent = time.perf_counter() - t_dev + waited
+                self.counters.restore_phase(stage.index, phase, spent)
                 window_ok = n
                 stage_s[i] += time.perf_counter() - t
                 if n == 0:
@@ -413,6 +435,16 @@ class PoolWorker(KVConnectorWorker):
             src = self.client.buffer.payload(slots[j], spec)
             unpack_blocks(src[:, :, (b0 - c * bpc) * bs :], layers, _ids(job.block_ids[b0:b1]))
         return n
+
+    def _count_device_times(self, waited_s: float) -> None:
+        """CUDA: the final wait for a load's device work, and the device stream time of
+        its phases (restore_phase_seconds; all counted on this process's first stage)."""
+        if self._restore is None:
+            return
+        stage = self.stages[0].index
+        self.counters.restore_phase(stage, "device", waited_s)
+        for phase, secs in self._restore.drain_times().items():
+            self.counters.restore_phase(stage, phase, secs)
 
     def _sync_copies(self) -> None:
         """Wait for the H2D copies out of the load slots (CUDA)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import httpx
@@ -43,6 +44,9 @@ from protocol.messages import (
 from transfer.faults import HandoffFaults
 
 log = logging.getLogger(__name__)
+
+ABORTED_KEPT = 4096
+"""Aborted request ids remembered (an abort may reach prefill before its request)."""
 
 
 def usage_of(out: RequestOutput) -> PromptUsage:
@@ -86,6 +90,9 @@ class PrefillService:
         self.heap_trimmer = HeapTrimmer()
         """Gives the heap's free pages back after large batches (prefill_worker/heap_trim.py);
         started and stopped with the app."""
+        self._aborted: OrderedDict[str, None] = OrderedDict()
+        """Ids of the last ABORTED_KEPT aborts: a request aborted before it entered the
+        engine (held at the door, or overtaken by its abort) is refused, not computed."""
 
     def status(self) -> InstanceStatus:
         """Engine thread."""
@@ -114,6 +121,9 @@ class PrefillService:
     def on_abort(self, msg: AbortRequest) -> None:
         """The request may have left the engine with its KV still on the way: stop that."""
         rid = msg.request_id
+        self._aborted[rid] = None
+        while len(self._aborted) > ABORTED_KEPT:
+            self._aborted.popitem(last=False)
         self.host.loop.submit(lambda _e: self.handoffs.cancel(rid))
 
     async def reset_prefix_cache(self) -> Response:
@@ -135,6 +145,9 @@ class PrefillService:
             self.metrics.outcome("rejected")
             return error_response(403, refused, rid)
         await self.faults.hold(len(msg.prompt_token_ids))
+        if rid in self._aborted:
+            self.metrics.outcome("aborted")
+            return error_response(409, f"request {rid} was aborted before it started", rid)
         queue = self.host.open_stream(rid)
 
         def add(e: LLMEngine) -> None:

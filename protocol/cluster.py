@@ -140,6 +140,17 @@ class PoolConfig(_Section, frozen=True, kw_only=True):
     save_queue_depth: PositiveInt = 64
     """Chunks a prefill instance may have waiting to be saved; beyond it saves are dropped
     (counted), never stalling compute."""
+    retention: Literal["mooncake", "client"] = "mooncake"
+    """Who chooses what leaves a full pool. "mooncake": the master evicts past its high
+    watermark (close to random for large chunk objects: a hole anywhere in a session's
+    chain loses the rest of it). "client": each prefill or unified instance keeps the
+    chunks it saved within its share of `retention_budget` of the pool's stores and removes
+    the least recently used sessions' chains itself, tail first, so a kept chain stays a
+    usable prefix (kvpool/retention.py; docs/pool.md "Retention")."""
+    retention_budget: Annotated[float, msgspec.Meta(gt=0, le=0.9)] = 0.85
+    """retention "client": the fraction of the stores' bytes the writing instances may
+    fill together (split evenly among the instances that save to that pool); at most the
+    master's high watermark (0.9), so that the master itself never evicts."""
 
 
 class HandoffFaultsConfig(_Section, frozen=True, kw_only=True):
@@ -165,8 +176,14 @@ class EngineFaultsConfig(_Section, frozen=True, kw_only=True):
     fail_seed: int
     """Every step holding a request with this sampling seed fails at `place`."""
     place: Literal["sample", "forward"] = "sample"
-    """"sample": the batched sampler raises; "forward": the batched model forward raises
-    (single-process instances only: PP 1, TP 1)."""
+    """"sample": the batched sampler raises; "forward": the batched model forward raises."""
+    stage: int | None = None
+    """"forward" on a prefill pipeline: the one stage whose forward raises (None: each)."""
+    rank: int | None = None
+    """"forward" on a decode TP x DCP instance: the one rank that raises, inside its
+    forward before layer `layer` (the others do not: a failure of that rank's device or
+    memory); None: every rank alike, before the forward (what a request's input does)."""
+    layer: int = 0
 
 
 class PrefillConfig(_Section, frozen=True, kw_only=True):

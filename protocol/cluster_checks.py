@@ -326,6 +326,12 @@ def _check_router(c: ClusterConfig) -> None:
         raise ConfigError("router.api_key", "is empty; remove it or give a key")
     if r.api_key_env is not None and not _ENV_RE.match(r.api_key_env):
         raise ConfigError("router.api_key_env", "is not a valid environment variable name")
+    if r.host in _WILDCARDS and r.api_key is None and r.api_key_env is None:
+        raise ConfigError(
+            "router.host",
+            f"{r.host!r} opens the API on every interface, so it needs router.api_key or "
+            "router.api_key_env; or bind the router node's address",
+        )
     _check_env("router.env", r.env)
 
 

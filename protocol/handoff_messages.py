@@ -41,6 +41,14 @@ class HandoffMeta(msgspec.Struct, frozen=True, array_like=True):
     cancels: list[str] = []
 
 
+def without_sends(meta: HandoffMeta, request_ids: set[str]) -> HandoffMeta:
+    """`meta` without the sends of `request_ids` (their forward failed: their KV of the
+    step is not valid). Opens and cancels stay: the flows close through the cancel that
+    follows the requests' failure."""
+    sends = [s for s in meta.sends if s.request_id not in request_ids]
+    return HandoffMeta(meta.opens, sends, meta.cancels)
+
+
 class FlowResult(msgspec.Struct, frozen=True, array_like=True):
     """A stage's flow of a request closed: nothing of it reads blocks or writes anymore."""
 

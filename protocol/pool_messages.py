@@ -44,6 +44,13 @@ class PoolStepMeta(msgspec.Struct, frozen=True):
     saves: list[PoolSave] = []
 
 
+def without_saves(meta: PoolStepMeta, request_ids: set[str]) -> PoolStepMeta:
+    """`meta` without the saves of `request_ids` (their forward failed: their KV of the
+    step is not valid); loads and cancels stay."""
+    saves = [s for s in meta.saves if s.request_id not in request_ids]
+    return PoolStepMeta(meta.loads, meta.cancels, saves)
+
+
 class PoolFailure(msgspec.Struct, frozen=True, array_like=True):
     op: str
     reason: str
@@ -67,6 +74,9 @@ class PoolCounts(msgspec.Struct):
     """(stage, objects stored) since the last report."""
     loaded_objects: list[tuple[int, int]] = []
     """(stage, objects read, verified and unpacked) since the last report."""
+    restore_phases: list[tuple[int, str, float]] = []
+    """(stage, phase, seconds) of restore time by phase since the last report
+    (kvpool/metrics.py RESTORE_PHASES)."""
 
     def is_empty(self) -> bool:
         return self == PoolCounts()

@@ -68,7 +68,10 @@ class RankStep(msgspec.Struct, frozen=True, tag="rank_step"):
     reports); its outputs are discarded."""
     fault: str = ""
     """Test-only injected forward fault (engine/faults.py): every rank raises it before
-    its forward, as a request's input makes every rank fail alike."""
+    its forward, as a request's input makes every rank fail alike, or only
+    `fault_rank`, before layer `fault_layer`."""
+    fault_rank: int = -1
+    fault_layer: int = 0
 
 
 class RankCommand(msgspec.Struct, frozen=True, tag="rank_command"):
@@ -90,6 +93,16 @@ class StageStep(msgspec.Struct, frozen=True, tag="stage_step"):
     """The KV connector's metadata of the step, for every stage's worker (b"" for none)."""
     reports: list[bytes]
     """Connector reports of the stages the step went through so far, in stage order."""
+    request_ids: list[str] = []
+    """The request of each sequence of the batch (stages remember forward culprits by
+    id: a culprit's later chunks may already be on the ring)."""
+    culprits: list[tuple[int, str]] = []
+    """(sequence, error) whose forward failed on a stage the step went through: later
+    stages skip them (their hidden states are not valid) and drop their saves and sends
+    (engine/parallel/pp_isolation.py)."""
+    poisoned: list[int] = []
+    """Test-only: sequences whose request carries the injected forward fault's seed
+    (engine/faults.py)."""
 
 
 StageMessage = StageStep | Shutdown
@@ -106,6 +119,9 @@ class StageResult(msgspec.Struct, frozen=True, tag="stage_result"):
     failed: list[tuple[int, str]] = []
     """(sampled row, error) of rows that could not be sampled: those requests fail
     alone (engine/step_isolation.py); their token_ids entry is meaningless."""
+    culprits: list[tuple[str, str]] = []
+    """(request id, error) of requests whose forward failed on some stage in this step:
+    they fail alone; their sampled token, if any, is meaningless."""
 
 
 # -- worker-level payloads ------------------------------------------------------------------

@@ -7,6 +7,9 @@ from typing import Literal
 import msgspec
 
 MAX_TOP_LOGPROBS = 20
+MAX_STOP_CHARS = 1024
+"""Longest stop sequence: every generated token is checked against each, and the text
+that may start one is held back from the stream."""
 """Most alternatives per token a request may ask for (OpenAI's limit)."""
 
 
@@ -82,6 +85,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("at most 4 stop sequences are allowed")
         if any(s == "" for s in self.stop):
             raise ValueError("stop sequences must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters long")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"

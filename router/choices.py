@@ -103,7 +103,10 @@ async def full_body(choices: list[Choice]) -> bytes:
             finish = delta.finish_reason
         return finish
 
-    finishes = await asyncio.gather(*(drain(c) for c in choices))
+    if len(choices) == 1:  # the common case: no task for gather to wrap the drain in
+        finishes = [await drain(choices[0])]
+    else:
+        finishes = await asyncio.gather(*(drain(c) for c in choices))
     return full_response(
         [c.fmt for c in choices], list(finishes), num_output_tokens(choices), usage_of(choices)
     )

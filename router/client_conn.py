@@ -81,13 +81,17 @@ class DisconnectWatch:
             task.uncancel()
         return True
 
-    async def _watch(self) -> None:
-        await wait_disconnect(self._receive)
-        self._task = None
+    def client_left(self) -> None:
+        """The client has gone: note it, and cancel the guarded task if there is one."""
         self.gone = True
         if self._owner is not None:
             self._cancelled_owner = True
             self._owner.cancel()
+
+    async def _watch(self) -> None:
+        await wait_disconnect(self._receive)
+        self._task = None
+        self.client_left()
 
 
 class JSONReply(Response):

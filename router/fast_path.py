@@ -1,5 +1,10 @@
 """The two generation routes served straight from ASGI, ahead of FastAPI's routing.
 
+Under the router's own server most such requests never reach ASGI: the HTTP protocol
+serves an exact-path POST itself (router/generation_cycle.py). What still comes this way
+is a generation POST with a query string or escapes, or any request when the app runs
+under another server (tests with an ASGI transport).
+
 Why: per request, the layers between uvicorn and the handler (Starlette's error
 middleware and routing, FastAPI's telemetry, body limit, exit stack, request/response
 wrappers) took ~18% of the router's CPU in benchmarks/router_overhead.py, as much as

@@ -54,7 +54,10 @@ class HealthMonitor:
         else:
             if inst.healthy:
                 log.warning("%s is unhealthy: %s", inst.describe(), error)
-            self._registry.mark_unhealthy(inst, error)
+            # A timed-out poll (httpx's *Timeout errors) is a slow process, not a dead one:
+            # requests bound to it keep waiting.
+            slow = error.split(":", 1)[0].endswith("Timeout")
+            self._registry.mark_unhealthy(inst, error, down=not slow)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

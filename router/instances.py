@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from router.decode_bindings import DecodeBindings
+
 Role = Literal["prefill", "decode", "unified"]
 """unified: an instance that prefills and decodes in one engine (router/unified.py)."""
 
@@ -57,6 +59,9 @@ class InstanceRegistry:
         }
         for role, instances in self._by_role.items():
             assert all(i.role == role for i in instances), f"mislabelled {role} instance"
+        self.bindings = DecodeBindings()
+        """Requests reserved on a decode process while prefill works on them: failed
+        (and aborted) when that process is known to be gone (router/decode_bindings.py)."""
 
     def instances(self, role: Role) -> Sequence[Instance]:
         return self._by_role[role]
@@ -68,20 +73,28 @@ class InstanceRegistry:
         """Healthy instances of `role`, minus those named in `exclude` (already tried)."""
         return [i for i in self._by_role[role] if i.healthy and i.name not in exclude]
 
-    def mark_unhealthy(self, instance: Instance, reason: str, incarnation: str = "") -> bool:
+    def mark_unhealthy(
+        self, instance: Instance, reason: str, incarnation: str = "", *, down: bool = True
+    ) -> bool:
         """Mark `instance` unhealthy because of `reason`. `incarnation`: the process a
         broken stream came from; when the instance has since been seen running another
         one (the supervisor restarted it), the failure was the old process's and the
-        instance stays as it is. True when it was marked."""
+        instance stays as it is. `down`: the process is known gone (a refused or broken
+        connection, not a slow answer): requests reserved on it that still wait for
+        prefill fail at once. True when it was marked."""
         if incarnation and instance.incarnation and incarnation != instance.incarnation:
             return False
         instance.last_error = reason
         if instance.healthy:
             instance.healthy = False
             instance.changed_at = time.monotonic()
+        if down and instance.role == "decode":
+            self.bindings.lose(instance, reason, incarnation)
         return True
 
     def mark_healthy(self, instance: Instance, incarnation: str = "") -> None:
+        if instance.role == "decode" and incarnation and incarnation != instance.incarnation:
+            self.bindings.restarted(instance, incarnation)
         instance.incarnation = incarnation or instance.incarnation
         if not instance.healthy:
             instance.healthy = True
@@ -101,6 +114,11 @@ class InstanceRegistry:
                         "healthy": i.healthy,
                         "error": i.last_error,
                         "incarnation": i.incarnation,
+                        **(
+                            {"waiting_for_prefill": self.bindings.num_bound(i)}
+                            if role == "decode"
+                            else {}
+                        ),
                     }
                     for i in instances
                 ],

@@ -28,6 +28,8 @@ _THREAD_TOKENIZE_CHARS = 16_384
 """Longer prompts are templated and tokenized off the event loop."""
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 MAX_N = 16
+MAX_MESSAGES = 10_000
+"""Messages of one chat request (a long agent session has hundreds)."""
 """Most choices per request (each one is a sequence on the workers)."""
 
 
@@ -101,6 +103,11 @@ class Preprocessor:
             raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
         if not req.messages:
             raise InvalidRequest("messages must hold at least one message", param="messages")
+        if len(req.messages) > MAX_MESSAGES:
+            raise InvalidRequest(
+                f"messages holds {len(req.messages)} messages; at most {MAX_MESSAGES} are accepted",
+                param="messages",
+            )
         messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
         template = self.model.chat_template
         if template is None:
@@ -127,7 +134,8 @@ class Preprocessor:
             text = template.render(rendered, add_generation_prompt=True, tools=tools.template_tools)
             return self.model.tokenizer.encode(text, add_special_tokens=False)
 
-        size = sum(len(str(m.get("content") or "")) for m in messages)
+        # every message costs the template a loop turn even when empty
+        size = sum(len(str(m.get("content") or "")) + 64 for m in messages)
         ids = await _maybe_in_thread(render_and_encode, size)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

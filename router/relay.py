@@ -161,7 +161,12 @@ class RequestRun:
             if self.params.max_tokens > 1:
                 decode_events, ready = await self._open_decode()
             first = None
-            async for event in self._prefill_events(ready):
+            prefill_events = self._prefill_events(ready)
+            if ready is not None and self.decode is not None:  # router/decode_bindings.py
+                bindings = self._s.registry.bindings
+                binding = bindings.bind(self.decode, ready.incarnation, self.request_id)
+                prefill_events = binding.guard(prefill_events)
+            async for event in prefill_events:
                 if isinstance(event, FirstToken):
                     first = event
                     self.usage = event.usage

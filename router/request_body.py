@@ -4,11 +4,11 @@ before the app), disconnects mid-body, and decoding that cannot crash the handle
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from starlette.types import Receive, Scope
 
-from router.client_conn import ClientDisconnected
+from router.client_conn import ClientDisconnected, DisconnectWatch
 from router.errors import APIError, InvalidRequest
 
 _T = TypeVar("_T")
@@ -39,6 +39,22 @@ class Headers:
         return default
 
 
+class GenerationRequest(Protocol):
+    """What serving a generation request reads of it, whichever server delivered it:
+    RawRequest (ASGI) or router/generation_cycle.py's DirectRequest."""
+
+    @property
+    def headers(self) -> Headers: ...
+
+    async def body(self) -> bytes:
+        """The whole body; ClientDisconnected if the client leaves before its end."""
+        ...
+
+    def disconnect_watch(self) -> DisconnectWatch:
+        """The watch that notices the client leaving (one per request)."""
+        ...
+
+
 class RawRequest:
     """What serving a generation request reads of it: headers, body, ASGI `receive`.
     Leaner than starlette's Request (no URL, cookies or form parsing on the hot path)."""
@@ -61,8 +77,12 @@ class RawRequest:
             if not message.get("more_body", False):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    def disconnect_watch(self) -> DisconnectWatch:
+        """The request's watch: a task awaiting `receive()`'s disconnect message."""
+        return DisconnectWatch(self.receive)
 
-async def read_json_body(request: RawRequest) -> bytes:
+
+async def read_json_body(request: GenerationRequest) -> bytes:
     """The whole body. A Content-Type other than JSON is a 415 (no Content-Type is taken as
     JSON, as curl-less clients send); a client that leaves mid-body is ClientDisconnected,
     not a server error."""

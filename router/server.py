@@ -1,6 +1,8 @@
 """Running the router app under uvicorn: uvloop, httptools, TCP_NODELAY on every client
 connection (a streamed chunk must leave at once, not wait for the previous one's ACK),
-one write per event-loop turn (router/write_coalescing.py), and the HTTP limits of router/http_limits.py (sizes and timeouts of headers and body)."""
+one write per event-loop turn (router/write_coalescing.py), the HTTP limits of
+router/http_limits.py (sizes and timeouts of headers and body), and the generation
+routes served by the protocol itself (router/generation_cycle.py)."""
 
 from __future__ import annotations
 
@@ -15,16 +17,18 @@ from prometheus_client import start_http_server
 from modelinfo.info import load_model_info
 from router.app import create_app
 from router.config import RouterSettings
+from router.generation_cycle import GenerationRoutes
 from router.http_limits import GuardedHttpToolsProtocol, HttpLimits, guarded_protocol
 from router.write_coalescing import CoalescingTransport
 
 log = logging.getLogger(__name__)
 
 
-class NoDelayHttpToolsProtocol(GuardedHttpToolsProtocol):
+class NoDelayHttpToolsProtocol(GuardedHttpToolsProtocol, GenerationRoutes):
     """uvicorn's httptools protocol with Nagle's algorithm turned off explicitly, the
-    writes of one event-loop turn coalesced (router/write_coalescing.py), and the HTTP
-    limits of its base."""
+    writes of one event-loop turn coalesced (router/write_coalescing.py), the HTTP
+    limits of router/http_limits.py, and the generation routes served without ASGI
+    (router/generation_cycle.py; the limits apply to them as to every request)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         sock = transport.get_extra_info("socket")

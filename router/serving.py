@@ -46,7 +46,7 @@ from router.output import OutputStream, RequestTiming
 from router.policies import RouteContext
 from router.preprocess import PreparedRequest, Preprocessor
 from router.relay import RelayServices, RequestRun
-from router.request_body import RawRequest, decode_json, read_json_body
+from router.request_body import GenerationRequest, decode_json, read_json_body
 from router.unified import UnifiedRun
 
 log = logging.getLogger(__name__)
@@ -65,14 +65,14 @@ class ServingContext:
     session_headers: tuple[str, ...] = ()
     """Headers naming the client's session, in order of preference (RouterSettings)."""
 
-    def session_of(self, request: Request | RawRequest, user: str | None) -> str | None:
+    def session_of(self, request: Request | GenerationRequest, user: str | None) -> str | None:
         for name in self.session_headers:
             value = request.headers.get(name)
             if value:
                 return value
         return user
 
-    def check_auth(self, request: Request | RawRequest) -> None:
+    def check_auth(self, request: Request | GenerationRequest) -> None:
         if self.api_key is None:
             return
         header = request.headers.get("authorization") or ""
@@ -95,14 +95,16 @@ def error_response(error: APIError) -> Response:
     )
 
 
-async def serve_generation(ctx: ServingContext, request: RawRequest, endpoint: str) -> Response:
+async def serve_generation(
+    ctx: ServingContext, request: GenerationRequest, endpoint: str
+) -> Response:
     """The whole life of one generation request; never raises for client or worker faults.
 
     The work runs in the caller's task, guarded by one DisconnectWatch from the end of
     the body to the end of the response (a streamed one included)."""
     record = RequestRecord(ctx.metrics, endpoint)
     choices: list[Choice] = []
-    watch = DisconnectWatch(request.receive)
+    watch = request.disconnect_watch()
     streaming = False
     try:
         ctx.check_auth(request)

@@ -41,6 +41,7 @@ from protocol.messages import (
     GenerateRequest,
     PrefillEvent,
     PrefillRequest,
+    TokenBatch,
 )
 from router.errors import WorkerError, WorkerFailed, WorkerUnavailable
 from router.http1 import ConnectFailed, ConnectionBroken, Http1Pool, Response
@@ -214,7 +215,9 @@ class WorkerClient:
         decoder: msgspec.json.Decoder[_E],
         deadline: float,
     ) -> AsyncIterator[_E]:
-        """Decoded NDJSON events of a streaming POST, each read bounded by `deadline`."""
+        """Decoded NDJSON events of a streaming POST, each read bounded by `deadline`.
+        TokenBatches that arrive in one socket read are yielded as one (see
+        `merge_batches`)."""
         resp = await self._post(inst, path, msg, deadline)  # `deadline` bounds its reading
         try:
             pending = b""
@@ -223,15 +226,75 @@ class WorkerClient:
                 if b"\n" not in data:
                     continue
                 *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    if line.strip():
-                        yield _decode_event(inst, decoder, line)
+                if len(lines) == 1:
+                    if lines[0].strip():
+                        yield _decode_event(inst, decoder, lines[0])
+                    continue
+                events = [_decode_event(inst, decoder, line) for line in lines if line.strip()]
+                for event in merge_batches(events):
+                    yield event
             if pending.strip():
                 yield _decode_event(inst, decoder, pending)
         except ConnectionBroken as e:
             raise _failed(inst, path, e) from None
         finally:
             resp.close()
+
+
+def merge_batches(events: list[_E]) -> list[_E]:
+    """`events` with consecutive TokenBatches of one request joined into one: the tokens
+    a worker sent faster than the router read them pass the router's output path once,
+    not once per batch. A worker's own TokenBatch already carries the tokens of every
+    engine step it had pending when it wrote, so a joined batch says the same (tokens,
+    logprobs and alternatives in order; the last batch's finish and count). Nothing is
+    joined onto a batch that carries a finish_reason."""
+    out: list[Any] = []
+    run: list[TokenBatch] = []
+    for event in events:
+        if (
+            isinstance(event, TokenBatch)
+            and run
+            and run[-1].finish_reason is None
+            and run[-1].request_id == event.request_id
+        ):
+            run.append(event)
+            continue
+        if run:
+            out.append(run[0] if len(run) == 1 else _join(run))
+        if isinstance(event, TokenBatch):
+            run = [event]
+        else:
+            run = []
+            out.append(event)
+    if run:
+        out.append(run[0] if len(run) == 1 else _join(run))
+    return out
+
+
+def _join(batches: list[TokenBatch]) -> TokenBatch:
+    token_ids: list[int] = []
+    logprobs: list[float | None] = []
+    tops: list[list[tuple[int, float]] | None] | None = None
+    if any(b.top_logprobs is not None for b in batches):
+        tops = []
+    for b in batches:
+        n = len(b.token_ids)
+        token_ids += b.token_ids
+        # A worker may send fewer logprobs or alternatives than tokens: keep them aligned.
+        lp = b.logprobs
+        logprobs += lp if len(lp) == n else [*lp[:n], *[None] * (n - len(lp))]
+        if tops is not None:
+            top = b.top_logprobs or []
+            tops += top if len(top) == n else [*top[:n], *[None] * (n - len(top))]
+    last = batches[-1]
+    return TokenBatch(
+        last.request_id,
+        token_ids,
+        logprobs,
+        last.finish_reason,
+        last.num_output_tokens,
+        top_logprobs=tops,
+    )
 
 
 def _decode_event(inst: Instance, decoder: msgspec.json.Decoder[_E], line: bytes) -> _E:

@@ -80,3 +80,87 @@ def test_graph_decode_input_path_equals_torch(
     assert eng.runner.graphs.sizes == [1, 2, 4, 8]
     assert _outputs(eng) == ref
     assert eng.runner.graphs.replays >= 8  # the pure-decode steps of the workload
+
+
+def test_decode_ahead_equals_torch_and_is_taken(
+    tiny_llama_dir, weights_cache_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps launched ahead with the previous step's tokens on the device (the
+    graphs emulated on CPU): requests of different lengths finish mid-batch (the next
+    step takes a subset of the launched rows), a block boundary is crossed (the next
+    block is allocated a step early), seeded sampling draws the same tokens; everything
+    equals the engine without it and the torch reference."""
+    monkeypatch.setattr(flex, "DEFAULT_KERNEL", simulate_flex)
+    monkeypatch.setattr(cuda_graphs, "CPU_EMULATION", True)
+
+    def config(backend: str, **kw: object) -> EngineConfig:
+        return EngineConfig(
+            cache_dir=weights_cache_dir,
+            num_blocks=48,
+            max_num_seqs=4,
+            attention_backend=backend,
+            compile_layers=False,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    prompts = [_prompt(n, 30 + n) for n in (3, 14, 29, 9)]
+    params = [
+        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (20, 7, 12, 3)
+    ]
+    params[1] = SamplingParams(max_tokens=7, temperature=0.8, seed=5, ignore_eos=True)
+    ref = [
+        c.token_ids
+        for c in LLMEngine.from_spec(str(tiny_llama_dir), config("torch")).generate(prompts, params)
+    ]
+    results = {}
+    for ahead in (False, True):
+        eng = LLMEngine.from_spec(
+            str(tiny_llama_dir), config("flex", cuda_graphs=True, decode_ahead=ahead)
+        )
+        assert isinstance(eng.runner, ModelRunner)
+        results[ahead] = [c.token_ids for c in eng.generate(prompts, params)]
+        if ahead:
+            # 19 decode steps after the prefill; all but a few are taken from a launch
+            assert eng.runner.ahead_taken >= 12, (eng.runner.ahead_taken, eng.runner.ahead_launched)
+        else:
+            assert eng.runner.ahead_launched == 0
+    assert results[True] == results[False] == ref
+
+
+def test_decode_ahead_dropped_when_a_request_arrives(
+    tiny_llama_dir, weights_cache_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request added between steps makes the next step a mixed one: the launched step
+    is dropped, and the tokens still equal the torch engine's."""
+    monkeypatch.setattr(flex, "DEFAULT_KERNEL", simulate_flex)
+    monkeypatch.setattr(cuda_graphs, "CPU_EMULATION", True)
+
+    def run(backend: str, **kw: object) -> tuple[dict[str, list[int]], LLMEngine]:
+        eng = LLMEngine.from_spec(
+            str(tiny_llama_dir),
+            EngineConfig(
+                cache_dir=weights_cache_dir,
+                num_blocks=48,
+                max_num_seqs=4,
+                attention_backend=backend,
+                **kw,  # type: ignore[arg-type]
+            ),
+        )
+        long = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        outs: dict[str, list[int]] = {}
+        eng.add_request(_prompt(12, 1), long, "a")
+        for i in range(10):
+            if i == 4:
+                eng.add_request(_prompt(20, 2), long, "b")
+            for o in eng.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        while eng.has_unfinished():
+            for o in eng.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return outs, eng
+
+    ref, _ = run("torch")
+    got, eng = run("flex", cuda_graphs=True, compile_layers=False)
+    assert got == ref
+    assert isinstance(eng.runner, ModelRunner)
+    assert eng.runner.ahead_launched > eng.runner.ahead_taken > 0

@@ -152,6 +152,7 @@ BAD = [
     ("chunk", _set("cache.chunk_size", 100), "cache.chunk_size", "multiple of block_size 16"),
     ("wildcard", _set("nodes.0.host", "0.0.0.0"), "nodes[0].host", "wildcard"),
     ("auth", _set("router.api_key_env", "K"), None, None),  # valid alone
+    ("open-router", _set("router.host", "0.0.0.0"), "router.host", "needs router.api_key"),
     # references and names
     (
         "node-ref",

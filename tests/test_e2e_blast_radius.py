@@ -6,7 +6,11 @@ the router (engine/step_isolation.py). A test-only fault hook (cluster.yaml
   culprit), decode's batched sampler fails (rows sampled alone);
 - a PP 2 prefill (the last stage samples in its own process) and a TP 2 decode (rank 0
   samples): the batched sampler fails on the stage / rank that samples;
-- a TP 2 decode whose forward fails on both ranks (bisected by the ranks in lockstep).
+- a TP 2 decode whose forward fails on both ranks (bisected by the ranks in lockstep);
+- a PP 2 prefill whose second stage's forward fails (that stage bisects, the stages
+  agree through the step itself) and a TP 2 decode whose forward fails on rank 1 alone,
+  inside its second layer (rank 1 completes the layer's collectives, the ranks agree on
+  the failure, then bisect).
 
 Concurrent greedy requests share the culprit's steps: each completes with exactly its
 solo single-process tokens; the culprit gets an error promptly (no hang); the workers
@@ -166,6 +170,50 @@ def test_tensor_parallel_forward_failure_fails_one_request(tp_forward: ParallelC
             for s in (
                 httpx.get(tp_forward.urls[n] + "/status", headers=tp_forward.headers).json()
                 for n in ("p1", "tp2")
+            )
+        ),
+        10,
+    )
+
+
+@pytest.fixture(scope="module")
+def pp_stage_and_one_rank(tmp_path_factory, tiny_parallel_dir: Path, weights_cache_dir: str):
+    c = start_parallel_cluster(
+        tmp_path_factory.mktemp("blast-pp-rank"),
+        str(tiny_parallel_dir),
+        cache_dir=weights_cache_dir,
+        prefill={
+            "pp2": {
+                "pipeline_parallel": 2,
+                "engine_faults": {"fail_seed": PREFILL_POISON, "place": "forward", "stage": 1},
+            }
+        },
+        decode={
+            "tp2": {
+                "tensor_parallel": 2,
+                "engine_faults": {
+                    "fail_seed": DECODE_POISON,
+                    "place": "forward",
+                    "rank": 1,
+                    "layer": 1,
+                },
+            }
+        },
+    )
+    yield c
+    c.down()
+
+
+def test_pipeline_stage_and_one_rank_forward_failures(pp_stage_and_one_rank, reference):
+    c = pp_stage_and_one_rank
+    for tag, poison in ((40, PREFILL_POISON), (41, DECODE_POISON), (42, PREFILL_POISON)):
+        _check_batch(c.router_url, c.served_name, reference, poison, tag)
+    assert wait_until(
+        lambda: all(
+            s["kv_blocks_free"] == s["kv_blocks_total"] and s["num_running"] == 0
+            for s in (
+                httpx.get(c.urls[n] + "/status", headers=c.headers, timeout=10).json()
+                for n in ("pp2", "tp2")
             )
         ),
         10,

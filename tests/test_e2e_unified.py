@@ -29,6 +29,8 @@ from cluster_harness import Cluster, free_ports, kvserve, wait_until
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.step_trace import ENV as STEP_TRACE_ENV
+from engine.step_trace import RequestEvent, StepRecord, read_trace
 from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(900)
@@ -41,6 +43,7 @@ POISON = 4242
 class UnifiedCluster(Cluster):
     unified_url: str
     store_health: str
+    trace_dir: Path
 
     def metric(self, url: str, name: str, **labels: str) -> float:
         """Sum of a series' samples whose labels include `labels` (0 when none)."""
@@ -84,6 +87,8 @@ def cluster(tmp_path_factory, weights_cache_dir: str):
                 "pool_buffer_memory": "96MiB",
                 # test-only: every step holding a request seeded POISON fails its forward
                 "engine_faults": {"fail_seed": POISON, "place": "forward"},
+                # the step trace (engine/step_trace.py) of every request of the module
+                "env": {STEP_TRACE_ENV: str(tmp / "trace")},
             }
         ],
         "router": {
@@ -111,6 +116,7 @@ def cluster(tmp_path_factory, weights_cache_dir: str):
     )
     c.unified_url = f"http://127.0.0.1:{p[3]}"
     c.store_health = f"http://127.0.0.1:{p[2]}/health"
+    c.trace_dir = tmp / "trace"
     yield c
     res = c.down()
     assert res.returncode == 0, res.stderr
@@ -317,3 +323,32 @@ def test_health_metrics_and_scrape_config_name_the_role(cluster, client, referen
     jobs = {j["job_name"]: j for j in yaml.safe_load(res.stdout)["scrape_configs"]}
     assert jobs["kvserve-unified"]["honor_labels"] is True
     assert jobs["kvserve-unified"]["static_configs"][0]["labels"]["role"] == "unified"
+
+
+def test_step_trace_shows_each_request_s_path_to_its_first_token(cluster, client, reference):
+    """KVSERVE_STEP_TRACE in the instance's env: the worker records each request's arrival,
+    admission and first token, the engine every step; the request's prefill steps (chunks of
+    at most max_batched_tokens) lie between its arrival and its first token."""
+    ids = _prompt(reference, 91, 600)
+    _complete(client, ids, 3)
+    steps: list[StepRecord] = []
+    events: dict[str, dict[str, float]] = {}
+    for path in cluster.trace_dir.glob("unified-0-*.jsonl"):
+        for line in read_trace(path):
+            if isinstance(line, StepRecord):
+                steps.append(line)
+            elif isinstance(line, RequestEvent):
+                events.setdefault(line.rid, {})[line.ev] = line.t
+    # the last request that reached its first token is this one (600 prompt tokens)
+    rid, ev = max(
+        ((r, e) for r, e in events.items() if "first_token" in e), key=lambda x: x[1]["arrival"]
+    )
+    assert ev["arrival"] <= ev["added"] <= ev["first_token"]
+    mine = [(s, r) for s in steps for r in s.rows if r[0] == rid]
+    first = next(i for i, (_, r) in enumerate(mine) if r[3])  # the step that sampled first
+    prefill = mine[: first + 1]
+    assert prefill and all(ev["arrival"] <= s.t0 for s, _ in prefill)
+    assert sum(r[1] for _, r in prefill) <= len(ids)  # less when a prefix was cached
+    assert prefill[-1][1][2] + prefill[-1][1][1] == len(ids) and prefill[-1][1][3]
+    assert all(r[1] <= 256 for _, r in prefill)  # max_batched_tokens
+    assert prefill[-1][0].end <= ev["first_token"]

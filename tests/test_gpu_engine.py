@@ -141,3 +141,32 @@ def test_every_sampling_parameter_on_cuda(backend, tiny_llama_dir, weights_cache
     batch = eng.generate([prompt] * 3, params)
     assert batch[0].token_ids == greedy
     assert batch[1].token_ids == outs[1].token_ids  # seeded: independent of the batch
+
+
+def test_decode_ahead_on_cuda_equals_off(tiny_llama_dir, weights_cache_dir):
+    """Decode steps launched ahead on CUDA (graphs, compiled layers, the tokens fed on the
+    device): requests finishing at different lengths, seeded sampling and logprobs give
+    the same tokens and logprobs as the engine that waits for each step's tokens, and the
+    launched steps are used."""
+    prompts = [_prompt(n, 60 + n) for n in (5, 40, 130, 17)]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.9, seed=7, ignore_eos=True, logprobs=True),
+        SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True, logprobs=True),
+        SamplingParams(max_tokens=33, temperature=1.1, seed=3, top_k=20, ignore_eos=True),
+    ]
+    outs = {}
+    for ahead in (False, True):
+        eng = _engine(
+            tiny_llama_dir, weights_cache_dir, attention_backend="flex", decode_ahead=ahead
+        )
+        outs[ahead] = eng.generate(prompts, params)
+        if ahead:
+            assert _runner(eng).ahead_taken >= 30, _runner(eng).ahead_taken
+    for a, b in zip(outs[True], outs[False], strict=True):
+        assert a.token_ids == b.token_ids
+        # a step taken from a launched one may have run in a larger batch bucket: the
+        # logits agree to float rounding, not bit for bit
+        assert [lp is None for lp in a.logprobs] == [lp is None for lp in b.logprobs]
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x is None or y is None or abs(x - y) < 1e-3

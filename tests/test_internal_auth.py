@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 import yaml
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from fastapi.testclient import TestClient
 
@@ -134,6 +134,34 @@ def test_internal_routes_need_the_secret_health_and_metrics_do_not(caplog):
     # refusals are logged, but not one line each (a scan must not flood the log)
     refused = [r for r in caplog.records if "without the cluster secret" in r.getMessage()]
     assert len(refused) == 1 and "GET /status" in refused[0].getMessage()
+
+
+def test_worker_bodies_are_capped_before_they_are_read_whole(monkeypatch):
+    """A worker answers 413 to a body over MAX_MESSAGE_BYTES, declared or streamed."""
+    import msgspec
+
+    from enginehost import app as worker_app
+
+    class Ping(msgspec.Struct):
+        text: str
+
+    async def ping(request: Request) -> Response:
+        msg = await worker_app.read_message(request, Ping)
+        if isinstance(msg, Response):
+            return msg
+        assert isinstance(msg, Ping)
+        return Response(str(len(msg.text)).encode())
+
+    monkeypatch.setattr(worker_app, "MAX_MESSAGE_BYTES", 1024)
+    app = FastAPI()
+    app.post("/ping")(ping)
+    client = TestClient(app)
+    assert client.post("/ping", json={"text": "x" * 500}).text == "500"
+    big = msgspec.json.encode({"text": "x" * 2000})
+    r = client.post("/ping", content=big)
+    assert r.status_code == 413 and "exceeds 1024 bytes" in r.json()["message"]
+    r = client.post("/ping", content=iter([big[:800], big[800:]]))  # chunked: no length
+    assert r.status_code == 413
 
 
 # -- cluster.yaml and the launcher ----------------------------------------------------------

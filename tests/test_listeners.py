@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import psutil
-from cluster_harness import start_cluster
+from cluster_harness import free_ports, start_cluster
 
 from kvserve.bind_narrowing import ADDRESS_VAR, narrowing_env, shim_library
 
@@ -68,15 +68,28 @@ def _listeners(pid: int) -> list[str]:
 def test_every_listener_of_a_live_cluster_is_on_the_node_address(
     tmp_path: Path, tiny_parallel_dir: Path, weights_cache_dir: str
 ) -> None:
-    """Pool (master + store), a PP2 prefill and a TP2 decode (torch.distributed stores,
-    Mooncake clients of pool and handoff), the router; one request through all of it."""
+    """Pool (master + store), a PP2 prefill and a TP2 decode (torch.distributed TCP stores
+    on their dist_ports, Mooncake clients of pool and handoff), the router; metrics ports
+    of the workers and the router; one request through all of it."""
+    dist_p, dist_d, metrics_p, metrics_d, metrics_r = free_ports(5)
     cluster = start_cluster(
         tmp_path,
         str(tiny_parallel_dir),
         cache_dir=weights_cache_dir,
         pool=True,
-        prefill={"pipeline_parallel": 2, "devices": ["cpu", "cpu"]},
-        decode={"tensor_parallel": 2, "devices": ["cpu", "cpu"]},
+        prefill={
+            "pipeline_parallel": 2,
+            "devices": ["cpu", "cpu"],
+            "dist_port": dist_p,
+            "metrics_port": metrics_p,
+        },
+        decode={
+            "tensor_parallel": 2,
+            "devices": ["cpu", "cpu"],
+            "dist_port": dist_d,
+            "metrics_port": metrics_d,
+        },
+        router={"metrics_port": metrics_r},
         name="listeners",
     )
     try:
@@ -98,6 +111,8 @@ def test_every_listener_of_a_live_cluster_is_on_the_node_address(
             for name, socks in seen.items()
         }
         assert all(not w for w in wide.values()), wide
+        ports = {int(x.rsplit(":", 1)[1]) for socks in seen.values() for x in socks}
+        assert {dist_p, dist_d, metrics_p, metrics_d, metrics_r} <= ports, (ports, seen)
         kinds = {c["kind"] for c in state["components"]}
         assert {"pool_master", "pool_store", "prefill", "decode", "router"} <= kinds
     finally:

@@ -142,7 +142,7 @@ def test_render_prometheus_lists_every_component():
             "decode": [
                 {"name": "d0", "node": "b", "port": 8200, "devices": [1, 2], "tensor_parallel": 2}
             ],
-            "router": {"node": "a", "host": "0.0.0.0", "port": 8000},
+            "router": {"node": "a", "host": "0.0.0.0", "port": 8000, "api_key_env": "K"},
         }
     )
     jobs = _jobs(render_prometheus(cluster, scrape_interval="5s"))

@@ -154,17 +154,30 @@ def test_decode_tp_dcp_matches_single_process(
     assert got == reference
 
 
-@pytest.mark.parametrize(("tp", "dcp", "connector"), [(2, 1, False), (2, 2, True)])
+@pytest.mark.parametrize(
+    ("tp", "dcp", "connector", "rank", "layer"),
+    [
+        (2, 1, False, None, 0),
+        (2, 2, True, None, 0),
+        (2, 1, False, 1, 1),
+        (2, 2, True, 1, 2),
+        (2, 2, True, 0, 3),
+    ],
+)
 def test_decode_tp_forward_failure_fails_its_request_alone(
-    tiny_parallel_dir, prompts, reference, weights_cache_dir, tp, dcp, connector
+    tiny_parallel_dir, prompts, reference, weights_cache_dir, tp, dcp, connector, rank, layer
 ):
     """Every rank's forward fails while a poisoned request is in the step (as its input
-    would make every rank fail): the ranks bisect in lockstep, the poisoned request ends
-    without tokens, the others are exact; with a connector, every rank still gets each
-    step's metadata once and reports it in order, and every block is freed."""
+    would make every rank fail), or only `rank`'s, inside its forward before `layer`
+    (the others are then in the layer's collectives: the failing rank completes them
+    with zeros and the ranks agree the step failed): the ranks bisect in lockstep, the
+    poisoned request ends without tokens, the others are exact; with a connector, every
+    rank still gets each step's metadata once and reports it in order, and every block
+    is freed."""
     from engine.faults import EngineFaults
 
-    config = _config(weights_cache_dir, faults=EngineFaults(fail_seed=999, place="forward"))
+    faults = EngineFaults(fail_seed=999, place="forward", rank=rank, layer=layer)
+    config = _config(weights_cache_dir, faults=faults)
     params = [PARAMS] * len(prompts)
     params[1] = msgspec.structs.replace(PARAMS, seed=999)
     got = generate_parallel(
@@ -180,6 +193,147 @@ def test_decode_tp_forward_failure_fails_its_request_alone(
     assert [g for i, g in enumerate(got) if i != 1] == [
         w for i, w in enumerate(reference) if i != 1
     ]
+
+
+class SaveRecordingWorker(KVConnectorWorker):
+    """Its step metadata is the list of requests the step computes; it "saves" each one
+    given to start_saves and reports `<stage>|<ids saved>`."""
+
+    def __init__(self) -> None:
+        self.stage = -1
+        self.saved: list[str] = []
+
+    def register_kv_caches(self, kv_caches, place: WorkerPlace) -> None:
+        self.stage = place.stage
+
+    def start_loads(self, meta: bytes) -> None:
+        return None
+
+    def without_requests(self, meta: bytes, request_ids: set[str]) -> bytes:
+        ids = msgspec.msgpack.decode(meta) if meta else []
+        return msgspec.msgpack.encode([r for r in ids if r not in request_ids])
+
+    def start_saves(self, meta: bytes) -> None:
+        self.saved = msgspec.msgpack.decode(meta) if meta else []
+
+    def get_finished(self) -> bytes:
+        return f"{self.stage}|{','.join(self.saved)}".encode()
+
+
+class CulpritCheckingScheduler(NoConnectorScheduler):
+    """Checks that no stage from FAULT_STAGE on saves the poisoned request, that the
+    stages before it did, and that the scheduler side was told to drop its saves."""
+
+    POISONED = "req-1"
+    DEPENDENT: str | None = None
+    """A request that shares the culprit's prefix (when the test has one): never saved
+    from the failing stage on either."""
+    FAULT_STAGE = 0
+
+    def __init__(self) -> None:
+        self.dropped: set[str] = set()
+        self.saved_by: dict[int, set[str]] = {}
+
+    def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
+        if not computed:
+            return b""
+        return msgspec.msgpack.encode([str(kv.request.request_id) for kv in computed])
+
+    def without_requests(self, meta: bytes, request_ids: set[str]) -> bytes:
+        self.dropped |= request_ids
+        return meta
+
+    def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
+        for r in reports:
+            stage, ids = r.decode().split("|", 1)
+            saved = set(ids.split(",")) - {""}
+            self.saved_by.setdefault(int(stage), set()).update(saved)
+            if int(stage) >= self.FAULT_STAGE:
+                assert self.POISONED not in saved, f"stage {stage} saved the culprit"
+                assert self.DEPENDENT not in saved, f"stage {stage} saved its dependent"
+        if self.POISONED in self.dropped:  # these are the reports of the step that failed
+            for stage in range(self.FAULT_STAGE):
+                assert self.POISONED in self.saved_by.get(stage, set()), f"stage {stage}"
+        return ConnectorUpdate()
+
+    def request_finished(self, request, block_ids) -> bool:
+        if request.request_id == self.POISONED:
+            assert self.POISONED in self.dropped, "the culprit's saves were still expected"
+        return False
+
+
+class CulpritCheckingStage1(CulpritCheckingScheduler):
+    FAULT_STAGE = 1
+
+
+class SharerCheckingStage1(CulpritCheckingStage1):
+    DEPENDENT = "req-2"
+
+
+def sharer_connector_stage1(rank: int):  # type: ignore[no-untyped-def]
+    return (SharerCheckingStage1() if rank == 0 else None), SaveRecordingWorker()
+
+
+def culprit_connector_stage0(rank: int):  # type: ignore[no-untyped-def]
+    return (CulpritCheckingScheduler() if rank == 0 else None), SaveRecordingWorker()
+
+
+def culprit_connector_stage1(rank: int):  # type: ignore[no-untyped-def]
+    return (CulpritCheckingStage1() if rank == 0 else None), SaveRecordingWorker()
+
+
+@pytest.mark.parametrize("stage", [None, 0, 1])
+def test_prefill_pipeline_forward_failure_fails_its_request_alone(
+    tiny_parallel_dir, prompts, reference, weights_cache_dir, stage
+):
+    """A stage's forward fails while a poisoned request is in the step: that stage
+    bisects alone, the stages after it skip the culprit (also in its later chunks
+    already on the ring), no stage from the failing one on saves it (the connector's
+    scheduler side stops expecting it; the stages before saved valid KV), the culprit
+    ends without tokens, the others are exact, and every block is freed."""
+    from engine.faults import EngineFaults
+
+    faults = EngineFaults(fail_seed=999, place="forward", stage=stage)
+    params = [PARAMS] * len(prompts)
+    params[1] = msgspec.structs.replace(PARAMS, seed=999)  # 37 tokens: two chunks of 32
+    got = generate_parallel(
+        str(tiny_parallel_dir),
+        _config(weights_cache_dir, faults=faults),
+        prompts,
+        params,
+        pp=2,
+        layer_split=(3, 1),
+        connector=culprit_connector_stage1 if stage == 1 else culprit_connector_stage0,
+    )
+    assert got[1] == []
+    assert [g for i, g in enumerate(got) if i != 1] == [
+        w for i, w in enumerate(reference) if i != 1
+    ]
+
+
+def test_prefill_pipeline_forward_failure_fails_a_request_that_hit_its_blocks(
+    tiny_parallel_dir, prompts, reference, weights_cache_dir
+):
+    """The poisoned request's first chunk is on the ring when another request takes a
+    prefix hit on the blocks it is computing (they are cached when the step is issued):
+    once stage 1 fails the chunk, that request fails too (its KV on stage 1 would not be
+    valid; stage 1 skips it and saves nothing of it), the unrelated one is exact."""
+    from engine.faults import EngineFaults
+
+    g = torch.Generator().manual_seed(11)
+    poisoned = torch.randint(3, 49152, (40,), generator=g).tolist()
+    sharer = poisoned[:36] + torch.randint(3, 49152, (8,), generator=g).tolist()
+    params = [PARAMS, msgspec.structs.replace(PARAMS, seed=999), PARAMS]
+    got = generate_parallel(
+        str(tiny_parallel_dir),
+        _config(weights_cache_dir, faults=EngineFaults(fail_seed=999, place="forward", stage=1)),
+        [prompts[0], poisoned, sharer],
+        params,
+        pp=2,
+        layer_split=(3, 1),
+        connector=sharer_connector_stage1,
+    )
+    assert got == [reference[0], [], []]
 
 
 def test_prefill_pipeline_matches_single_process(

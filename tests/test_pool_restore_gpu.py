@@ -170,6 +170,16 @@ def test_worker_restore_on_the_gpu_is_exact_and_near_pinned_h2d():
             f"with {runs[0][1] * 1e3:.0f} ms of read)"
         )
         assert dev_gbs > 0.5 * h2d, "the worker's device restore is far below pinned H2D"
+        # The restore's time by phase (kvserve_pool_restore_phase_seconds), every run's.
+        phases = {
+            ph: sched_b.metrics.restore_phase_seconds.labels(
+                instance="gpu", stage="0", phase=ph
+            )._value.get()
+            for ph in ("read", "check", "device", "h2d_gpu", "checksum_gpu", "unpack_gpu")
+        }
+        print("restore phases (s, 4 runs):", {k: round(v, 4) for k, v in phases.items()})
+        assert all(v > 0 for v in phases.values()), phases
+        assert phases["h2d_gpu"] >= 4 * nbytes / (2 * h2d * 1e9)  # not faster than 2x H2D
     finally:
         a[1].close()
         b[1].close()

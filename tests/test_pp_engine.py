@@ -47,7 +47,14 @@ class InProcessPipeline:
     def set_kv_worker(self, worker) -> None:  # type: ignore[no-untyped-def]
         self.kv_worker = worker
 
-    def submit(self, batch: StepBatch, samples: list[SampleRow], kv_meta: bytes) -> int:
+    def submit(
+        self,
+        batch: StepBatch,
+        samples: list[SampleRow],
+        kv_meta: bytes,
+        request_ids: list[str] | None = None,
+        poisoned: list[int] | None = None,
+    ) -> int:
         tokens: list[int] = []
         logprobs: list[float | None] = []
         step = self._ids

@@ -92,6 +92,74 @@ def test_a_broken_stream_of_a_restarted_instance_leaves_the_new_process_routable
     assert not decode[0].healthy
 
 
+def test_requests_bound_to_a_decode_process_fail_when_it_goes() -> None:
+    """router/decode_bindings.py: a binding's guard passes prefill's events, and raises
+    DecodeLost at once (its pending read cancelled) when the registry learns the decode
+    process is gone: refused / broken (not a timed-out poll), or restarted; a binding
+    released at prefill's first event is not touched."""
+    import asyncio
+
+    from router.decode_bindings import DecodeLost
+
+    async def main() -> None:
+        decode = _instances("decode", 1)
+        registry = InstanceRegistry(_instances("prefill", 1), decode)
+        registry.mark_healthy(decode[0], "aaaa")
+        b = registry.bindings
+        gate = asyncio.Event()
+        unwound: list[str] = []
+
+        async def prefill_events(n: int):  # type: ignore[no-untyped-def]
+            try:
+                await gate.wait()
+                for i in range(n):
+                    yield i
+            finally:
+                unwound.append("prefill read unwound")
+
+        async def drain(binding):  # type: ignore[no-untyped-def]
+            return [e async for e in binding.guard(prefill_events(2))]
+
+        # released at the first event: a later loss does not concern it
+        done = b.bind(decode[0], "aaaa", "r0")
+        task = asyncio.ensure_future(drain(done))
+        await asyncio.sleep(0)
+        assert b.num_bound(decode[0]) == 1
+        gate.set()
+        assert await task == [0, 1]
+        assert b.num_bound(decode[0]) == 0
+        gate.clear()
+
+        # lost while waiting: refused connection (down), restarted, but not a timeout
+        for how in ("refused", "restarted", "broken stream"):
+            waiting = b.bind(decode[0], decode[0].incarnation, f"r-{how}")
+            task = asyncio.ensure_future(drain(waiting))
+            await asyncio.sleep(0.01)
+            registry.mark_unhealthy(decode[0], "ReadTimeout: slow", down=False)
+            await asyncio.sleep(0.01)
+            assert not task.done(), "a slow decode is not a dead one"
+            unwound.clear()
+            if how == "refused":
+                registry.mark_unhealthy(decode[0], "ConnectError: refused")
+            elif how == "restarted":
+                registry.mark_healthy(decode[0], "bbbb")
+            else:
+                assert not registry.mark_unhealthy(decode[0], "broke", "zzzz")  # stale
+                await asyncio.sleep(0.01)
+                assert not task.done()
+                registry.mark_unhealthy(decode[0], "broke", decode[0].incarnation)
+            with pytest.raises(DecodeLost, match="decode instance d0") as e:
+                await asyncio.wait_for(task, 5)
+            assert e.value.status == 503 and e.value.code == "decode_instance_lost"
+            assert unwound == ["prefill read unwound"]
+            assert b.num_bound(decode[0]) == 0
+            registry.mark_healthy(decode[0], decode[0].incarnation)
+            if how == "restarted":  # bindings of the new process survive further polls
+                assert decode[0].incarnation == "bbbb"
+
+    asyncio.run(main())
+
+
 def test_route_context_hashes_once() -> None:
     tokens = list(range(40))
     ctx = RouteContext("r", tokens)

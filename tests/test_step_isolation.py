@@ -113,3 +113,58 @@ def test_a_failed_forward_sends_no_kv_of_its_culprit():
     assert [o.request_id for o in out.opens] == ["bad", "ok"]
     assert [s.request_id for s in out.sends] == ["ok"]
     assert out.cancels == ["gone"]
+
+
+def test_a_pipeline_stage_isolates_its_culprits():
+    """engine/parallel/pp_isolation.py on its own: the stage's forward over a batch of 4
+    sequences raises while sequence 2 is in it; forward_isolating finds it, the other
+    rows hold exactly what a forward of them alone gives, the culprit's and skipped rows
+    are zeros; a stage remembers culprits for `horizon` steps."""
+    import torch
+
+    from engine.parallel.pp_isolation import KnownCulprits, forward_isolating, subset_batch
+    from protocol.rank_messages import StepBatch
+
+    qsl = [0, 3, 4, 8, 10]
+    batch = StepBatch(
+        list(range(10)),
+        [0, 1, 2, 5, 0, 1, 2, 3, 7, 8],
+        qsl,
+        [3, 6, 4, 9],
+        [[1], [2, 3], [4], [5, 6, 7]],
+    )
+    sub, rows = subset_batch(batch, [1, 3])
+    assert sub == StepBatch([3, 8, 9], [5, 7, 8], [0, 1, 3], [6, 9], [[2, 3], [5, 6, 7]])
+    assert rows == [3, 8, 9]
+    cpu = torch.device("cpu")
+    hidden = torch.arange(10 * 2, dtype=torch.float32).view(10, 2)
+    calls: list[list[int]] = []
+
+    def forward(seqs, b: StepBatch, h):  # type: ignore[no-untyped-def]
+        calls.append(list(seqs))
+        if 2 in seqs:
+            raise ValueError("bad input")
+        assert h is not None and len(h) == len(b.positions)
+        return h * 10 + torch.tensor(b.positions, dtype=torch.float32)[:, None]
+
+    out, found = forward_isolating(forward, batch, hidden, set(), 2, torch.float32, cpu)
+    assert found == {2: "ValueError: bad input"}
+    assert calls[-1] == [0, 1, 3]
+    want = hidden * 10 + torch.tensor(batch.positions, dtype=torch.float32)[:, None]
+    for b in (0, 1, 3):
+        assert torch.equal(out[qsl[b] : qsl[b + 1]], want[qsl[b] : qsl[b + 1]])
+    assert not out[qsl[2] : qsl[3]].any()
+    out, found = forward_isolating(forward, batch, hidden, {1, 2}, 2, torch.float32, cpu)
+    assert found == {} and calls[-1] == [0, 3] and not out[3:8].any()
+    assert torch.equal(out[8:], want[8:])
+
+    # block size 4; "b" fails in step 5 writing positions 4, 5 of its block 3
+    known = KnownCulprits(horizon=2, block_size=4)
+    step5 = StepBatch([], [0, 4, 5], [0, 1, 3], [1, 6], [[9], [2, 3]])
+    known.remember(5, step5, ["a", "b"], [1])
+    # step 6: "b" again; "c" reads block 3 as its prefix (a hit); "d" only block 2
+    step6 = StepBatch([], [6, 8, 4], [0, 1, 2, 3], [7, 9, 5], [[2, 3], [2, 3, 7], [2, 8]])
+    assert known.skipped(6, step6, ["b", "c", "d"], []) == {0, 1}
+    assert known.skipped(6, step6, ["b", "c", "d"], [(2, "upstream")]) == {0, 1, 2}
+    # issued after the driver learnt of it (and freed and uncached its blocks)
+    assert known.skipped(7, step6, ["b", "c", "d"], []) == set()

@@ -11,6 +11,7 @@ import asyncio
 import sys
 
 from engine.llm_engine import LLMEngine
+from engine.step_trace import StepTrace
 from enginehost.host import EngineHost
 from enginehost.metrics import serve_metrics_port
 from enginehost.startup import engine_config, load_instance, serve, set_cpu_threads
@@ -32,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         faults=inst.engine_faults,
     )
     engine = LLMEngine(info, config)
+    engine.trace = StepTrace.from_env(inst.name)  # KVSERVE_STEP_TRACE: off unless set
     host = EngineHost(engine)
-    service = UnifiedService(inst.name, host, ctx.secret, num_devices=1)
+    service = UnifiedService(inst.name, host, ctx.secret, num_devices=1, trace=engine.trace)
     pool, pool_worker = build_pool_connector(
         cluster,
         inst,

@@ -10,6 +10,7 @@ cuBLAS for the matmuls:
     attn_in:   x -> RMSNorm -> qkv matmul -> (q|k RMSNorm) -> RoPE       -> q, k, v
     attn_out:  x, attn -> o matmul -> + x -> RMSNorm                     -> x, h
     mlp:       x, h -> gate|up matmul -> silu(gate) * up -> down matmul -> + x
+    norm:      the final RMSNorm;  logits: lm_head matmul -> float32
 
 EAGER runs them as written (the CPU path and the float32 reference: token-identical to
 transformers); `compiled()` gives the fused versions (CUDA engines with decode graphs,
@@ -17,10 +18,18 @@ EngineConfig.compile_layers). One compiled function serves every layer (weights 
 arguments, not attributes: no recompile per layer) and every batch size: the first call
 compiles for its T, the second (another T) for a symbolic T (torch.compile's automatic
 dynamic shapes; weight shapes stay static, so reductions keep their fixed-size kernels).
+
+One-row steps (T = 1, decode at batch 1: torch.compile always specializes a size of 1)
+compile with inductor's coordinate-descent tuning, under which inductor writes a [1, K] x
+[K, N] matmul as a multiply-and-sum reduction it generates and tunes itself (a GEMV
+kernel, with the RMSNorm before it and the SwiGLU or residual add around it fused in)
+instead of calling cuBLAS, whose kernels for that shape read the weights below the
+copy bandwidth (benchmarks/gpu_engine.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,34 +97,75 @@ def glue(lin: Any) -> tuple[Any, Any, Any]:
     return attn_in, attn_out, mlp
 
 
+def head(lin: Any) -> tuple[Any, Any]:
+    """The final RMSNorm and the lm_head matmul (float32 logits) through `lin`."""
+
+    def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def logits(h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        return lin(h, lm_head).float()
+
+    return norm, logits
+
+
 @dataclass(frozen=True)
 class LayerOps:
-    """The three functions a LlamaDecoderLayer calls around attention."""
+    """The functions a LlamaDecoderLayer calls around attention (attn_in, attn_out, mlp)
+    and the model calls after the last layer (norm, logits)."""
 
     attn_in: Any
     attn_out: Any
     mlp: Any
+    norm: Any
+    logits: Any
     fused: bool = False
 
 
-EAGER = LayerOps(*glue(linear))
+EAGER = LayerOps(*glue(linear), *head(linear))
 
-_COMPILED: LayerOps | None = None
+_COMPILED: tuple[frozenset[str], LayerOps] | None = None
 
 
-def compiled() -> LayerOps:
-    """The torch.compile'd LayerOps (built once per process; inductor compiles on first
-    call, again per distinct dtype / None-ness of the optional weights, and once more
-    with a symbolic T when T changes)."""
+GEMV_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
+"""Inductor options of the one-row (T = 1) compilations: under coordinate-descent tuning
+inductor decomposes a matmul with one row into a reduction it generates (its `mm`
+decomposition) and tunes that kernel's block sizes by measuring them."""
+
+
+GEMV_OPS = frozenset({"attn_in", "attn_out", "mlp", "logits"})
+"""The ops whose one-row steps go through inductor's GEMV by default (the others keep
+cuBLAS for them)."""
+
+
+def compiled(gemv: Collection[str] | None = None) -> LayerOps:
+    """The torch.compile'd LayerOps (built once per process and choice of `gemv`; inductor
+    compiles on first call, again per distinct dtype / None-ness of the optional weights,
+    and once more with a symbolic T when T changes). `gemv`: the ops (of attn_in,
+    attn_out, mlp, logits) whose one-row steps go through inductor's GEMV (GEMV_OPTIONS);
+    None: GEMV_OPS; empty: cuBLAS for every matmul."""
     global _COMPILED
-    if _COMPILED is None:
+    key = GEMV_OPS if gemv is None else frozenset(gemv)
+    if _COMPILED is None or _COMPILED[0] != key:
 
         def fuse(fn: Any) -> Any:
-            return torch.compile(fn, fullgraph=True)
+            general = torch.compile(fn, fullgraph=True)
+            if fn.__name__ not in key:
+                return general
+            one_row = torch.compile(fn, fullgraph=True, options=GEMV_OPTIONS)
+
+            def call(x: torch.Tensor, *args: Any) -> Any:
+                return (one_row if x.shape[0] == 1 else general)(x, *args)
+
+            return call
 
         attn_in, attn_out, mlp = glue(F.linear)
-        _COMPILED = LayerOps(fuse(attn_in), fuse(attn_out), fuse(mlp), fused=True)
-    return _COMPILED
+        norm, logits = head(F.linear)
+        fused = LayerOps(
+            fuse(attn_in), fuse(attn_out), fuse(mlp), fuse(norm), fuse(logits), fused=True
+        )
+        _COMPILED = (key, fused)
+    return _COMPILED[1]
 
 
 def set_layer_ops(model: torch.nn.Module, ops: LayerOps) -> None:

@@ -35,8 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.models.cpu_gemm import linear
-from engine.models.layer_ops import EAGER, LayerOps, rms_norm
+from engine.models.layer_ops import EAGER, LayerOps
 from engine.models.mla_layer import MlaDecoderLayer
 from engine.models.moe import SparseMoeBlock
 from engine.models.params import assign as _assign
@@ -165,7 +164,10 @@ class LlamaForCausalLM(nn.Module):
     """Owns the weights of layers [layer_start, layer_end) of a Llama-family model, plus the
     embedding (first stage) and final norm + lm_head (last stage); no KV (caches are
     passed in) and no per-request state. Parameters are meta placeholders until
-    `load_weights` (build_model does both)."""
+    `load_weights` (build_model does both). `ops` (engine/models/layer_ops.py) runs the
+    final norm and the lm_head matmul, as the layers' `ops` run their glue."""
+
+    ops: LayerOps = EAGER
 
     def __init__(
         self,
@@ -226,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         if self.norm is not None:
-            x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+            x = self.ops.norm(x, self.norm, self.config.rms_norm_eps)
         return x
 
     @torch.inference_mode()
@@ -234,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, H] (final-normed rows to sample from) -> logits [N, V] in float32."""
         if self.lm_head is None:
             raise ValueError("compute_logits runs on the last pipeline stage only")
-        return linear(hidden, self.lm_head).float()
+        return self.ops.logits(hidden, self.lm_head)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Take HF-named tensors into this module's parameters, cast to its dtype and moved

@@ -35,6 +35,10 @@ class ParallelContext:
     dcp_group: dist.ProcessGroup | None
     """This rank's DCP group; None without DCP."""
     dcp_size: int = 1
+    num_collectives: int = 0
+    """Collectives of the forward this process has completed (counted by the TP model:
+    a rank whose forward fails completes the rest of the step's with zeros, so the
+    others never wait in one; engine/parallel/rank_isolation.py)."""
 
     @property
     def is_driver(self) -> bool:

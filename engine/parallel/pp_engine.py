@@ -17,13 +17,16 @@ long prompt's chunks (which do not sample until the last) fill the pipeline one 
 another. A request whose step samples is paused until its token is back; its token is
 dropped if it was aborted or preempted meanwhile. Progress advances when a step is
 issued: every stage computes steps in order, so a later step (or another request's
-prefix-cache hit on these blocks) always finds the KV in place.
+prefix-cache hit on these blocks) always finds the KV in place. A step's result names
+the requests whose forward failed on a stage (engine/parallel/pp_isolation.py): they
+fail alone, the prefix cache forgets the blocks the step computed for them, and a
+request that took a hit on those blocks meanwhile fails too (its KV is not valid).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnectorScheduler, KVConnectorWorker
@@ -34,6 +37,7 @@ from engine.parallel.pp_runner import PipelineExecutor, build_stage
 from engine.parallel.step_inputs import build_batch
 from engine.request import Request
 from modelinfo.info import ModelInfo
+from protocol.ids import BlockId, RequestId
 from protocol.rank_messages import SampleRow, StepBatch
 
 
@@ -42,6 +46,11 @@ class _InFlight:
     step_id: int
     sampling: list[tuple[Request, int]]
     """Requests this step samples, with their preemption count when it was issued."""
+    kv_meta: bytes = b""
+    """The connector's metadata of the step (a culprit's saves are then not expected)."""
+    starts: dict[RequestId, int] = field(default_factory=dict)
+    """Each computed request's first token of the step (a culprit's blocks from there on
+    hold KV that is not valid on the stage that failed and those after it)."""
 
 
 class PipelinedEngine(LLMEngine):
@@ -79,13 +88,22 @@ class PipelinedEngine(LLMEngine):
         batch, rows = build_batch(plan.scheduled, self.kv)
         sampling = [s.request for s in plan.scheduled if s.samples]
         samples = [_sample_row(row, r) for row, r in zip(rows, sampling, strict=True)]
+        starts = {s.request.request_id: s.request.num_computed_tokens for s in plan.scheduled}
         for s in plan.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(s.request)
         for r in sampling:
             self.scheduler.paused.add(r.request_id)
-        step_id = self.pipeline.submit(batch, samples, plan.kv_meta)
-        self._in_flight.append(_InFlight(step_id, [(r, r.num_preemptions) for r in sampling]))
+        faults = self.config.faults
+        poisoned = None
+        if faults is not None and faults.place == "forward":
+            poisoned = faults.poisoned(s.request.params for s in plan.scheduled)
+        step_id = self.pipeline.submit(
+            batch, samples, plan.kv_meta, [str(rid) for rid in starts], poisoned
+        )
+        self._in_flight.append(
+            _InFlight(step_id, [(r, r.num_preemptions) for r in sampling], plan.kv_meta, starts)
+        )
         return True
 
     def _issue_poll(self, kv_meta: bytes) -> bool:
@@ -104,8 +122,8 @@ class PipelinedEngine(LLMEngine):
     def _complete(self, flight: _InFlight) -> list[RequestOutput]:
         result = self.pipeline.collect()
         assert result.step_id == flight.step_id, "the ring returns steps in order"
+        outputs = self._fail_culprits(flight, result.culprits) if result.culprits else []
         self.apply_reports(result.reports)
-        outputs = []
         tops = result.top_logprobs or [None] * len(result.token_ids)
         failed = dict(result.failed)
         for i, ((req, epoch), token, logprob, top) in enumerate(
@@ -120,6 +138,37 @@ class PipelinedEngine(LLMEngine):
             else:
                 outputs.append(self.append_isolating(req, token, logprob, top))
         return outputs
+
+    def _fail_culprits(
+        self, flight: _InFlight, culprits: list[tuple[str, str]]
+    ) -> list[RequestOutput]:
+        """Requests whose forward failed on a stage of this step fail alone
+        (engine/parallel/pp_isolation.py), and so does a request that took a prefix hit
+        on the blocks the step was computing for them (their KV is not valid on the
+        stage that failed and those after it, which skip such a request too). Before the
+        step's reports are applied: the connector stops expecting their saves, of this
+        step and of those still on the ring."""
+        failing: dict[RequestId, tuple[Request, str]] = {}
+        invalid: set[BlockId] = set()
+        for rid, err in culprits:
+            req = self._requests.get(RequestId(rid))
+            if req is None or req.status.finished:
+                continue
+            start = flight.starts.get(req.request_id, req.num_computed_tokens)
+            blocks = self.kv.block_table(req.request_id)[start // self.config.block_size :]
+            self.pool.uncache(blocks)
+            invalid.update(blocks)
+            failing[req.request_id] = (req, f"forward failed: {err}")
+        why = "its prompt prefix was being computed by a request whose forward failed"
+        for req in self._requests.values():
+            if req.request_id not in failing and invalid.intersection(
+                self.kv.block_table(req.request_id)
+            ):
+                failing[req.request_id] = (req, why)
+        ids = {str(rid) for rid, _ in culprits} | {str(rid) for rid in failing}
+        for f in (flight, *self._in_flight):
+            self.connector.without_requests(f.kv_meta, ids)  # accounting: result unused
+        return [self.fail_request(req, err) for req, err in failing.values()]
 
     def abort_all(self) -> int:
         """Abort every request; steps in flight are still collected (and their tokens

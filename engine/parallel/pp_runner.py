@@ -14,6 +14,8 @@ The stages form a ring; every step travels it once, and several steps are on it 
 start_loads(meta) before the stage's layers, start_saves(meta) and get_finished() after,
 so each stage moves its own layers' KV from its own process, all stages in parallel. A
 step without tokens (a connector poll) skips the layers and carries no hidden states.
+A stage whose layers fail finds the requests that make them fail, skips them with the
+stages after it and drops their saves and sends (engine/parallel/pp_isolation.py).
 
 Each stage owns its layers' paged KV with the same block ids (one scheduler, in the
 driver). Steps reach every stage in order, so a block freed and reused by a later step is
@@ -32,7 +34,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from engine.attention.base import AttentionMetadata, get_backend
+from engine.attention.base import get_backend
 from engine.config import EngineConfig
 from engine.faults import EngineFaults
 from engine.grammar import GrammarCompiler
@@ -42,7 +44,7 @@ from engine.kv_identity import torch_dtype
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import build_model
 from engine.parallel.comm import Outbox, ParallelContext, recv_bytes
-from engine.parallel.step_inputs import batch_tensors
+from engine.parallel.pp_isolation import KnownCulprits, forward_isolating, stage_forward
 from engine.sampler import Sampler, SamplerOutput, SamplingState
 from engine.scheduler import ScheduledRequest
 from engine.step_isolation import sample_isolating
@@ -93,20 +95,52 @@ class PPStage:
     def run(
         self,
         worker: KVConnectorWorker,
-        kv_meta: bytes,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        ids: torch.Tensor | None = None,
+        step: StageStep,
+        batch: StepBatch,
+        known: KnownCulprits,
         hidden: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | None, bytes]:
-        """One step on this stage: connector loads, its layers (none for an empty
-        step), connector saves; (hidden states out, this stage's connector report)."""
-        worker.start_loads(kv_meta)
+    ) -> tuple[torch.Tensor | None, bytes, list[tuple[int, str]]]:
+        """One step on this stage: connector loads, its layers (none for an empty step)
+        over the sequences not known to fail, connector saves without the culprits';
+        (hidden states out, this stage's connector report, the step's culprits so far:
+        upstream's and those whose forward failed here, engine/parallel/pp_isolation.py).
+        `batch`: the step's batch with input ids on the first stage."""
+        worker.start_loads(step.kv_meta)
         out = None
-        if positions.numel():
-            out = self.model(ids, positions, self.kv_caches, meta, hidden_states=hidden)
-        worker.start_saves(kv_meta)
-        return out, worker.get_finished()
+        culprits = list(step.culprits)
+        skip = known.skipped(step.step_id, batch, step.request_ids, step.culprits)
+        if batch.positions:
+            device = self.kv_caches[0].device
+            forward = stage_forward(
+                self.model,
+                self.kv_caches,
+                device,
+                self.layout.block_size,
+                self.faults,
+                self.index,
+                step.poisoned,
+            )
+            out, found = forward_isolating(
+                forward,
+                batch,
+                hidden,
+                skip,
+                self.model.config.hidden_size,
+                self.model.dtype,
+                device,
+            )
+            for b, err in sorted(found.items()):
+                log.warning(
+                    "stage %d: the forward of %s failed: %s", self.index, step.request_ids[b], err
+                )
+            culprits += sorted(found.items())
+            skip.update(found)
+        known.remember(step.step_id, batch, step.request_ids, [b for b, _ in culprits])
+        meta = step.kv_meta
+        if skip:
+            meta = worker.without_requests(meta, {step.request_ids[b] for b in skip})
+        worker.start_saves(meta)
+        return out, worker.get_finished(), culprits
 
 
 def stage_num_blocks(config: EngineConfig, info: ModelInfo, layer_split: tuple[int, ...]) -> int:
@@ -200,6 +234,7 @@ class PipelineExecutor:
         self._to_next = Outbox(1)
         self._step_ids = count()
         self._closed = False
+        self._known = KnownCulprits(depth, stage.layout.block_size)
 
     def execute(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> torch.Tensor | None:
         raise NotImplementedError("a pipeline runs through PipelinedEngine.step (submit/collect)")
@@ -209,16 +244,31 @@ class PipelineExecutor:
         self.kv_worker = worker
         worker.register_kv_caches(self.kv_caches, self.stage.place)
 
-    def submit(self, batch: StepBatch, samples: list[SampleRow], kv_meta: bytes) -> int:
+    def submit(
+        self,
+        batch: StepBatch,
+        samples: list[SampleRow],
+        kv_meta: bytes,
+        request_ids: list[str] | None = None,
+        poisoned: list[int] | None = None,
+    ) -> int:
         """Run stage 0's part of the step (connector loads, its layers, connector saves)
         and pass the step on. Returns the step id that collect() will return it under.
-        A batch without tokens is a connector poll: no layers, no hidden states."""
+        A batch without tokens is a connector poll: no layers, no hidden states.
+        `request_ids`: each sequence's request; `poisoned`: test-only (StageStep)."""
         step_id = next(self._step_ids)
-        ids, positions, meta = batch_tensors(batch, self.ctx.device, self.stage.layout.block_size)
-        hidden, report = self.stage.run(self.kv_worker, kv_meta, positions, meta, ids=ids)
         header = StageStep(
-            step_id, msgspec.structs.replace(batch, input_ids=[]), samples, kv_meta, [report]
+            step_id,
+            msgspec.structs.replace(batch, input_ids=[]),
+            samples,
+            kv_meta,
+            [],
+            request_ids or [],
+            [],
+            poisoned or [],
         )
+        hidden, report, culprits = self.stage.run(self.kv_worker, header, batch, self._known)
+        header = msgspec.structs.replace(header, reports=[report], culprits=culprits)
         self._to_next.send(encode(header), self.ctx.cpu_group, hidden, None)
         self._to_next.drain(self.depth)
         return step_id
@@ -255,6 +305,7 @@ def _serve(stage: PPStage, ctx: ParallelContext, worker: KVConnectorWorker, dept
     sampler = Sampler()
     grammars: GrammarCompiler | None = None
     hidden_size = stage.model.config.hidden_size
+    known = KnownCulprits(depth, stage.layout.block_size)
     while True:
         msg = _step_decoder.decode(recv_bytes(prev, ctx.cpu_group))
         if isinstance(msg, Shutdown):
@@ -269,8 +320,7 @@ def _serve(stage: PPStage, ctx: ParallelContext, worker: KVConnectorWorker, dept
                 num_tokens, hidden_size, dtype=stage.model.dtype, device=ctx.device
             )
             dist.recv(hidden, prev)
-        _, positions, meta = batch_tensors(msg.batch, ctx.device, stage.layout.block_size)
-        hidden, report = stage.run(worker, msg.kv_meta, positions, meta, hidden=hidden)
+        hidden, report, culprits = stage.run(worker, msg, msg.batch, known, hidden)
         reports = [*msg.reports, report]
         if stage.is_last:
             if grammars is None and any(s.params.grammar for s in msg.samples):
@@ -290,12 +340,13 @@ def _serve(stage: PPStage, ctx: ParallelContext, worker: KVConnectorWorker, dept
                         reports,
                         tops,
                         sorted(failed.items()),
+                        [(msg.request_ids[b], err) for b, err in culprits],
                     )
                 ),
                 ctx.cpu_group,
             )
         else:
-            forward = msgspec.structs.replace(msg, reports=reports)
+            forward = msgspec.structs.replace(msg, reports=reports, culprits=culprits)
             out.send(encode(forward), ctx.cpu_group, hidden, None)
         out.drain(depth)
 

@@ -24,7 +24,8 @@ computes logits. Weights are sliced from the full HF-named tensors at load.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,7 @@ from engine.attention.base import (
     LSEAttentionBackend,
     merge_partials,
 )
-from engine.models.llama import rms_norm
+from engine.models.layer_ops import rms_norm
 from engine.models.mla import MlaAttention
 from engine.models.moe import SparseMoeBlock
 from engine.parallel.comm import ParallelContext, all_gather, all_reduce_
@@ -44,6 +45,15 @@ from engine.rope import RotaryEmbedding, apply_rotary
 from modelinfo.config import ModelConfig
 from protocol.errors import ModelLoadError
 from protocol.parallel import DecodeRankShard, split_range
+
+
+class Collective(NamedTuple):
+    """One collective of a rank's forward: an all-reduce over every rank (device group)
+    or a DCP all-gather, of a tensor of this shape and dtype."""
+
+    kind: Literal["reduce", "gather"]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 def _rows(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -167,20 +177,43 @@ class TPDecoderLayer(nn.Module):
             assert self.lse_backend is not None
             out, lse = self.lse_backend.forward_with_lse(q, k, v, kv_cache, meta, self.scale)
             packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)  # [T, Hq_g, D + 1]
-            parts = all_gather(packed, self.ctx.dcp_group, self.ctx.dcp_size)
+            parts = self._gather(packed)
             attn = merge_partials(parts[..., :d], parts[..., d]).to(x.dtype)
         own0 = s.q_head_start - s.group_q_start
         own = attn[:, own0 : own0 + s.q_head_end - s.q_head_start].reshape(num_tokens, -1)
-        x = x + all_reduce_(F.linear(own, w["o_weight"]))
+        x = x + self._reduce(F.linear(own, w["o_weight"]))
         return self._mlp(x)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        out = all_reduce_(x)
+        self.ctx.num_collectives += 1
+        return out
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.ctx.dcp_group is not None
+        out = all_gather(x, self.ctx.dcp_group, self.ctx.dcp_size)
+        self.ctx.num_collectives += 1
+        return out
+
+    def collectives(self, num_tokens: int, dtype: torch.dtype) -> list[Collective]:
+        """The collectives this layer's forward makes over `num_tokens` tokens, in order
+        (what a rank whose forward failed must still take part in)."""
+        out: list[Collective] = []
+        if self.ctx.dcp_group is not None:
+            s, cfg = self.shard, self.cfg
+            width = cfg.mla.kv_lora_rank if cfg.mla is not None else cfg.head_dim
+            shape = (num_tokens, s.num_group_q_heads, width + 1)
+            out.append(Collective("gather", shape, torch.float32))
+        reduce = Collective("reduce", (num_tokens, self.cfg.hidden_size), dtype)
+        return [*out, reduce, reduce]
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         w, cfg = self.weights, self.cfg
         h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
         if self.moe is not None:
-            return x + all_reduce_(self.moe(h))
+            return x + self._reduce(self.moe(h))
         gate, up = F.linear(h, w["gate_up_weight"]).chunk(2, dim=-1)
-        return x + all_reduce_(F.linear(F.silu(gate) * up, w["down_weight"]))
+        return x + self._reduce(F.linear(F.silu(gate) * up, w["down_weight"]))
 
     def _mla_attention(
         self,
@@ -202,11 +235,11 @@ class TPDecoderLayer(nn.Module):
                 q, entry, kv_cache, meta, m.softmax_scale, lat
             )
             packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)  # [T, Hq_g, L + 1]
-            parts = all_gather(packed, self.ctx.dcp_group, self.ctx.dcp_size)
+            parts = self._gather(packed)
             o_lat = merge_partials(parts[..., :lat], parts[..., lat]).to(h.dtype)
         own0 = s.q_head_start - s.group_q_start
         own = self.mla.expand(o_lat[:, own0 : own0 + s.q_head_end - s.q_head_start], own0)
-        out = all_reduce_(F.linear(own, self.weights["o_weight"]))
+        out = self._reduce(F.linear(own, self.weights["o_weight"]))
         bias = self.weights.get("o_bias")
         return out if bias is None else out + bias
 
@@ -310,12 +343,20 @@ class TPLlamaModel(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [T, H] final-normed
+        """`before_layer(i)`: called before layer i (test-only fault injection)."""
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if before_layer is not None:
+                before_layer(i)
             x = layer(x, cos, sin, kv_cache, meta)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def collectives(self, num_tokens: int) -> list[Collective]:
+        """Every collective of a forward over `num_tokens` tokens, in order."""
+        return [c for layer in self.layers for c in layer.collectives(num_tokens, self.dtype)]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,12 +12,13 @@
     close ── Shutdown ─────────────────────────────▶  return
 
 Every message goes to every rank in one order (broadcast), so ranks never disagree on
-what runs next. A forward that fails on every rank alike (the step's input makes it
-fail, and every rank has the same input) leaves the ranks in step: each skips its saves
+what runs next. After each forward the ranks agree whether it failed anywhere
+(engine/parallel/rank_isolation.py: a rank whose forward raised completes the step's
+remaining collectives with zeros first, so a failure of one rank alone never leaves the
+others in a collective). A failed step leaves the ranks in step: each skips its saves
 and report, and the driver bisects the step with probe runs every rank takes part in
-(engine/step_isolation.py). A failure of one rank alone (its device, its memory) leaves
-the others in a collective: the instance then goes down as a whole (the driver watches
-its children).
+(engine/step_isolation.py). A collective that itself fails (a rank process died) takes
+the instance down as a whole (the driver watches its children).
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ from engine.kv_connector import KVConnectorWorker, NoConnectorWorker, WorkerPlac
 from engine.kv_identity import torch_dtype
 from engine.llm_engine import LLMEngine
 from engine.parallel.comm import ParallelContext, broadcast_bytes, recv_bytes, send_bytes
+from engine.parallel.rank_isolation import forward_agreeing
 from engine.parallel.step_inputs import batch_tensors, build_batch
 from engine.parallel.tp_model import TPLlamaModel
 from engine.scheduler import ScheduledRequest
-from engine.step_isolation import ForwardFailed, describe
+from engine.step_isolation import ForwardFailed
 from engine.weights.cache import open_weights
 from modelinfo.info import ModelInfo
 from protocol.kv_layout import KVLayout
@@ -158,7 +160,17 @@ class TPExecutor:
             except InjectedFault as e:
                 fault = str(e)
         want = self._want_reports and not probe
-        msg = RankStep(batch, kv_meta, want, load=load, probe=probe, fault=fault)
+        where = self.faults.rank if self.faults is not None else None
+        msg = RankStep(
+            batch,
+            kv_meta,
+            want,
+            load=load,
+            probe=probe,
+            fault=fault,
+            fault_rank=-1 if where is None else where,
+            fault_layer=self.faults.layer if self.faults is not None else 0,
+        )
         hidden, reports = self._step(msg)
         if not rows or hidden is None:
             return None, reports
@@ -212,14 +224,26 @@ def _run_step(
             msg.batch, ctx.device, rank.layout.block_size, ctx.dcp_size, rank.shard.dcp_rank
         )
         assert ids is not None, "decode ranks embed: the step must carry input ids"
-        try:
-            if msg.fault:
+        mine = msg.fault_rank in (-1, ctx.rank)
+
+        def before_layer(i: int) -> None:
+            if msg.fault and mine and msg.fault_rank != -1 and i == msg.fault_layer:
                 raise InjectedFault(msg.fault)
-            hidden = rank.model(ids, positions, rank.kv_caches, meta)
-        except Exception as e:  # every rank fails alike: the driver bisects the step
+
+        def forward() -> torch.Tensor:
+            if msg.fault and msg.fault_rank == -1:
+                raise InjectedFault(msg.fault)
+            return rank.model(ids, positions, rank.kv_caches, meta, before_layer)
+
+        # the ranks agree on whether it failed anywhere (one rank alone too): the driver
+        # then bisects the step (engine/parallel/rank_isolation.py)
+        hidden, error = forward_agreeing(
+            ctx, forward, lambda: rank.model.collectives(len(msg.batch.positions))
+        )
+        if error is not None:
             if not msg.probe:
-                log.warning("rank %d: the step's forward failed: %s", ctx.rank, describe(e))
-            return None, b"", describe(e)
+                log.warning("rank %d: the step's forward failed: %s", ctx.rank, error)
+            return None, b"", error
     if msg.probe:
         return hidden, b"", None
     worker.start_saves(msg.kv_meta)

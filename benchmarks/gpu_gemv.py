@@ -1,0 +1,120 @@
+"""The matmuls of a Llama-3-8B decode step alone, one GPU: cuBLAS (F.linear) against the
+kernels torch.compile generates, at the step's row counts (1, 32, 128).
+
+    python benchmarks/gpu_gemv.py [--rows 1,32,128] [--autotune]
+
+Per weight shape of the model (q|k|v 6144 x 4096, o 4096 x 4096, gate|up 28672 x 4096,
+down 4096 x 14336, lm_head 128256 x 4096; bf16) the matmul runs over 32 different copies
+of the weight in turn (as the 32 layers do, so the 60 MB L2 holds none of them), all 32
+calls in one CUDA graph (no launch overhead, as in the engine's decode graphs), timed
+with CUDA events; GB/s counts the weight bytes read. Variants:
+
+- cublas: F.linear, what an uncompiled step calls;
+- inductor-gemv: torch.compile with coordinate-descent tuning, under which inductor
+  writes a one-row matmul as a reduction kernel of its own (rows = 1 only);
+- autotune (--autotune): torch.compile mode max-autotune-no-cudagraphs, inductor's
+  Triton matmul templates benchmarked against cuBLAS (rows > 1).
+
+The ceiling is a device copy (read + write) measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.gpu_engine import ceilings
+from engine.models.layer_ops import GEMV_OPTIONS
+
+SHAPES = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+def events_ms(fn: Any, weights: list[torch.Tensor], reps: int = 5) -> float:
+    """Median over `reps` replays of the mean ms of one call: one CUDA graph calls fn once
+    per weight (launch overhead out, as in the engine's decode graphs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights[:2]:
+            fn(w)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        graph.replay()
+        t1.record()
+        torch.cuda.synchronize()
+        times.append(t0.elapsed_time(t1) / len(weights))
+    return sorted(times)[reps // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="1,32,128")
+    ap.add_argument("--autotune", action="store_true")
+    args = ap.parse_args()
+    bw, _ = ceilings()
+    print(f"ceiling: copy {bw:.0f} GB/s (read + write)", flush=True)
+    print("| weight | rows | variant | us | GB/s (weights) | of copy |")
+    print("|---|---:|---|---:|---:|---:|")
+    for name, (n, k) in SHAPES.items():
+        copies = 2 if name == "lm_head" else 32
+        weights = [
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)
+        ]
+        wbytes = n * k * 2
+        for rows in [int(r) for r in args.rows.split(",")]:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            variants: dict[str, Any] = {"cublas": lambda w, x=x: F.linear(x, w)}
+            torch._dynamo.reset()  # each variant compiles for its own static shapes
+            if rows == 1:
+                gemv = torch.compile(_linear, fullgraph=True, options=GEMV_OPTIONS)
+                variants["inductor-gemv"] = lambda w, x=x, f=gemv: f(x, w)
+            elif args.autotune:
+                tuned = torch.compile(_linear, fullgraph=True, mode="max-autotune-no-cudagraphs")
+                variants["autotune"] = lambda w, x=x, f=tuned: f(x, w)
+            ref = F.linear(x, weights[0]).float()
+            for label, fn in variants.items():
+                try:
+                    out = fn(weights[0]).float()
+                    err = ((out - ref).norm() / ref.norm()).item()
+                    ms = events_ms(fn, weights)
+                except Exception as e:  # a variant that does not compile: say so, go on
+                    print(f"| {name} | {rows} | {label} | failed: {e!r:.100} | | |", flush=True)
+                    continue
+                gbps = wbytes / ms / 1e6
+                print(
+                    f"| {name} | {rows} | {label} | {ms * 1e3:.1f} | {gbps:,.0f} | "
+                    f"{gbps / bw:.0%} (rel err {err:.1e}) |",
+                    flush=True,
+                )
+        del weights
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

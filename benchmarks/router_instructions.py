@@ -1,0 +1,213 @@
+"""Instructions the router executes per request, counted by valgrind's callgrind.
+
+Wall time and CPU time on a shared 2-core box move with whatever else runs; the count
+of instructions does not. The router (benchmarks/router_overhead.py's, in front of the
+same stand-in workers) runs under `valgrind --tool=callgrind`; one client sends
+`--warmup` requests on one keep-alive connection, the counters are zeroed
+(`callgrind_control -z`), `--requests` more follow, and the counters are dumped
+(`callgrind_control -d`): their total over `--requests` is the router's cost per
+request, startup and warm-up excluded. The router's periodic health checks (every 30
+s) and KV polls (hourly) are made rare: they cost instructions per second of wall time,
+and the wall time under valgrind moves with the machine's load.
+
+    python -m benchmarks.router_instructions [--stream] [--requests 200] [--warmup 30]
+        [--concurrency 1]
+
+Slow (the router runs ~50x slower under valgrind): a few minutes. Not run in CI. With
+`--concurrency` above 1 on a loaded machine, the router's health checks (1 s timeout)
+may time out under valgrind and mark a worker down for 30 s: such requests are sent
+again after the worker is healthy, and counted in `retried_after_503` (a run with many
+is not a clean count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.router_overhead import (
+    MODEL,
+    NUM_OUTPUT_TOKENS,
+    OUTPUT_TEXT,
+    Client,
+    _free_port,
+    _wait_up,
+    completion_text,
+)
+from router.http1 import Http1Pool
+
+RETRIED = [0]
+"""Requests answered 503 (a worker marked down by a health check that timed out under
+valgrind) and sent again: reported, as they add a little to the count."""
+
+
+def _callgrind_control(flag: str, pid: int) -> None:
+    subprocess.run(
+        ["callgrind_control", flag, str(pid)], check=True, capture_output=True, timeout=120
+    )
+
+
+def _total(out_dir: str, pid: int) -> int:
+    """Instructions in the first dump of `pid` (`callgrind_control -d`), not in the one
+    written when the process ends."""
+    text = Path(f"{out_dir}/callgrind.out.{pid}.1").read_text(errors="replace")
+    match = re.search(r"^(?:totals|summary):\s+(\d+)", text, re.M)
+    assert match is not None, f"no totals in the dump of {pid}"
+    return int(match.group(1))
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
+    """Until the router's health checks found every worker up (a check that timed out
+    under valgrind's slowness is repeated 30 s later)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        resp = httpx.get(url + "/health", trust_env=False, timeout=30)
+        body = resp.json() if resp.status_code == 200 else {}
+        if body and all(body[r]["healthy"] == body[r]["total"] for r in ("prefill", "decode")):
+            return
+        time.sleep(1.0)
+    raise RuntimeError("the router's workers did not become healthy")
+
+
+async def _requests(
+    client: Client,
+    url: str,
+    stream: bool,
+    count: int,
+    expected: str,
+    proc: subprocess.Popen[bytes],
+    concurrency: int = 1,
+) -> None:
+    """`count` requests in all from `concurrency` closed loops."""
+    share = [count // concurrency + (i < count % concurrency) for i in range(concurrency)]
+    await asyncio.gather(*(_loop(client, url, stream, n, expected, proc) for n in share if n))
+
+
+async def _loop(
+    client: Client, url: str, stream: bool, count: int, expected: str, proc: subprocess.Popen[bytes]
+) -> None:
+    body = json.dumps(client.openai_body(stream)).encode()
+    done = 0
+    while done < count:
+        try:
+            data = await client.post(url + "/v1/completions", body)
+        except RuntimeError as e:
+            # A health check that timed out under valgrind marks a worker down until the
+            # next one: wait for it, then go on (a 503 costs the router little).
+            if "HTTP 503" not in str(e):
+                raise
+            RETRIED[0] += 1
+            await asyncio.to_thread(_wait_healthy, url, proc)
+            continue
+        text = completion_text(data, stream)
+        assert text == expected, (text, expected)
+        done += 1
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    from modelinfo.info import load_model_info
+
+    tokenizer = load_model_info(MODEL).tokenizer
+    tokens = tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False)[:NUM_OUTPUT_TOKENS]
+    pieces = [
+        tokenizer.decode(tokens[: i + 1])[len(tokenizer.decode(tokens[:i])) :]
+        for i in range(len(tokens))
+    ]
+    ports = {k: _free_port() for k in ("prefill", "decode", "router")}
+    url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    me = [sys.executable, "-m", "benchmarks.router_overhead"]
+    canned = json.dumps({"tokens": tokens, "pieces": pieces, "ttft_s": args.ttft_ms / 1e3})
+    out_dir = tempfile.mkdtemp(prefix="router-callgrind-")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for role in ("prefill", "decode"):
+            procs.append(
+                subprocess.Popen([*me, "--serve-worker", role, str(ports[role]), canned], env=env)
+            )
+        for role, proc in zip(("prefill", "decode"), procs, strict=True):
+            _wait_up(url[role], proc, "/health")
+        router = subprocess.Popen(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                f"--callgrind-out-file={out_dir}/callgrind.out.%p",
+                *me,
+                "--serve-router",
+                str(ports["router"]),
+                url["prefill"],
+                url["decode"],
+                "--quiet",  # no health checks or KV polls: their count grows with wall time
+            ],
+            env=env,
+            stderr=open(f"{out_dir}/router.log", "wb"),  # noqa: SIM115 (the child owns it)
+        )
+        procs.append(router)
+        _wait_up(url["router"], router, "/health", timeout_s=900)
+        _wait_healthy(url["router"], router)
+        pool = Http1Pool(connect_timeout_s=30.0)
+        client = Client(pool, url["prefill"], url["decode"], tokenizer.encode("x"))
+        expected = tokenizer.decode(tokens)
+        await _requests(
+            client, url["router"], args.stream, args.warmup, expected, router, args.concurrency
+        )
+        _callgrind_control("-z", router.pid)
+        start = time.monotonic()
+        await _requests(
+            client, url["router"], args.stream, args.requests, expected, router, args.concurrency
+        )
+        wall = time.monotonic() - start
+        _callgrind_control("-d", router.pid)
+        pool.close()
+        total = _total(out_dir, router.pid)
+        return {
+            "stream": args.stream,
+            "concurrency": args.concurrency,
+            "requests": args.requests,
+            "instructions": total,
+            "instructions_per_request": total / args.requests,
+            "retried_after_503": RETRIED[0],
+            "wall_s_under_valgrind": wall,
+            "dump_dir": out_dir,
+        }
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--stream", action="store_true", help="SSE instead of one JSON body")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument(
+        "--concurrency", type=int, default=1, help="closed loops (connections) at once"
+    )
+    parser.add_argument("--ttft-ms", type=float, default=20.0)
+    args = parser.parse_args()
+    import uvloop
+
+    result = uvloop.run(run(args))
+    print(json.dumps(result, indent=2))
+    print(f"{result['instructions_per_request'] / 1e6:.3f} M instructions per request")  # type: ignore[operator]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Requests bound to a decode process while prefill still works on them, and what happens
+to them when that process goes.
+
+    relay: DecodeReady from decode d (incarnation i) ─▶ bind(d, i, request)
+           prefill's events are read through Binding.guard
+           first token from prefill (decode has the request now) ─▶ Binding.release
+    the router learns d is down:
+      a connection to d refused or broken, GET /health refused or not 200
+                                     (InstanceRegistry.mark_unhealthy, down=True)
+      GET /health names a new incarnation (the supervisor restarted d)
+                                     (InstanceRegistry.mark_healthy)
+    ─▶ every binding of d's dead process is lost: its guard raises DecodeLost at once, the
+       run fails with a 503 (retry-after), and its failure path aborts the request on
+       every instance that was sent it (prefill's /abort drops it from the queue or the
+       engine: no prompt is computed and sent to a landing that no longer exists)
+
+Why fail and not re-route: the client has received nothing yet, so a retry is safe and
+cheap, while a re-route inside the router would have to wait until prefill confirmed
+the abort (the request keeps its id there), admit and reserve on another decode, and
+send prefill again: two extra round trips for a case that lasts a supervisor restart.
+A health poll that timed out does not count (a slow process is not a dead one).
+Event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, TypeVar
+
+from router.errors import WorkerUnavailable
+
+if TYPE_CHECKING:
+    from router.instances import Instance
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+class DecodeLost(WorkerUnavailable):
+    """503: the decode instance the request was reserved on went down before prefill
+    finished it (nothing was streamed yet: a retry is safe)."""
+
+
+class Binding:
+    """One request reserved on one decode process, waiting for prefill."""
+
+    def __init__(
+        self, owner: DecodeBindings, decode: Instance, incarnation: str, request_id: str
+    ) -> None:
+        self._owner = owner
+        self.decode = decode
+        self.incarnation = incarnation
+        self.request_id = request_id
+        self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        """Done with the reason once the decode process is known to be gone."""
+
+    def release(self) -> None:
+        """Prefill is done with it (or the run ended): stop watching. Idempotent."""
+        self._owner._drop(self)
+
+    async def guard(self, events: AsyncIterator[_T]) -> AsyncIterator[_T]:
+        """`events` (prefill's) until they end, or DecodeLost as soon as the decode
+        process is lost (the pending read is cancelled). The binding is released at
+        prefill's first event (its first token: decode holds the request from then on,
+        and a break of decode's stream is the relay's to see) or at the end."""
+        it = aiter(events)
+        try:
+            if self.lost.done():
+                raise self._error()
+            step = asyncio.ensure_future(anext(it))
+            try:
+                await asyncio.wait((step, self.lost), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not step.done():  # lost (or the run itself was cancelled)
+                    step.cancel()
+                    await asyncio.wait((step,))  # the read unwinds (its finally) first
+            if step.cancelled():
+                raise self._error()
+            try:
+                first = step.result()
+            except StopAsyncIteration:
+                return
+        finally:
+            self.release()
+        yield first
+        async for event in it:
+            yield event
+
+    def _error(self) -> DecodeLost:
+        return DecodeLost(
+            f"request {self.request_id}: {self.decode.describe()}, where it was reserved, "
+            f"went down before prefill finished it ({self.lost.result()}); nothing was "
+            "generated: retry the request",
+            code="decode_instance_lost",
+            headers={"retry-after": "1"},
+        )
+
+
+class DecodeBindings:
+    """Owns the bindings of every decode instance (InstanceRegistry holds one)."""
+
+    def __init__(self) -> None:
+        self._by_instance: dict[str, dict[str, Binding]] = {}
+
+    def bind(self, decode: Instance, incarnation: str, request_id: str) -> Binding:
+        b = Binding(self, decode, incarnation, request_id)
+        self._by_instance.setdefault(decode.name, {})[request_id] = b
+        return b
+
+    def num_bound(self, decode: Instance) -> int:
+        return len(self._by_instance.get(decode.name, {}))
+
+    def lose(self, decode: Instance, reason: str, incarnation: str = "") -> int:
+        """`decode`'s process `incarnation` ("" = whichever) is gone: fail its bindings.
+        Returns how many."""
+        return self._lose(
+            decode, reason, lambda b: not incarnation or b.incarnation in ("", incarnation)
+        )
+
+    def restarted(self, decode: Instance, incarnation: str) -> int:
+        """`decode` now runs process `incarnation`: bindings of other processes are lost."""
+        why = "it was restarted: a new process answers /health"
+        return self._lose(
+            decode, why, lambda b: bool(b.incarnation) and b.incarnation != incarnation
+        )
+
+    def _lose(self, decode: Instance, reason: str, match: Callable[[Binding], bool]) -> int:
+        bound = self._by_instance.get(decode.name, {})
+        lost = [b for b in bound.values() if match(b)]
+        for b in lost:
+            del bound[b.request_id]
+            if not b.lost.done():
+                b.lost.set_result(reason)
+        if lost:
+            log.warning(
+                "%s is down (%s): failing %d request(s) still waiting for prefill",
+                decode.describe(),
+                reason,
+                len(lost),
+            )
+        return len(lost)
+
+    def _drop(self, b: Binding) -> None:
+        bound = self._by_instance.get(b.decode.name)
+        if bound is not None and bound.get(b.request_id) is b:
+            del bound[b.request_id]

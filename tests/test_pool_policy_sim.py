@@ -1,0 +1,46 @@
+"""benchmarks/pool_policy_sim.py on small traces: caches that hold everything reuse
+exactly the trace ceiling, and Mooncake's eviction model keeps the pool under its
+watermark while client retention keeps it under its budget."""
+
+from __future__ import annotations
+
+import random
+
+from benchmarks.agentic.synthetic import generate
+from benchmarks.pool_policy_sim import Model, Policy, Pool, simulate
+
+
+def _trace():  # type: ignore[no-untyped-def]
+    return generate(sessions=6, turns=4, max_context=8000, seed=3)
+
+
+def test_caches_that_hold_everything_reach_the_ceiling() -> None:
+    trace = _trace()
+    big = Model(gpu_blocks=10**6, pool_objects=10**6, save_slots=None)
+    for policy in (Policy("through", "mooncake"), Policy("through", "client")):
+        r = simulate(trace, policy, big)
+        assert r.requests == trace.num_requests
+        assert (r.gpu + r.pool) / r.prompt == r.ceiling
+    # No GPU cache: everything reused comes from the pool, in whole 256-token chunks
+    # (below the ceiling by the rounding, which is large for these ~1-3K-token prompts).
+    r = simulate(trace, Policy("through", "client"), Model(gpu_blocks=0, pool_objects=10**6))
+    assert r.gpu == 0 and 0.5 * r.ceiling < r.pool / r.prompt < r.ceiling
+
+
+def test_small_pool_and_gpu_cache_lose_reuse() -> None:
+    trace = _trace()
+    small = Model(gpu_blocks=64, pool_objects=40, save_slots=None)
+    r = simulate(trace, Policy("through", "client"), small)
+    assert 0 < (r.gpu + r.pool) / r.prompt < r.ceiling
+
+
+def test_mooncake_eviction_keeps_under_the_watermark_and_client_under_its_budget() -> None:
+    moon = Pool(1000, random.Random(0))
+    client = Pool(1000, random.Random(0), client_budget=0.85)
+    for i in range(5000):
+        moon.put([i], float(i), 0)
+        client.put([i], float(i) + 100.0, i % 10, stamp=float(i))
+        assert len(moon.objs) <= 0.9 * 1000 + 1
+        assert len(client.objs) <= 850
+    # Client retention removes the least recent first: what is left is the newest.
+    assert min(client.objs) > 5000 - 900
