@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.block_pool import BlockPool
 from engine.request import Request
 from protocol.ids import BlockId, RequestId
 from protocol.parallel import DecodeRankShard
@@ -156,6 +157,11 @@ class KVConnectorScheduler(ABC):
         """The request finished or was aborted (every request, once; `block_ids` may be
         empty), or was preempted (status WAITING): the engine is about to free its blocks.
         True = keep them until `released` names the request."""
+
+    def bind_block_pool(self, pool: BlockPool) -> None:  # noqa: B027 (optional hook)
+        """The engine's block pool, handed over once by set_kv_connector (engine thread;
+        read only: `lookup` finds the block that holds a content now). A connector that
+        saves KV later than the step that computed it finds it there."""
 
     def has_pending(self) -> bool:
         """Transfers whose reports are still due: the engine keeps polling its workers

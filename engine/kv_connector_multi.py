@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from engine.block_pool import BlockPool
 from engine.kv_connector import (
     ConnectorUpdate,
     KVConnectorScheduler,
@@ -72,6 +73,10 @@ class MultiConnectorScheduler(KVConnectorScheduler):
             part.update_state_after_alloc(
                 request, block_ids, num_external_tokens if i == owner else 0
             )
+
+    def bind_block_pool(self, pool: BlockPool) -> None:
+        for p in self.parts:
+            p.bind_block_pool(pool)
 
     def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
         return _pack([p.build_step_meta(computed) for p in self.parts])

@@ -169,6 +169,7 @@ class LLMEngine:
         assert not self.scheduler.has_work(), "set the connector before adding requests"
         self.connector = scheduler
         self.scheduler.connector = scheduler
+        scheduler.bind_block_pool(self.pool)
         self.kv_worker = worker
         if isinstance(self.runner, ConnectorExecutor):
             self.runner.set_kv_worker(worker)

@@ -1,7 +1,7 @@
 """KVReporter: a worker's KV events and load, served to the router (protocol/kv_events.py).
 
     engine thread: BlockPool events (stored / removed / cleared) ─┐ drained on each poll
-    pool threads:  pool_saved(chunk keys), restore(bytes, s) ─────┤ and every DRAIN_S
+    pool side:     pool_saved / pool_removed(chunk keys), restore ┤ and every DRAIN_S
                                                                   ▼
     ring of KVEvent (seq numbered, bounded)
         ── GET /kv_events/stream?since=N&epoch=E&interval_s=T ──▶ router (pushed: one
@@ -98,6 +98,11 @@ class KVReporter:
         """Chunks this instance wrote to the pool (called by the pool connector)."""
         if chunk_keys:
             self._append("pool_saved", [bytes(k) for k in chunk_keys])
+
+    def record_pool_removed(self, chunk_keys: Sequence[ChunkKey]) -> None:
+        """Chunks this instance removed from the pool (its retention): no longer hits."""
+        if chunk_keys:
+            self._append("pool_removed", [bytes(k) for k in chunk_keys])
 
     def record_restore(self, num_bytes: int, seconds: float) -> None:
         """One finished pool load: its bytes and how long it took."""

@@ -80,7 +80,30 @@ class PoolMetrics:
             registry=registry,
         ).labels(**labels)
         self.save_dropped = counter(
-            "kvserve_pool_save_dropped", "Chunks not saved because the save queue was full"
+            "kvserve_pool_save_dropped",
+            "Chunks a worker found no free save slot for (the scheduler side's credits "
+            "keep this at 0; a chunk that waits is counted in save_deferred instead)",
+        ).labels(**labels)
+        self.save_deferred = counter(
+            "kvserve_pool_save_deferred",
+            "Computed chunks that waited for a save slot (saved later from the GPU prefix "
+            "cache, or lost: save_lost)",
+        ).labels(**labels)
+        self.save_lost = Counter(
+            "kvserve_pool_save_lost",
+            "Chunks that waited for a save slot and were never sent: reason=evicted (the GPU "
+            "prefix cache reused their blocks first) or chain (an earlier chunk of their "
+            "chain was lost, so they could never be a hit)",
+            ["instance", "reason"],
+            registry=registry,
+        )
+        for reason in ("evicted", "chain"):
+            self.save_lost.labels(instance=instance, reason=reason)
+        self.save_waiting = Gauge(
+            "kvserve_pool_save_waiting",
+            "Computed chunks waiting for a save slot",
+            ["instance"],
+            registry=registry,
         ).labels(**labels)
         self.retention_removed = counter(
             "kvserve_pool_retention_removed",

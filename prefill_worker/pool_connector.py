@@ -32,6 +32,7 @@ import msgspec
 import torch
 from prometheus_client import CollectorRegistry
 
+from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.kv_connector import ConnectorUpdate, KVConnectorScheduler, StepKV
 from engine.request import Request, RequestStatus
@@ -43,15 +44,15 @@ from kvpool.retention import LruChainRetention, Retention
 from kvpool.stats import StageCounters
 from kvpool.topology import master_address, prefill_segment, retention_share_bytes
 from prefill_worker.pool_pack import pack_blocks, unpack_blocks
+from prefill_worker.pool_save_queue import QueuedChunk, SaveQueue
 from prefill_worker.pool_worker import PoolWorker
 from protocol.cluster import ClusterConfig, PoolInstance
 from protocol.hashing import chunk_keys
-from protocol.ids import BlockId, ChunkKey, RequestId
+from protocol.ids import BlockHash, BlockId, ChunkKey, RequestId
 from protocol.kv_layout import KVLayout
 from protocol.namespace import KVNamespace
 from protocol.pool_messages import (
     PoolLoad,
-    PoolSave,
     PoolStepMeta,
     PoolWorkerReport,
     without_saves,
@@ -105,6 +106,7 @@ class _SaveState:
     """The chunk's index in its request's chain (retention: tail first)."""
     stamp: float = 0.0
     """Use stamp of the request that saves it (retention: recency)."""
+    request_id: str = ""
 
 
 class PoolScheduler(KVConnectorScheduler):
@@ -123,11 +125,14 @@ class PoolScheduler(KVConnectorScheduler):
         *,
         on_saved: Callable[[list[ChunkKey]], None] | None = None,
         on_restored: Callable[[int, float], None] | None = None,
+        on_removed: Callable[[list[ChunkKey]], None] | None = None,
         wake: Callable[[], None] | None = None,
         retention: Retention | None = None,
     ) -> None:
-        """`on_saved(chunk_keys)` and `on_restored(bytes, seconds)` tell the worker's KV
-        reporter what the pool now holds and how fast restores run (KV-aware routing);
+        """`on_saved(chunk_keys)`, `on_removed(chunk_keys)` and `on_restored(bytes,
+        seconds)` tell the worker's KV reporter what the pool now holds (saved, or
+        removed by this instance's retention) and how fast restores run (KV-aware
+        routing);
         `wake()` ends the engine's idle wait when a lookup is back (this process's
         worker's `wake`); `retention` picks the chunks this instance removes itself
         (kvpool/retention.py; default: none, the master evicts)."""
@@ -140,6 +145,11 @@ class PoolScheduler(KVConnectorScheduler):
         self.saves_enabled = client.backend.accepts_writes
         self._on_saved = on_saved
         self._on_restored = on_restored
+        self._on_removed = on_removed
+        self.save_queue = SaveQueue(
+            len(client.buffer.save_slot_ids) // len(client.local_stages), num_workers
+        )
+        """Computed chunks waiting for a save slot on every worker (pool_save_queue.py)."""
         self._object_bytes = sum(spec.object_bytes for spec in client.specs.values())
         self._next_save: dict[RequestId, int] = {}
         self._planned: list[PoolLoad] = []
@@ -219,6 +229,8 @@ class PoolScheduler(KVConnectorScheduler):
         self.retention.used(look.keys[: look.hit], look.first, stamp)
         if look.hit < len(look.keys) and self.retention.missing(look.keys[look.hit]):
             self._remove_later([look.keys[look.hit]])
+            if self._on_removed is not None:  # no longer a hit: routing must not count it
+                self._on_removed([look.keys[look.hit]])
 
     def _remove_later(self, keys: list[ChunkKey]) -> None:
         with self._lock:
@@ -270,35 +282,65 @@ class PoolScheduler(KVConnectorScheduler):
         self._loads[job.request_id] = _LoadState(job, time.perf_counter())
 
     # -- each step ----------------------------------------------------------------------------
+    def bind_block_pool(self, pool: BlockPool) -> None:
+        """Chunks that wait for a save slot after their request let go of its blocks are
+        found in the engine's prefix cache (pool_save_queue.py)."""
+        self.save_queue.bind(pool.lookup)
+
     def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
-        saves = [s for kv in computed if (s := self._plan_save(kv)) is not None]
+        for kv in computed:
+            self._plan_save(kv)
+        saves = []
+        if len(self.save_queue):
+            took = self.save_queue.take()
+            saves = took.saves
+            for c in took.taken:
+                st = self._saving.setdefault(c.key, _SaveState())
+                st.expected += self.num_workers
+                st.depth, st.stamp, st.request_id = c.depth, max(st.stamp, c.stamp), c.request_id
+            m = self.metrics
+            m.save_deferred.inc(took.num_deferred)
+            if took.num_evicted:
+                m.save_lost.labels(instance=m.instance, reason="evicted").inc(took.num_evicted)
+            if took.num_behind_hole:
+                m.save_lost.labels(instance=m.instance, reason="chain").inc(took.num_behind_hole)
+            m.save_waiting.set(len(self.save_queue))
         if not (self._planned or self._cancels or saves):
             return b""
         meta = PoolStepMeta(self._planned, self._cancels, saves)
         self._planned, self._cancels = [], []
         return msgspec.msgpack.encode(meta)
 
-    def _plan_save(self, kv: StepKV) -> PoolSave | None:
-        """Whole prompt chunks this step completes, from where the request's hits ended
-        (chunks before its first computed token came from the GPU cache or the pool)."""
+    def _plan_save(self, kv: StepKV) -> None:
+        """Queue the whole prompt chunks this step completes, from where the request's
+        hits ended (chunks before its first computed token came from the GPU cache or
+        the pool); they leave the queue as save slots allow."""
         if not self.saves_enabled:
-            return None
+            return
         cs = self.chunk_size
         rid = kv.request.request_id
         nxt = self._next_save.setdefault(rid, kv.token_start // cs)
         last = min(kv.token_end, kv.request.num_prompt_tokens) // cs
         if nxt >= last:
-            return None
+            return
         self._next_save[rid] = last
         bpc = self.blocks_per_chunk
         keys = [bytes(k) for k in self._keys(kv.request, nxt, last)]
         stamp = self._stamps.setdefault(rid, time.monotonic())
-        for depth, k in enumerate(keys, nxt):
-            st = self._saving.setdefault(k, _SaveState())
-            st.expected += self.num_workers
-            st.depth, st.stamp = depth, max(st.stamp, stamp)
-        blocks = [[int(b) for b in kv.block_ids[c * bpc : (c + 1) * bpc]] for c in range(nxt, last)]
-        return PoolSave(rid, keys, blocks)
+        hashes = kv.request.block_hashes
+        self.save_queue.add(
+            [
+                QueuedChunk(
+                    rid,
+                    k,
+                    c,
+                    [int(b) for b in kv.block_ids[c * bpc : (c + 1) * bpc]],
+                    [BlockHash(bytes(h)) for h in hashes[c * bpc : (c + 1) * bpc]],
+                    stamp,
+                )
+                for c, k in enumerate(keys, nxt)
+            ]
+        )
 
     def without_requests(self, meta: bytes, request_ids: set[str]) -> bytes:
         """Their chunks are not saved (their KV of this step is not valid): no report of
@@ -310,6 +352,7 @@ class PoolScheduler(KVConnectorScheduler):
         for save in m.saves:
             if save.request_id not in request_ids:
                 continue
+            self.save_queue.withdrawn(len(save.chunk_keys))
             for key in save.chunk_keys:
                 st = self._saving.get(key)
                 if st is not None:
@@ -332,6 +375,7 @@ class PoolScheduler(KVConnectorScheduler):
             report = _report_decoder.decode(raw)
             self.metrics.apply(report.counts)
             self._depth[worker] = report.save_queue_depth
+            self.save_queue.reported(worker, len(report.saved) + len(report.unsaved))
             for done in report.loads:
                 self._load_reported(worker, done.request_id, done.num_tokens, out)
             for key, ok in [(k, True) for k in report.saved] + [(k, False) for k in report.unsaved]:
@@ -345,6 +389,9 @@ class PoolScheduler(KVConnectorScheduler):
                     if st.all_stored:
                         saved.append(ChunkKey(key))
                         self.retention.saved(ChunkKey(key), st.depth, st.stamp)
+                    else:  # a hole: the request's later chunks need no slot
+                        live = st.request_id in self._next_save
+                        self.save_queue.lost(st.request_id, st.depth, live=live)
         if self._depth:
             self.metrics.save_queue_depth.set(max(self._depth.values()))
         if saved:
@@ -355,6 +402,8 @@ class PoolScheduler(KVConnectorScheduler):
             if victims:  # removed on the lookup thread (a network call)
                 self.metrics.retention_removed.inc(len(victims))
                 self._remove_later(victims)
+                if self._on_removed is not None:
+                    self._on_removed(victims)
             self.metrics.retained_chunks.set(self.retention.num_chunks)
         return out
 
@@ -382,7 +431,9 @@ class PoolScheduler(KVConnectorScheduler):
 
     def request_finished(self, request: Request, block_ids: list[BlockId]) -> bool:
         rid = request.request_id
-        if request.status is not RequestStatus.WAITING:  # finished, not preempted
+        finished = request.status is not RequestStatus.WAITING  # not preempted
+        self.save_queue.released(rid, finished=finished)
+        if finished:
             self._next_save.pop(rid, None)
             self._stamps.pop(rid, None)
             with self._lock:
@@ -398,7 +449,7 @@ class PoolScheduler(KVConnectorScheduler):
     def has_pending(self) -> bool:
         with self._lock:
             looking = self._removals > 0 or any(look.hit is None for look in self._lookups.values())
-        return bool(looking or self._loads or self._saving or self._cancels)
+        return bool(looking or self._loads or self._saving or self._cancels or len(self.save_queue))
 
     def close(self) -> None:
         self._lookup_queue.put(None)
@@ -476,6 +527,7 @@ def build_pool_connector(
         pp,
         on_saved=reporter.record_pool_saved if reporter is not None else None,
         on_restored=reporter.record_restore if reporter is not None else None,
+        on_removed=reporter.record_pool_removed if reporter is not None else None,
         wake=worker.wake,
         retention=build_retention(cluster, inst, client),
     )

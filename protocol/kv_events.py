@@ -9,7 +9,9 @@
 Events are the prefix cache's changes (engine/block_pool.py): `stored` / `removed` carry
 block hashes of the chain the router computes itself (protocol/hashing.py, seeded with
 `namespace_seed(WorkerInfo.namespace_key)`), `cleared` drops everything, `pool_saved`
-carries chunk keys the instance wrote to the pool. Sequence numbers are per worker
+carries chunk keys the instance wrote to the pool, `pool_removed` chunk keys it removed
+from the pool (its retention, kvpool/retention.py, or what is left of a chunk a lookup
+found incomplete). Sequence numbers are per worker
 process (`epoch`); a consumer that fell behind the worker's ring, or sees a new epoch,
 gets `reset` with a `snapshot` of every cached hash and starts over from `next_seq`.
 Reading events never touches the pool (Mooncake existence checks take read leases).
@@ -21,7 +23,7 @@ from typing import Literal
 
 import msgspec
 
-KVEventKind = Literal["stored", "removed", "cleared", "pool_saved"]
+KVEventKind = Literal["stored", "removed", "cleared", "pool_saved", "pool_removed"]
 
 
 class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,7 +61,8 @@ class KVEvent(msgspec.Struct, frozen=True, array_like=True):
     seq: int
     kind: KVEventKind
     hashes: list[bytes]
-    """Block hashes (stored / removed), chunk keys (pool_saved), empty (cleared)."""
+    """Block hashes (stored / removed), chunk keys (pool_saved / pool_removed), empty
+    (cleared)."""
 
 
 class KVEventBatch(msgspec.Struct, frozen=True, kw_only=True):

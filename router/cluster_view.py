@@ -8,9 +8,10 @@
                                                       split: one per node; none)
       outstanding_tokens   prompt tokens the router sent and prefill has not answered
       reserved_tokens      decode KV the admission gate handed out
-    per pool (PoolIndex)                              pool_saved events, or finished
-                                                      prefills of instances that do not
-                                                      report saves (router/kv_index.py)
+    per pool (PoolIndex)                              pool_saved / pool_removed events,
+                                                      or finished prefills of instances
+                                                      that do not report saves
+                                                      (router/kv_index.py)
 
 `KVWatcher` holds one long-lived push stream per instance on the router's event loop. Everything here is a hint
 for policies and the gate: a stale view costs efficiency, never correctness. Mutated only
@@ -119,6 +120,9 @@ class ClusterView:
                 st.reports_pool_saves = True
                 if pool is not None:
                     pool.add(ev.hashes)
+            elif ev.kind == "pool_removed":
+                if pool is not None:
+                    pool.remove(ev.hashes)
             else:
                 st.prefix.apply(ev.kind, ev.hashes)
         st.epoch, st.next_seq = batch.epoch, batch.next_seq

@@ -10,9 +10,10 @@ blocks eviction for 10 s (MOONCAKE.md §1.3, §1.6), so a router that asked the 
 every request would pin it. Chunks enter the index when a prefill instance reports it
 saved them (`pool_saved` events) or, for instances that do not report saves, when a
 request that instance prefilled ends (its full chunks are what it saves). They leave it
-by LRU once the index holds the pool's estimated capacity (the pool evicts LRU at a high
-watermark too), so the router's view drifts from the pool's only by saves that were
-dropped and by eviction order.
+when that instance's retention removes them (`pool_removed` events, pool.retention:
+client) or by LRU once the index holds the pool's estimated capacity (Mooncake evicts
+at its high watermark), so the router's view drifts from the pool's only by Mooncake's
+own eviction order.
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ class PoolIndex:
         if self.capacity_chunks is not None:
             while len(self._chunks) > self.capacity_chunks:
                 self._chunks.popitem(last=False)
+
+    def remove(self, keys: Iterable[bytes]) -> None:
+        """Removed from the pool by the instance that saved them (its retention)."""
+        for k in keys:
+            self._chunks.pop(k, None)
 
     def match_chunks(self, keys: Sequence[bytes]) -> int:
         """Leading chunks of a request the pool holds (keys: protocol.hashing.chunk_keys)."""

@@ -13,6 +13,7 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
+from engine.block_pool import BlockPool
 from engine.kv_connector import StepKV
 from engine.request import Request, RequestStatus
 from kvpool.backend import BackendConfig, create_backend
@@ -42,8 +43,8 @@ def sched():
         backend,
         NS,
         LAYOUT,
-        buffer_bytes=None,
-        max_save_chunks=2,
+        buffer_bytes=4 << 20,
+        max_save_chunks=8,
         metrics=StageCounters(),
         local_stages=[0],
     )
@@ -170,3 +171,110 @@ def test_lookup_answer_reused_while_fresh_and_prefix_grows(sched):
     assert s.client.metrics.drain().lookups == 0 and asked == 1
     s.update_state_after_alloc(r, [], 0)  # admitted: the answer is dropped
     assert s.get_num_new_matched_tokens(r, 0) == (None, True)
+
+
+# -- chunks waiting for a save slot (prefill_worker/pool_save_queue.py) ------------------------
+@pytest.fixture
+def tight():
+    """Two save slots per stage process, two stage processes, the engine's block pool."""
+    backend = create_backend("local", BackendConfig("127.0.0.1", "local-tight-test"))
+    client = PoolClient(
+        backend,
+        NS,
+        LAYOUT,
+        buffer_bytes=4 << 20,
+        max_save_chunks=2,
+        metrics=StageCounters(),
+        local_stages=[0],
+    )
+    saved: list[list[ChunkKey]] = []
+    s = PoolScheduler(
+        client, PoolMetrics(CollectorRegistry(), "t"), 16, num_workers=2, on_saved=saved.append
+    )
+    pool = BlockPool(256)
+    s.bind_block_pool(pool)
+    yield s, saved, pool
+    s.close()
+    client.close()
+
+
+def _computed(pool: BlockPool, r: Request) -> list[BlockId]:
+    """r's prompt computed into fresh blocks of `pool`, its full blocks cached."""
+    blocks = pool.allocate(-(-r.num_prompt_tokens // 16))
+    assert blocks is not None
+    for b, h in zip(blocks, r.block_hashes, strict=False):
+        pool.cache_block(b, h)
+    return blocks
+
+
+def _both_store(s: PoolScheduler, meta: PoolStepMeta) -> None:
+    keys = [k for save in meta.saves for k in save.chunk_keys]
+    s.update_from_workers([_report(0, saved=keys), _report(1, saved=keys)])
+
+
+def test_chunks_wait_for_a_slot_in_chain_order_and_none_is_dropped(tight):
+    s, saved, pool = tight
+    r = _req("r", 6 * CHUNK + 10)
+    blocks = _computed(pool, r)
+    meta = _meta.decode(s.build_step_meta([StepKV(r, 0, r.num_prompt_tokens, blocks)]))
+    want = [bytes(k) for k in s._keys(r, 0, 6)]
+    assert [k for x in meta.saves for k in x.chunk_keys] == want[:2]  # two slots
+    assert _count(s.metrics.save_deferred) == 4 and s.has_pending()
+    assert s.build_step_meta([]) == b""  # no worker reported: no slot is free
+    s.update_from_workers([_report(0, saved=want[:2]), b""])
+    assert s.build_step_meta([]) == b""  # every worker needs a slot for it
+    s.update_from_workers([b"", _report(1, saved=want[:1])])
+    meta = _meta.decode(s.build_step_meta([]))
+    assert meta.saves[0].chunk_keys == want[2:3]
+    assert meta.saves[0].block_ids == [[int(b) for b in blocks[32:48]]]
+    s.update_from_workers([b"", _report(1, saved=want[1:2])])
+    _both_store(s, meta)
+    for _ in range(10):
+        raw = s.build_step_meta([])
+        if raw:
+            _both_store(s, _meta.decode(raw))
+    assert not s.has_pending()
+    assert [k for batch in saved for k in batch] == [ChunkKey(k) for k in want]
+    assert _count(s.metrics.save_dropped) == 0
+    assert _count(s.metrics.save_lost, instance="t", reason="evicted") == 0
+
+
+def test_a_finished_requests_chunks_are_saved_from_the_prefix_cache_until_evicted(tight):
+    """The request finishes with four chunks waiting: they are packed from whichever
+    blocks hold their hashes now; once the cache reuses a chunk's blocks it is lost and
+    the chunks after it never take a slot."""
+    s, saved, pool = tight
+    r = _req("r", 6 * CHUNK + 10)
+    blocks = _computed(pool, r)
+    meta = _meta.decode(s.build_step_meta([StepKV(r, 0, r.num_prompt_tokens, blocks)]))
+    r.status = RequestStatus.FINISHED_STOPPED
+    assert s.request_finished(r, blocks) is False
+    pool.free(blocks[::-1])  # cached free: the content stays until reused
+    _both_store(s, meta)
+    meta = _meta.decode(s.build_step_meta([]))
+    assert meta.saves[0].block_ids == [
+        [int(b) for b in blocks[c * 16 : (c + 1) * 16]] for c in (2, 3)
+    ]
+    # The cache reuses the least recently freed blocks: the tail, chunk 5, then chunk 4.
+    assert pool.allocate(pool.num_free_blocks - 4 * 16 - 16 + 8) is not None
+    assert pool.lookup(r.block_hashes[4 * 16 + 15]) is None  # chunk 4 lost a block
+    _both_store(s, meta)
+    assert s.build_step_meta([]) == b""
+    assert _count(s.metrics.save_lost, instance="t", reason="evicted") == 1
+    assert _count(s.metrics.save_lost, instance="t", reason="chain") == 1
+    assert not s.has_pending()
+    assert [k for batch in saved for k in batch] == [ChunkKey(k) for k in s._keys(r, 0, 4)]
+
+
+def test_a_chunk_no_worker_stored_drops_the_rest_of_its_chain(tight):
+    s, saved, pool = tight
+    r = _req("r", 5 * CHUNK + 10)
+    blocks = _computed(pool, r)
+    meta = _meta.decode(s.build_step_meta([StepKV(r, 0, r.num_prompt_tokens, blocks)]))
+    keys = meta.saves[0].chunk_keys
+    s.update_from_workers(
+        [_report(0, saved=keys), _report(1, saved=keys[:1], unsaved=keys[1:])]
+    )  # chunk 1 is a hole: chunks 2-4 could never be a hit
+    assert s.build_step_meta([]) == b"" and not s.has_pending()
+    assert _count(s.metrics.save_lost, instance="t", reason="chain") == 3
+    assert saved == [[ChunkKey(keys[0])]]

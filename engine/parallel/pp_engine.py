@@ -68,6 +68,7 @@ class PipelinedEngine(LLMEngine):
         assert not self.scheduler.has_work(), "set the connector before adding requests"
         self.connector = scheduler
         self.scheduler.connector = scheduler
+        scheduler.bind_block_pool(self.pool)
         self.kv_worker = worker
         self.pipeline.set_kv_worker(worker)
 
