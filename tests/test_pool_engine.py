@@ -339,9 +339,11 @@ def test_block_pack_equals_kv_pack_and_unpack_inverts_it():
         assert not b[:, blocks[:5]].any()
 
 
-def test_saturated_save_queue_drops_and_never_stalls_compute(tiny_llama_dir, weights_cache_dir):
-    """One save slot and a pool whose writes hang until released: the step that computes three
-    chunks packs one, drops two (counted) and returns without waiting for the write."""
+def test_saturated_save_slots_defer_and_never_stall_compute(tiny_llama_dir, weights_cache_dir):
+    """One save slot and a pool whose writes hang until released: the step that computes
+    three chunks sends one to be packed, keeps two waiting (counted, none dropped) and
+    returns without waiting for the write; once the write is through the waiting chunks
+    are packed from the GPU prefix cache (the request has finished) and saved."""
     import threading
 
     from kvpool.local_backend import LocalBackend
@@ -358,13 +360,59 @@ def test_saturated_save_queue_drops_and_never_stalls_compute(tiny_llama_dir, wei
     backend = SlowBackend(BackendConfig("127.0.0.1", "local-slow"))
     metrics = _connect(e, backend, e.namespace, buffer_bytes=None, max_save_chunks=1)
     try:
-        out = e.generate([_prompt(7, 1000)], GREEDY)[0]  # returns while the write hangs
+        prompt = _prompt(7, 1000)
+        out = e.generate([prompt], GREEDY)[0]  # returns while the write hangs
         assert len(out.token_ids) == 4
-        assert _value(metrics.save_dropped) == 2 and _value(metrics.save_queue_depth) == 1
-        assert e.has_unfinished()  # the engine polls until the save reports
+        assert _value(metrics.save_deferred) == 2 and _value(metrics.save_waiting) == 2
+        assert _value(metrics.save_dropped) == 0 and _conn(e).save_queue.credits == 0
+        assert e.has_unfinished()  # the engine polls until the saves report
         release.set()
         settle(e, 10)
-        assert _value(metrics.save_chunks) == 1 and _value(metrics.save_queue_depth) == 0
+        assert _value(metrics.save_chunks) == 3 and _value(metrics.save_queue_depth) == 0
+        assert _value(metrics.save_waiting) == 0
+        keys = _chunk_keys(e, prompt)
+        assert backend.exists([_conn(e).client.keys.object_key(k, 0) for k in keys]) == [True] * 3
+    finally:
+        release.set()
+        e.close()
+
+
+def test_chunks_the_gpu_cache_reuses_before_a_slot_frees_are_lost_whole_chains_only(
+    tiny_llama_dir, weights_cache_dir
+):
+    """One save slot, writes held: A's last two chunks wait; B then needs every block of a
+    48-block cache, so A's waiting chunks are evicted before the slot frees: counted lost
+    (one evicted, one behind it), never sent; B's own chunks wait and are saved."""
+    import threading
+
+    from kvpool.local_backend import LocalBackend
+
+    release = threading.Event()
+
+    class SlowBackend(LocalBackend):
+        def put_from(self, keys, ptrs, sizes, group_ids):  # type: ignore[no-untyped-def]
+            release.wait(10)
+            return super().put_from(keys, ptrs, sizes, group_ids)
+
+    cfg = EngineConfig(cache_dir=weights_cache_dir, num_blocks=68, max_num_batched_tokens=1024)
+    e = LLMEngine.from_spec(str(tiny_llama_dir), cfg)
+    backend = SlowBackend(BackendConfig("127.0.0.1", "local-slow-evict"))
+    metrics = _connect(e, backend, e.namespace, buffer_bytes=None, max_save_chunks=1)
+    try:
+        a, b = _prompt(8, 800), _prompt(9, 1060)
+        e.generate([a], GREEDY)
+        assert _value(metrics.save_waiting) == 2
+        e.generate([b], GREEDY)  # 67 blocks: A's free blocks are all reused
+        assert _value(metrics.save_lost, instance="test", reason="evicted") == 1
+        assert _value(metrics.save_lost, instance="test", reason="chain") == 1
+        release.set()
+        settle(e, 10)
+        conn = _conn(e)
+        held = backend.exists([conn.client.keys.object_key(k, 0) for k in _chunk_keys(e, a)])
+        assert held == [True, False, False]
+        held = backend.exists([conn.client.keys.object_key(k, 0) for k in _chunk_keys(e, b)])
+        assert held == [True] * 4
+        assert _value(metrics.save_dropped) == 0
     finally:
         release.set()
         e.close()
