@@ -97,6 +97,9 @@ def test_events_rebuild_the_prefix_cache(worker) -> None:
     reporter.record_pool_saved([ChunkKey(b"k" * 16)])
     batch = _poll(client, batch.next_seq, epoch)
     assert [(e.kind, e.hashes) for e in batch.events] == [("pool_saved", [b"k" * 16])]
+    reporter.record_pool_removed([ChunkKey(b"k" * 16)])
+    batch = _poll(client, batch.next_seq, epoch)
+    assert [(e.kind, e.hashes) for e in batch.events] == [("pool_removed", [b"k" * 16])]
 
     host.loop.submit(lambda e: e.reset_prefix_cache()).result(timeout=10)
     batch = _poll(client, batch.next_seq, epoch)

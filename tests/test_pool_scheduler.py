@@ -19,6 +19,7 @@ from engine.request import Request, RequestStatus
 from kvpool.backend import BackendConfig, create_backend
 from kvpool.client import PoolClient
 from kvpool.metrics import PoolMetrics
+from kvpool.retention import LruChainRetention
 from kvpool.stats import StageCounters
 from prefill_worker.pool_connector import PoolScheduler
 from protocol.hashing import namespace_seed
@@ -278,3 +279,42 @@ def test_a_chunk_no_worker_stored_drops_the_rest_of_its_chain(tight):
     assert s.build_step_meta([]) == b"" and not s.has_pending()
     assert _count(s.metrics.save_lost, instance="t", reason="chain") == 3
     assert saved == [[ChunkKey(keys[0])]]
+
+
+def test_retention_removals_are_published(tight):
+    """What retention removes is announced (on_removed -> pool_removed KV events), so
+    the router's pool index stops counting it; the removal itself runs on the lookup
+    thread."""
+    _, _, pool = tight
+    backend = create_backend("local", BackendConfig("127.0.0.1", "local-removed-test"))
+    client = PoolClient(
+        backend,
+        NS,
+        LAYOUT,
+        buffer_bytes=4 << 20,
+        max_save_chunks=8,
+        metrics=StageCounters(),
+        local_stages=[0],
+    )
+    removed: list[list[ChunkKey]] = []
+    s = PoolScheduler(
+        client,
+        PoolMetrics(CollectorRegistry(), "t"),
+        16,
+        num_workers=2,
+        on_removed=removed.append,
+        retention=LruChainRetention(2, protect_s=0.0, low_water=1.0),
+    )
+    try:
+        r = _req("r", 3 * CHUNK + 10)
+        _both_store(
+            s,
+            _meta.decode(
+                s.build_step_meta([StepKV(r, 0, r.num_prompt_tokens, _computed(pool, r))])
+            ),
+        )
+        assert removed == [[ChunkKey(bytes(s._keys(r, 2, 3)[0]))]]  # the tail goes first
+        assert _count(s.metrics.retention_removed) == 1
+    finally:
+        s.close()
+        client.close()

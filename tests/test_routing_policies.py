@@ -137,6 +137,34 @@ def test_pool_hit_is_priced_with_restore_bandwidth() -> None:
     assert policy.choose("prefill", _ctx(prompt), insts) is insts[1]
 
 
+def test_pool_removals_leave_the_router_index() -> None:
+    """An instance saves a history (pool_saved), then its retention removes the tail
+    (pool_removed): the router prices only the chunks still there."""
+    view, insts = _cluster(1, pools={"p0": "shared"})
+    history = _tokens(4 * CS, 8)
+    keys = [bytes(k) for k in chunk_keys(hash_chain(history, BS, ROOT), CS // BS)]
+    st = view.state(insts[0])
+
+    def events(*evs: tuple[str, list[bytes]]) -> None:
+        batch = KVEventBatch(
+            epoch="e",
+            next_seq=st.next_seq + len(evs),
+            events=[KVEvent(st.next_seq + i, kind, h) for i, (kind, h) in enumerate(evs)],  # type: ignore[arg-type]
+            load=st.load or _load(),
+        )
+        view.apply_batch(insts[0], batch)
+
+    events(("pool_saved", keys))
+    policy = KVAwarePolicy(0, view)
+    prompt = history + _tokens(10, 9)
+    policy.choose("prefill", _ctx(prompt), insts)
+    assert policy.last_prices["p0"].pool_tokens == 4 * CS
+    events(("pool_removed", keys[2:]))
+    policy.choose("prefill", _ctx(prompt), insts)
+    assert policy.last_prices["p0"].pool_tokens == 2 * CS
+    assert len(view.pools["shared"]) == 2
+
+
 def test_session_affinity_breaks_ties_only() -> None:
     view, insts = _cluster(2)
     policy = KVAwarePolicy(0, view)
