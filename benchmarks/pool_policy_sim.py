@@ -2,7 +2,7 @@
 
     python -m benchmarks.pool_policy_sim [--sessions 32] [--turns 10] [--max-context 60000]
         [--seed 0] [--gpu-tokens 262144] [--pool-gib 80] [--save-slots 15] [--runs 3]
-        [--policies a,b,...]
+        [--save-gbs 0.9] [--save-mode wait|drop] [--policies a,b,...]
 
 Replays the synthetic trace of `kvserve bench agentic --synthetic` (same generator, same
 seed, the replay's closed loops: start offsets, waits x time_scale, subagent spawns and
@@ -15,6 +15,10 @@ joins, no request sent after --duration) through a model of one prefill instance
 
     GPU prefix cache   engine/block_pool.py: LRU free queue of blocks (here the trace's
                        64-token blocks), a request's blocks freed tail-first
+    save path          --save-slots slots, one write at a time at --save-gbs (SavePath):
+                       a chunk with no free slot waits in the GPU cache and is lost if
+                       evicted first, with the rest of its chain (wait: what
+                       prefill_worker/pool_save_queue.py does), or is dropped (drop)
     pool               chunk objects (256 tokens, 128 KiB a token: 32 MiB), a store of
                        --pool-gib, evicted as the policy says
 
@@ -56,7 +60,7 @@ import argparse
 import heapq
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from benchmarks.agentic.synthetic import generate
@@ -242,10 +246,16 @@ class Model:
     pool_objects: int = int(80 * 2**30 // (CHUNK_TOKENS * TOKEN_BYTES + OBJECT_OVERHEAD))
     budget: float = 0.85
     pin_ttl_s: float = 60.0
-    step_tokens: int = 8192
     save_slots: int | None = 15
     """Save slots of the prefill's pool buffer (1 GiB: 31 slots of 32 MiB, 15 for saves;
     4 GiB: 63; 6 GiB: 95); None: never short of slots."""
+    save_gbs: float = 0.9
+    """Rate of the save thread's writes (a slot is busy from its chunk's pack to the end
+    of its write); calibrated on the fourth H200 run's 813 dropped of 4,847 (drop mode)."""
+    save_wait: bool = True
+    """What is built (prefill_worker/pool_save_queue.py): a chunk with no free slot waits
+    and is packed from the GPU prefix cache when one frees, lost if the cache evicted
+    it first (with the rest of its chain). False: dropped at once (before)."""
 
 
 @dataclass
@@ -256,6 +266,10 @@ class Result:
     pool: int = 0
     ttfts: list[float] = field(default_factory=list)
     ceiling: float = 0.0
+    saved: int = 0
+    save_deferred: int = 0
+    save_dropped: int = 0
+    save_lost: int = 0
 
     def row(self, name: str) -> str:
         reuse = (self.gpu + self.pool) / self.prompt
@@ -265,7 +279,8 @@ class Result:
         return (
             f"| {name} | {self.requests} | {100 * self.gpu / self.prompt:.1f}% | "
             f"{100 * self.pool / self.prompt:.1f}% | {100 * reuse:.1f}% | "
-            f"{100 * reuse / self.ceiling:.1f}% | {p50:.1f} / {p90:.1f} s |"
+            f"{100 * reuse / self.ceiling:.1f}% | {p50:.1f} / {p90:.1f} s | "
+            f"{self.saved} / {self.save_deferred} / {self.save_dropped} / {self.save_lost} |"
         )
 
 
@@ -309,6 +324,7 @@ def simulate(trace: Trace, policy: Policy, m: Model, seed: int = 0) -> Result:
 
     ceiling = CeilingCounter(bt)
     res = Result()
+    saver = SavePath(m, gpu, pool, res)
     offsets = {s: rng.uniform(0, 1.0) for s in trace.sessions}
     threads = {t.key: t for t in trace.threads}
     thread_end: dict[str, float] = {}
@@ -369,13 +385,25 @@ def simulate(trace: Trace, policy: Policy, m: Model, seed: int = 0) -> Result:
         end = start + service
         server_free = end
         now_box[0] = end
-        gpu.insert(keys[: req.input_length // bt])
         if policy.write == "through":
             save_from = (gpu_tok + pool_tok) // CHUNK_TOKENS
             full = req.input_length // CHUNK_TOKENS
             stamp = start if policy.evict == "client" else None
-            saved = _saved(ckeys, save_from, full, gpu_tok + pool_tok, m)
-            pool.put(saved, end, save_from, stamp)
+            for c in range(save_from, full):
+                done = start + ((c + 1) * CHUNK_TOKENS - gpu_tok - pool_tok) / m.compute_tok_s
+                saver.offer(
+                    _Waiting(
+                        done,
+                        end,
+                        ckeys[c],
+                        keys[c * per_chunk : (c + 1) * per_chunk],
+                        c,
+                        stamp,
+                        len(res.ttfts),
+                    )
+                )
+            saver.advance(end)  # before the GPU cache changes at `end`
+        gpu.insert(keys[: req.input_length // bt])
         first_token = max(end, start + restore)
         res.requests += 1
         res.prompt += req.input_length
@@ -397,27 +425,68 @@ def simulate(trace: Trace, policy: Policy, m: Model, seed: int = 0) -> Result:
     return res
 
 
-def _saved(ckeys: list[int], first: int, end: int, start_tok: int, m: Model) -> list[int]:
-    """The chunks [first, end) that reach the pool. Per step of m.step_tokens, a chunk
-    completed in it needs a free save slot, and the slots the previous step packed are
-    still busy (the step thread packs the next step right after the forward whose KV the
-    previous step's D2H copies wait for; the write comes after them): a step gets the
-    m.save_slots not taken by the step before. Without a slot a chunk is dropped, a hole:
-    the chain's later chunks are unreachable from the pool until the GPU covers it."""
-    if m.save_slots is None:
-        return ckeys[first:end]
-    by_step: dict[int, list[int]] = {}
-    for c in range(first, end):
-        step = ((c + 1) * CHUNK_TOKENS - 1 - start_tok) // m.step_tokens
-        by_step.setdefault(step, []).append(c)
-    out: list[int] = []
-    busy = 0
-    for step in range(max(by_step, default=-1) + 1):
-        chunks = by_step.get(step, [])
-        take = chunks[: max(0, m.save_slots - busy)]
-        out += [ckeys[c] for c in take]
-        busy = len(take)
-    return out
+@dataclass
+class _Waiting:
+    """A computed chunk on its way to a save slot."""
+
+    done: float  # computed (packed at once if a slot is free)
+    owned_until: float  # its request ends: until then its blocks cannot be evicted
+    key: int
+    blocks: list[int]
+    depth: int
+    stamp: float | None
+    chain: int  # the request it belongs to
+
+
+class SavePath:
+    """The save slots and the save thread, FIFO: a chunk takes a slot when it is packed
+    and frees it when its write ends (writes one at a time at m.save_gbs); chunk i gets
+    the slot of chunk i - slots. No slot free when it is computed: dropped (save_wait
+    False), or it waits and is packed when the slot frees, if the GPU cache still holds
+    all its blocks (else lost, and its chain's later chunks with it, taking no slot).
+    `advance(now)` settles every chunk whose slot time is due, before the GPU cache
+    changes at `now`."""
+
+    def __init__(self, m: Model, gpu: GpuCache, pool: Pool, res: Result) -> None:
+        self.m, self.gpu, self.pool, self.res = m, gpu, pool, res
+        self.write_s = CHUNK_TOKENS * TOKEN_BYTES / (m.save_gbs * 1e9)
+        self.ends: deque[float] = deque()  # write ends of the last `slots` chunks
+        self.writer_free = 0.0
+        self.waiting: deque[_Waiting] = deque()
+        self.broken: set[int] = set()
+
+    def offer(self, w: _Waiting) -> None:
+        self.waiting.append(w)
+
+    def advance(self, now: float) -> None:
+        m = self.m
+        while self.waiting:
+            w = self.waiting[0]
+            slot_t = w.done
+            if m.save_slots is not None and len(self.ends) >= m.save_slots:
+                slot_t = max(slot_t, self.ends[-m.save_slots])
+            if slot_t > now:
+                return
+            self.waiting.popleft()
+            if slot_t > w.done and not m.save_wait:
+                self.res.save_dropped += 1
+                continue
+            if w.chain in self.broken:
+                self.res.save_lost += 1
+                continue
+            if slot_t > w.owned_until and not all(b in self.gpu.lru for b in w.blocks):
+                self.res.save_lost += 1
+                self.broken.add(w.chain)
+                continue
+            if slot_t > w.done:
+                self.res.save_deferred += 1
+            end = max(slot_t, self.writer_free) + self.write_s
+            self.writer_free = end
+            self.ends.append(end)
+            if m.save_slots is not None and len(self.ends) > m.save_slots:
+                self.ends.popleft()
+            self.res.saved += 1
+            self.pool.put([w.key], slot_t, w.depth, w.stamp)
 
 
 def _finish(key: str, at: float, thread_end: dict, waiting: dict, events: list) -> None:
@@ -456,8 +525,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compute-tok-s", type=float, default=9_500.0)
     p.add_argument("--budget", type=float, default=0.85)
     p.add_argument("--pin-ttl", type=float, default=60.0)
+    p.add_argument("--save-slots", type=int, default=15, help="save slots (0: unlimited)")
+    p.add_argument("--save-gbs", type=float, default=0.9, help="the save thread's write rate")
     p.add_argument(
-        "--save-slots", type=int, default=15, help="free save slots per step (0: unlimited)"
+        "--save-mode",
+        choices=("wait", "drop"),
+        default="wait",
+        help="a chunk with no free slot waits in the GPU cache (built) or is dropped (before)",
     )
     p.add_argument("--runs", type=int, default=3, help="Mooncake's random shard starts")
     p.add_argument("--policies", default=",".join(f"{x.write}/{x.evict}" for x in POLICIES))
@@ -472,13 +546,18 @@ def main(argv: list[str] | None = None) -> int:
         budget=args.budget,
         pin_ttl_s=args.pin_ttl,
         save_slots=args.save_slots or None,
+        save_gbs=args.save_gbs,
+        save_wait=args.save_mode == "wait",
     )
     print(
         f"trace: {len(trace.sessions)} sessions, {trace.num_requests} requests; GPU cache "
         f"{args.gpu_tokens} tokens, pool {m.pool_objects} chunks ({m.pool_objects * 256} tokens)"
     )
-    print("| policy | requests | GPU | pool | reuse | of ceiling | TTFT p50 / p90 |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| policy | requests | GPU | pool | reuse | of ceiling | TTFT p50 / p90 "
+        "| saved / waited / dropped / lost |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     t0 = time.perf_counter()
     for label in args.policies.split(","):
         write, evict = label.split("/")

@@ -44,3 +44,17 @@ def test_mooncake_eviction_keeps_under_the_watermark_and_client_under_its_budget
         assert len(client.objs) <= 850
     # Client retention removes the least recent first: what is left is the newest.
     assert min(client.objs) > 5000 - 900
+
+
+def test_waiting_saves_drop_nothing_and_reuse_at_least_as_much() -> None:
+    """Two slots and a slow save thread: dropping leaves holes; waiting drops nothing,
+    loses only what the GPU cache evicted first, and reuses at least as much."""
+    trace = _trace()
+    slow = {"gpu_blocks": 400, "pool_objects": 10**6, "save_slots": 2, "save_gbs": 0.05}
+    drop = simulate(trace, Policy("through", "client"), Model(save_wait=False, **slow))
+    wait = simulate(trace, Policy("through", "client"), Model(save_wait=True, **slow))
+    assert drop.save_dropped > 0 and drop.save_deferred == 0
+    assert wait.save_dropped == 0 and wait.save_deferred > 0
+    assert wait.pool >= drop.pool
+    fast = simulate(trace, Policy("through", "client"), Model(**{**slow, "save_gbs": 1e6}))
+    assert fast.save_deferred == 0 and fast.save_lost == 0

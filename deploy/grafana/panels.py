@@ -211,11 +211,21 @@ REUSE = Dashboard(
         ),
         Panel(
             "Save queue",
-            "Chunks waiting to be saved, and saves dropped because the queue was full.",
+            "Chunks packed and being written, chunks waiting for a save slot (kept in the GPU "
+            "prefix cache), and waiting chunks lost because the cache reused their blocks "
+            "first (or an earlier chunk of their chain was lost).",
             (
                 Query(
                     f"sum by (instance) ({sel('kvserve_pool_save_queue_depth')})",
                     "queued {{instance}}",
+                ),
+                Query(
+                    f"sum by (instance) ({sel('kvserve_pool_save_waiting')})",
+                    "waiting {{instance}}",
+                ),
+                Query(
+                    sum_rate("kvserve_pool_save_lost_total", by="instance"),
+                    "lost/s {{instance}}",
                 ),
                 Query(
                     sum_rate("kvserve_pool_save_dropped_total", by="instance"),
