@@ -8,12 +8,19 @@ A free block may still carry a hash: it is "cached free" and can be revived by a
 hit (`touch`) until `allocate` pops it from the front of the free queue, which evicts its
 hash. Invariants: a block is in the free queue iff its ref_cnt is 0; a hash maps to at most
 one block and that block carries that hash.
+
+Eviction listener (`on_evict`, a KV connector that saves what the cache evicts): told the
+(block, hash) pairs `allocate` evicts, before it returns them. Their content is intact
+until the forward of the step that allocated them writes into them, so a save queued
+before that forward (KVConnectorWorker.start_loads, in stream order) reads the evicted
+KV. Allocation therefore happens only while a step is scheduled (engine/scheduler.py),
+or with no listener (the engine's decode-ahead checks the connector).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from protocol.ids import BlockHash, BlockId
@@ -44,6 +51,8 @@ class BlockPool:
         self.num_evictions = 0
         self.events: list[BlockPoolEvent] = []
         self.record_events = False
+        self.on_evict: Callable[[list[tuple[BlockId, BlockHash]]], None] | None = None
+        """Told what each allocate evicts, before the blocks are handed out (module doc)."""
 
     # -- queries -----------------------------------------------------------------------
     @property
@@ -79,6 +88,7 @@ class BlockPool:
             return None
         out: list[BlockId] = []
         removed: list[BlockHash] = []
+        evicted: list[tuple[BlockId, BlockHash]] = []
         for _ in range(num):
             block_id, _ = self._free.popitem(last=False)
             h = self._hash[block_id]
@@ -87,10 +97,13 @@ class BlockPool:
                 self._hash[block_id] = None
                 self.num_evictions += 1
                 removed.append(h)
+                evicted.append((block_id, h))
             self._ref_cnt[block_id] = 1
             out.append(block_id)
         if removed and self.record_events:
             self.events.append(BlockPoolEvent("removed", removed))
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return out
 
     def touch(self, block_ids: Iterable[BlockId]) -> None:

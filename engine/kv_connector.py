@@ -163,6 +163,12 @@ class KVConnectorScheduler(ABC):
         read only: `lookup` finds the block that holds a content now). A connector that
         saves KV later than the step that computed it finds it there."""
 
+    def saves_on_eviction(self) -> bool:
+        """True when it set the block pool's eviction listener: blocks may then be
+        allocated only while a step is scheduled (engine/block_pool.py), so the engine
+        does not allocate ahead of a step (decode-ahead)."""
+        return False
+
     def has_pending(self) -> bool:
         """Transfers whose reports are still due: the engine keeps polling its workers
         (empty steps) while True, even with no request to run."""

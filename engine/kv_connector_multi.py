@@ -78,6 +78,9 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         for p in self.parts:
             p.bind_block_pool(pool)
 
+    def saves_on_eviction(self) -> bool:
+        return any(p.saves_on_eviction() for p in self.parts)
+
     def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
         return _pack([p.build_step_meta(computed) for p in self.parts])
 

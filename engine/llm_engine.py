@@ -367,6 +367,7 @@ class LLMEngine:
             or culprits
             or plan.kv_meta
             or self.config.faults is not None
+            or self.connector.saves_on_eviction()  # allocates only while scheduling
             or sched.waiting
             or sched.loading
             or len(scheduled) != len(sched.running)

@@ -44,7 +44,7 @@ from kvpool.retention import LruChainRetention, Retention
 from kvpool.stats import StageCounters
 from kvpool.topology import master_address, prefill_segment, retention_share_bytes
 from prefill_worker.pool_pack import pack_blocks, unpack_blocks
-from prefill_worker.pool_save_queue import QueuedChunk, SaveQueue
+from prefill_worker.pool_save_queue import QueuedChunk, ResidentChunks, SaveQueue
 from prefill_worker.pool_worker import PoolWorker
 from protocol.cluster import ClusterConfig, PoolInstance
 from protocol.hashing import chunk_keys
@@ -53,6 +53,7 @@ from protocol.kv_layout import KVLayout
 from protocol.namespace import KVNamespace
 from protocol.pool_messages import (
     PoolLoad,
+    PoolSave,
     PoolStepMeta,
     PoolWorkerReport,
     without_saves,
@@ -128,6 +129,7 @@ class PoolScheduler(KVConnectorScheduler):
         on_removed: Callable[[list[ChunkKey]], None] | None = None,
         wake: Callable[[], None] | None = None,
         retention: Retention | None = None,
+        save_mode: str = "through",
     ) -> None:
         """`on_saved(chunk_keys)`, `on_removed(chunk_keys)` and `on_restored(bytes,
         seconds)` tell the worker's KV reporter what the pool now holds (saved, or
@@ -135,7 +137,8 @@ class PoolScheduler(KVConnectorScheduler):
         routing);
         `wake()` ends the engine's idle wait when a lookup is back (this process's
         worker's `wake`); `retention` picks the chunks this instance removes itself
-        (kvpool/retention.py; default: none, the master evicts)."""
+        (kvpool/retention.py; default: none, the master evicts); `save_mode` (pool.save)
+        "through" saves chunks once computed, "victim" when the GPU cache evicts them."""
         self.client = client
         self.metrics = metrics
         self.num_workers = num_workers
@@ -150,6 +153,11 @@ class PoolScheduler(KVConnectorScheduler):
             len(client.buffer.save_slot_ids) // len(client.local_stages), num_workers
         )
         """Computed chunks waiting for a save slot on every worker (pool_save_queue.py)."""
+        assert save_mode in ("through", "victim"), save_mode
+        self.save_mode = save_mode
+        self.resident: ResidentChunks | None = None
+        """save_mode victim: computed chunks only the GPU cache holds (bind_block_pool)."""
+        self._block_pool: BlockPool | None = None
         self._object_bytes = sum(spec.object_bytes for spec in client.specs.values())
         self._next_save: dict[RequestId, int] = {}
         self._planned: list[PoolLoad] = []
@@ -284,12 +292,25 @@ class PoolScheduler(KVConnectorScheduler):
     # -- each step ----------------------------------------------------------------------------
     def bind_block_pool(self, pool: BlockPool) -> None:
         """Chunks that wait for a save slot after their request let go of its blocks are
-        found in the engine's prefix cache (pool_save_queue.py)."""
+        found in the engine's prefix cache (pool_save_queue.py); save_mode victim hears
+        its evictions."""
+        self._block_pool = pool
         self.save_queue.bind(pool.lookup)
+        if self.save_mode == "victim" and self.saves_enabled:
+            self.resident = ResidentChunks(2 * pool.num_blocks // self.blocks_per_chunk)
+            pool.on_evict = self._evicted
+
+    def saves_on_eviction(self) -> bool:
+        return self.resident is not None
+
+    def _evicted(self, pairs: list[tuple[BlockId, BlockHash]]) -> None:
+        assert self.resident is not None and self._block_pool is not None
+        self.resident.evicted(pairs, self._block_pool.lookup)
 
     def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
         for kv in computed:
             self._plan_save(kv)
+        victims = self._take_victims() if self.resident is not None else []
         saves = []
         if len(self.save_queue):
             took = self.save_queue.take()
@@ -305,11 +326,30 @@ class PoolScheduler(KVConnectorScheduler):
             if took.num_behind_hole:
                 m.save_lost.labels(instance=m.instance, reason="chain").inc(took.num_behind_hole)
             m.save_waiting.set(len(self.save_queue))
-        if not (self._planned or self._cancels or saves):
+        if not (self._planned or self._cancels or saves or victims):
             return b""
-        meta = PoolStepMeta(self._planned, self._cancels, saves)
+        meta = PoolStepMeta(self._planned, self._cancels, saves, victims)
         self._planned, self._cancels = [], []
         return msgspec.msgpack.encode(meta)
+
+    def _take_victims(self) -> list[PoolSave]:
+        """Chunks the GPU cache evicted while this step was scheduled: saved now (packed
+        before the step's forward overwrites their blocks) if every worker has a slot,
+        else lost."""
+        assert self.resident is not None
+        due, self.resident.due = self.resident.due, []
+        lost, self.resident.num_lost = self.resident.num_lost, 0
+        saves, no_slot = self.save_queue.take_now(due)
+        now = time.monotonic()  # recency: when it left the GPU cache
+        for c in due[: len(saves)]:
+            st = self._saving.setdefault(c.key, _SaveState())
+            st.expected += self.num_workers
+            st.depth, st.stamp, st.request_id = c.depth, now, c.request_id
+        m = self.metrics
+        m.save_deferred.inc(len(saves))
+        if lost + no_slot:
+            m.save_lost.labels(instance=m.instance, reason="evicted").inc(lost + no_slot)
+        return saves
 
     def _plan_save(self, kv: StepKV) -> None:
         """Queue the whole prompt chunks this step completes, from where the request's
@@ -328,7 +368,8 @@ class PoolScheduler(KVConnectorScheduler):
         keys = [bytes(k) for k in self._keys(kv.request, nxt, last)]
         stamp = self._stamps.setdefault(rid, time.monotonic())
         hashes = kv.request.block_hashes
-        self.save_queue.add(
+        to = self.resident if self.resident is not None else self.save_queue
+        to.add(
             [
                 QueuedChunk(
                     rid,
@@ -359,7 +400,7 @@ class PoolScheduler(KVConnectorScheduler):
                     st.expected -= self.num_workers
                     if st.expected <= 0:
                         del self._saving[key]
-        if not (kept.loads or kept.cancels or kept.saves):
+        if not (kept.loads or kept.cancels or kept.saves or kept.victims):
             return b""
         return msgspec.msgpack.encode(kept)
 
@@ -530,6 +571,7 @@ def build_pool_connector(
         on_removed=reporter.record_pool_removed if reporter is not None else None,
         wake=worker.wake,
         retention=build_retention(cluster, inst, client),
+        save_mode=cluster.pool.save if cluster.pool is not None else "through",
     )
     return scheduler, worker
 

@@ -168,6 +168,15 @@ class SaveQueue:
             out.append(int(b))
         return out
 
+    def take_now(self, chunks: Sequence[QueuedChunk]) -> tuple[list[PoolSave], int]:
+        """Chunks that must leave this step or never (pool.save victim: the cache
+        evicts them), before the queue: (their saves, how many found no slot)."""
+        n = min(len(chunks), self.credits)
+        saves = [PoolSave(c.request_id, [c.key], [c.block_ids]) for c in chunks[:n]]
+        for w in range(len(self._outstanding)):
+            self._outstanding[w] += n
+        return saves, len(chunks) - n
+
     def reported(self, worker: int, num_chunks: int) -> None:
         """A worker reported chunks stored or not: their slots are free again."""
         self._outstanding[worker] = max(0, self._outstanding[worker] - num_chunks)
@@ -197,3 +206,66 @@ class SaveQueue:
             return
         old = self._broken.get(request_id)
         self._broken[request_id] = depth if old is None else min(old, depth)
+
+
+class ResidentChunks:
+    """pool.save "victim": the computed chunks the GPU prefix cache holds and the pool
+    does not yet, by each of their block hashes. Owns that map; `evicted` turns the
+    cache's evictions (engine/block_pool.py `on_evict`) into chunks to save this step.
+
+    A chunk is due at the first eviction of any of its blocks: its other blocks are then
+    either evicted by the same call (their content is intact until this step's forward)
+    or still cached (found by hash), so it is packed whole, before the forward, in
+    start_loads. At most `capacity` chunks are tracked (the oldest are forgotten: a reset
+    prefix cache evicts nothing, it forgets)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._chunks: dict[bytes, QueuedChunk] = {}
+        self._chunk_of: dict[BlockHash, bytes] = {}
+        self.due: list[QueuedChunk] = []
+        """Chunks to save this step (build_step_meta takes them)."""
+        self.num_lost = 0
+        """Chunks due whose blocks could not all be found (cumulative, drained)."""
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def add(self, chunks: Sequence[QueuedChunk]) -> None:
+        for c in chunks:
+            if c.key in self._chunks:
+                continue
+            self._chunks[c.key] = c
+            for h in c.block_hashes:
+                self._chunk_of[h] = c.key
+        while len(self._chunks) > self.capacity:
+            self._forget(next(iter(self._chunks)))
+
+    def _forget(self, key: bytes) -> QueuedChunk:
+        c = self._chunks.pop(key)
+        for h in c.block_hashes:
+            if self._chunk_of.get(h) == key:
+                del self._chunk_of[h]
+        return c
+
+    def evicted(self, pairs: Sequence[tuple[BlockId, BlockHash]], lookup: BlockLookup) -> None:
+        """The cache evicts these (block, hash) pairs now (engine thread, inside allocate)."""
+        here = {h: b for b, h in pairs}
+        for _, h in pairs:
+            key = self._chunk_of.get(h)
+            if key is None:
+                continue
+            c = self._forget(key)
+            blocks = []
+            for hh in c.block_hashes:
+                b = here.get(hh)
+                if b is None:
+                    b = lookup(hh)
+                if b is None:
+                    break
+                blocks.append(int(b))
+            if len(blocks) < len(c.block_hashes):
+                self.num_lost += 1
+                continue
+            c.block_ids = blocks
+            self.due.append(c)

@@ -45,6 +45,7 @@ from protocol.ids import BlockId, ChunkKey
 from protocol.pool_messages import (
     PoolLoad,
     PoolLoadDone,
+    PoolSave,
     PoolStepMeta,
     PoolWorkerReport,
     without_saves,
@@ -159,6 +160,8 @@ class PoolWorker(KVConnectorWorker):
         m = self._decode(meta)
         if m is None:
             return
+        if m.victims:  # before this step's forward and loads overwrite their blocks
+            self._pack(m.victims)
         with self._lock:
             self._cancelled.update(r for r in m.cancels if r in self._in_flight)
             self._in_flight.update(job.request_id for job in m.loads)
@@ -179,10 +182,14 @@ class PoolWorker(KVConnectorWorker):
 
     def start_saves(self, meta: bytes) -> None:
         m = self._decode(meta)
-        if m is None or not m.saves:
-            return
+        if m is not None and m.saves:
+            self._pack(m.saves)
+
+    def _pack(self, saves: list[PoolSave]) -> None:
+        """Pack each chunk into save slots, in the stream order of the work queued so
+        far (the step thread), and queue its write."""
         buf = self.client.buffer
-        for save in m.saves:
+        for save in saves:
             for key, blocks in zip(save.chunk_keys, save.block_ids, strict=True):
                 slots = buf.acquire_save(len(self.stages))
                 if slots is None:

@@ -138,8 +138,13 @@ class PoolConfig(_Section, frozen=True, kw_only=True):
     master: PoolMasterConfig
     stores: tuple[PoolStoreConfig, ...] = ()
     save_queue_depth: PositiveInt = 64
-    """Chunks a prefill instance may have waiting to be saved; beyond it saves are dropped
-    (counted), never stalling compute."""
+    """Chunks a prefill instance may have packed and being written (save slots, within
+    pool_buffer_memory); beyond it computed chunks wait in the GPU prefix cache, never
+    stalling compute (docs/pool.md step 4)."""
+    save: Literal["through", "victim"] = "through"
+    """When a computed prompt chunk is saved. "through": as soon as a save slot is free
+    after it is computed. "victim": when the GPU prefix cache evicts it (the pool then
+    holds what the GPU cache does not; a chunk evicted with no free save slot is lost)."""
     retention: Literal["mooncake", "client"] = "mooncake"
     """Who chooses what leaves a full pool. "mooncake": the master evicts past its high
     watermark (close to random for large chunk objects: a hole anywhere in a session's

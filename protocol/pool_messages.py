@@ -42,13 +42,16 @@ class PoolStepMeta(msgspec.Struct, frozen=True):
     cancels: list[str] = []
     """Requests whose loads are no longer wanted (finished meanwhile): stop early."""
     saves: list[PoolSave] = []
+    victims: list[PoolSave] = []
+    """Chunks the GPU prefix cache evicts this step (pool.save: victim): packed in
+    start_loads, before the forward that overwrites their blocks."""
 
 
 def without_saves(meta: PoolStepMeta, request_ids: set[str]) -> PoolStepMeta:
     """`meta` without the saves of `request_ids` (their forward failed: their KV of the
-    step is not valid); loads and cancels stay."""
+    step is not valid); loads, cancels and victims (KV of earlier steps) stay."""
     saves = [s for s in meta.saves if s.request_id not in request_ids]
-    return PoolStepMeta(meta.loads, meta.cancels, saves)
+    return PoolStepMeta(meta.loads, meta.cancels, saves, meta.victims)
 
 
 class PoolFailure(msgspec.Struct, frozen=True, array_like=True):
