@@ -46,9 +46,9 @@ Policies (`write/evict`):
     through/client-hits the same eviction, but only pool hits are touched (at the lookup)
                         and saves stamped when written
     victim/client       chunks are saved when the GPU cache evicts them, not when computed
-                        (exclusive: what the GPU holds is not also in the pool); needs the
-                        engine's eviction hook, simulated here only
+                        (pool.save: victim; a victim with no free save slot is lost)
     exclusive/client    victim + a chunk restored into the GPU is removed from the pool
+                        (simulated only)
 
 Numbers that calibrate the model (the third H200 run, docs/benchmarks.md): computed
 prompt tokens at ~9.5K tok/s, restore 2.6 GB/s, ITL 14 ms, 424 requests in 180 s.
@@ -317,14 +317,14 @@ def simulate(trace: Trace, policy: Policy, m: Model, seed: int = 0) -> Result:
                 return
             ck, depth = info
             blocks = blocks_of.get(ck, [])
-            if blocks and all(b in gpu.lru or b == k for b in blocks):
-                pool.put([ck], now_box[0], depth)
+            if blocks and all(b in gpu.lru or b == k for b in blocks) and ck not in pool.objs:
+                saver.now(ck, depth, now_box[0])
 
         gpu.on_evict = on_evict
 
     ceiling = CeilingCounter(bt)
     res = Result()
-    saver = SavePath(m, gpu, pool, res)
+    saver = SavePath(m, gpu, pool, res)  # (on_evict above uses it once events run)
     offsets = {s: rng.uniform(0, 1.0) for s in trace.sessions}
     threads = {t.key: t for t in trace.threads}
     thread_end: dict[str, float] = {}
@@ -457,6 +457,22 @@ class SavePath:
 
     def offer(self, w: _Waiting) -> None:
         self.waiting.append(w)
+
+    def now(self, key: int, depth: int, t: float) -> None:
+        """A victim (pool.save victim): saved at once if a slot is free at t, else lost
+        (the cache is reusing its blocks)."""
+        m = self.m
+        full = m.save_slots is not None and len(self.ends) >= m.save_slots
+        if full and m.save_slots is not None and self.ends[-m.save_slots] > t:
+            self.res.save_lost += 1
+            return
+        end = max(t, self.writer_free) + self.write_s
+        self.writer_free = end
+        self.ends.append(end)
+        if m.save_slots is not None and len(self.ends) > m.save_slots:
+            self.ends.popleft()
+        self.res.saved += 1
+        self.pool.put([key], t, depth)
 
     def advance(self, now: float) -> None:
         m = self.m
