@@ -97,3 +97,18 @@ def test_randomized_invariants():
         _check_invariants(kv.pool)
         held = sum(len(kv.block_table(r.request_id)) for r in live)
         assert sum(kv.pool.ref_cnt(BlockId(b)) for b in range(32)) == held
+
+
+def test_eviction_listener_hears_evicted_blocks_before_they_are_handed_out():
+    pool = BlockPool(4)
+    heard: list[list[tuple[BlockId, BlockHash]]] = []
+    pool.on_evict = lambda pairs: heard.append([(b, h) for b, h in pairs if pool.ref_cnt(b) == 1])
+    blocks = pool.allocate(3)
+    assert blocks is not None and heard == []  # fresh blocks: nothing evicted
+    for i, b in enumerate(blocks):
+        pool.cache_block(b, BlockHash(bytes([i]) * 16))
+    pool.free(blocks[::-1])  # cached free, tail first
+    got = pool.allocate(3)  # the never-used block, then the tail's two
+    assert got == [BlockId(3), blocks[2], blocks[1]]
+    assert heard == [[(blocks[2], BlockHash(b"\x02" * 16)), (blocks[1], BlockHash(b"\x01" * 16))]]
+    assert pool.lookup(BlockHash(b"\x00" * 16)) == blocks[0]  # not evicted: still a hit

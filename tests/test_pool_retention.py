@@ -116,6 +116,15 @@ def test_budget_above_the_watermark_is_refused(bad: float) -> None:
         parse_cluster(_cluster(retention="client", retention_budget=bad))
 
 
+def test_save_mode_is_through_unless_victim_is_asked() -> None:
+    assert parse_cluster(_cluster()).pool.save == "through"  # type: ignore[union-attr]
+    assert parse_cluster(_cluster(save="victim")).pool.save == "victim"  # type: ignore[union-attr]
+    single = load_cluster(REPO / "deploy" / "examples" / "single-gpu.yaml")
+    assert single.pool is not None and single.pool.save == "through"
+    with pytest.raises(ConfigError, match=r"pool\.save"):
+        parse_cluster(_cluster(save="evict"))
+
+
 # -- the engine on a real pool ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
