@@ -52,15 +52,19 @@ def _connector(address: str, kv: list[torch.Tensor]) -> tuple[PoolScheduler, Poo
 
 def _save(conn: tuple[PoolScheduler, PoolWorker], req: Request, blocks: list[int]) -> None:
     sched, worker = conn
-    step = 4 * CHUNK  # the save queue holds 4 chunks: save as prefill steps do, 4 at a time
+    step = 4 * CHUNK  # save as prefill steps do, 4 chunks at a time
     for start in range(0, req.num_prompt_tokens, step):
         end = min(start + step, req.num_prompt_tokens)
         meta = sched.build_step_meta([StepKV(req, start, end, blocks)])  # type: ignore[arg-type]
         worker.start_loads(meta)
         worker.start_saves(meta)
         assert worker.drain_saves(10)
+        sched.update_from_workers([worker.get_finished()])
     deadline = time.monotonic() + 10
     while sched.has_pending() and time.monotonic() < deadline:
+        meta = sched.build_step_meta([])  # idle steps, as the engine polls: chunks that
+        worker.start_loads(meta)  # waited for a save slot leave as reports free slots
+        worker.start_saves(meta)
         sched.update_from_workers([worker.get_finished()])
         time.sleep(0.005)
     assert not sched.has_pending()

@@ -115,8 +115,11 @@ def test_worker_restore_on_the_gpu_is_exact_and_near_pinned_h2d():
             worker_a.start_saves(meta)
             assert worker_a.drain_saves(120)
             saved += _report_saved(sched_a, worker_a)
-        deadline = time.monotonic() + 10  # the last batch is reported after its slots free
+        deadline = time.monotonic() + 60  # the last batch is reported after its slots free
         while saved < NUM_CHUNKS and time.monotonic() < deadline:
+            meta = sched_a.build_step_meta([])  # idle steps, as the engine polls: chunks
+            worker_a.start_loads(meta)  # that waited for a save slot leave as slots free
+            worker_a.start_saves(meta)
             saved += _report_saved(sched_a, worker_a)
             time.sleep(0.01)
         assert saved == NUM_CHUNKS, f"only {saved} of {NUM_CHUNKS} chunks were stored"
