@@ -43,7 +43,12 @@ first. True = a transfer still reads or writes them: the engine keeps the blocks
 the request) until the request id appears in `released`. A load's blocks are never
 handed to compute before its finished_loads entry; a save must have read the step's
 KV before a later step can overwrite it (a save that copies in start_saves, in the
-stream order of the forward, needs no hold; one that reads later must hold).
+stream order of the forward, needs no hold; one that reads later must hold, or find the
+KV again in the prefix cache: bind_block_pool gives the block pool, whose blocks keep a
+content until an allocation hands them out; a block that still carries the hash when
+build_step_meta runs can be copied in that step's start_saves, and one the step's own
+allocations evict (the block pool's eviction listener) in its start_loads, before its
+forward).
 
 What may block: nothing on the scheduler side (a lookup that needs the network runs on
 the connector's thread: get_num_new_matched_tokens answers None until it is back);

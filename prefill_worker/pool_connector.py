@@ -6,7 +6,8 @@ on stage 0, over one PoolWorker per prefill process (pool_worker.py), for PP = 1
       on the lookup thread; None until it is back)  │
     update_state_after_alloc: plan the load        │
     build_step_meta: PoolStepMeta ─────────────────┼──▶ start_loads: its stages' objects
-      loads, cancels, new full prompt chunks       │    start_saves: pack its layers
+      loads, cancels, new full prompt chunks as    │    start_saves: pack its layers
+      save slots allow (pool_save_queue.py)        │
     update_from_workers ◀── PoolWorkerReport ──────┴─── get_finished (with the step result)
       a load is done when EVERY stage reported it:
       valid tokens = the least over stages;

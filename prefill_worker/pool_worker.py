@@ -2,14 +2,17 @@
 
     step thread (start_loads / start_saves)      load thread              save thread
     ───────────────────────────────────────      ───────────              ───────────
-    start_loads: cancels, queue each load ──────▶ per window of chunks,
+    start_loads: pack victims (pool.save victim:
+      their blocks are reused by this step) ─────────────────────────────────▶ write
+      cancels, queue each load ─────────────────▶ per window of chunks,
       (CUDA: an event the unpacks wait for)       per local stage: read
                                                   into load slots, verify,
                                                   unpack into the blocks
     [the stage's forward]                         done: whole leading chunks
     start_saves: pack each planned chunk of this   every local stage has
       step's KV into save slots ── queue ──────────────────────────────────▶ write
-      (no free slot: not saved, reported)                                    (grouped)
+      (the scheduler side sends a chunk only                                 (grouped)
+      when every stage has a free slot)
     get_finished ◀── finished loads, stored / unstored chunks, counters ─────┘
 
 Only this process's stages are read and written (`PoolClient.local_stages`: its layers).
