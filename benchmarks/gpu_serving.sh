@@ -93,7 +93,7 @@ EOF
   echo "== pool restore (prefill-0)"
   metric_lines http://127.0.0.1:8100 'kvserve_pool_(load_bytes|restored_tokens|restore_seconds_(sum|count)|restore_wait_seconds_(sum|count)|restore_phase_seconds_total)'
   echo "== pool saves and retention (prefill-0; the master's evictions)"
-  metric_lines http://127.0.0.1:8100 'kvserve_pool_(save_chunks_total|save_dropped_total|save_deferred_total|save_lost_total|save_waiting|retention_removed_total|retained_chunks|hit_chunks_total|miss_chunks_total|failures_total)'
+  metric_lines http://127.0.0.1:8100 'kvserve_pool_(save_chunks_total|save_dropped_total|save_deferred_total|save_lost_total|save_waiting|save_phase_seconds_total|save_bytes_total|retention_removed_total|retained_chunks|hit_chunks_total|miss_chunks_total|failures_total)'
   metric_lines http://127.0.0.1:9003 'master_(key_count|allocated_bytes|total_capacity_bytes|evicted_key_count|successful_evictions_total|put_start_alloc_failures_total)'
 }
 

@@ -26,6 +26,12 @@ RESTORE_PHASES = (
 """Phases of kvserve_pool_restore_phase_seconds_total. Host phases are wall time of the
 load thread; *_gpu phases are time on the device's streams (they overlap each other and
 the host phases)."""
+SAVE_PHASES = (
+    "device",  # the save thread waiting for a batch's device copies (D2H, payload sums)
+    "write",  # headers and the pool write of the batch (Mooncake put_from), all stages
+)
+"""Phases of kvserve_pool_save_phase_seconds_total: where the save thread's time goes
+(its rate bounds how many computed chunks reach the pool; docs/pool.md step 4)."""
 RESTORE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5, 10)
 
 
@@ -137,6 +143,12 @@ class PoolMetrics:
             ["instance", "stage", "phase"],
             registry=registry,
         )
+        self.save_phase_seconds = Counter(
+            "kvserve_pool_save_phase_seconds",
+            "Save thread time by stage and phase (SAVE_PHASES)",
+            ["instance", "stage", "phase"],
+            registry=registry,
+        )
         self.checksum_failures = counter(
             "kvserve_pool_checksum_failures",
             "Objects read that did not match (header, size or payload checksum): removed",
@@ -181,3 +193,7 @@ class PoolMetrics:
             self.stage_objects("load", stage, n)
         for stage, phase, seconds in c.restore_phases:
             self.restore_phase(stage, phase, seconds)
+        for stage, phase, seconds in c.save_phases:
+            self.save_phase_seconds.labels(
+                instance=self.instance, stage=str(stage), phase=phase
+            ).inc(seconds)

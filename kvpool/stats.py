@@ -35,6 +35,7 @@ class StageCounters:
         self._objects: Counter[tuple[str, int]] = Counter()
         self._restores: list[tuple[int, float]] = []
         self._phases: dict[tuple[int, str], float] = {}
+        self._save_phases: dict[tuple[int, str], float] = {}
         self.load_bytes = _Count(self, "load_bytes")
         self.save_bytes = _Count(self, "save_bytes")
         self.checksum_failures = _Count(self, "checksum_failures")
@@ -69,6 +70,11 @@ class StageCounters:
         with self._lock:
             self._phases[(stage, phase)] = self._phases.get((stage, phase), 0.0) + seconds
 
+    def save_phase(self, stage: int, phase: str, seconds: float) -> None:
+        with self._lock:
+            key = (stage, phase)
+            self._save_phases[key] = self._save_phases.get(key, 0.0) + seconds
+
     def drain(self) -> PoolCounts:
         """Everything counted since the last drain (and reset)."""
         with self._lock:
@@ -86,8 +92,10 @@ class StageCounters:
                 saved_objects=[(st, n) for (op, st), n in self._objects.items() if op == "save"],
                 loaded_objects=[(st, n) for (op, st), n in self._objects.items() if op == "load"],
                 restore_phases=[(st, ph, s) for (st, ph), s in self._phases.items()],
+                save_phases=[(st, ph, s) for (st, ph), s in self._save_phases.items()],
             )
             self._phases.clear()
+            self._save_phases.clear()
             self._scalars.clear()
             self._failures.clear()
             self._objects.clear()

@@ -315,12 +315,16 @@ class PoolWorker(KVConnectorWorker):
                     break
                 batch.append(nxt)
             stored: set[bytes] = set()
+            stage = self.stages[0].index  # the save thread's time, on its first stage
             try:
+                t0 = time.perf_counter()
                 for b in batch:
                     if b.copy is not None:  # wait for its D2H copy; sums -> checksums
                         b.copy.done.synchronize()
                         b.checksums = list(checksums_of_sums(b.copy.sums))
                         b.copy = None
+                t1 = time.perf_counter()
+                self.counters.save_phase(stage, "device", t1 - t0)
                 stored = set(
                     self.client.save_chunks(
                         [b.key for b in batch],
@@ -328,6 +332,7 @@ class PoolWorker(KVConnectorWorker):
                         [b.checksums for b in batch],
                     )
                 )
+                self.counters.save_phase(stage, "write", time.perf_counter() - t1)
             except Exception:  # a save must never take the worker down
                 log.exception("pool save of %d chunk(s) failed", len(batch))
                 self.counters.failure("save", "error", len(batch))

@@ -80,6 +80,8 @@ class PoolCounts(msgspec.Struct):
     restore_phases: list[tuple[int, str, float]] = []
     """(stage, phase, seconds) of restore time by phase since the last report
     (kvpool/metrics.py RESTORE_PHASES)."""
+    save_phases: list[tuple[int, str, float]] = []
+    """(stage, phase, seconds) of the save thread's time by phase (SAVE_PHASES)."""
 
     def is_empty(self) -> bool:
         return self == PoolCounts()

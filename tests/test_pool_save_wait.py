@@ -97,6 +97,8 @@ def test_one_save_slot_loses_no_chunk_of_a_burst(
         assert _value(ma.save_deferred) >= 10  # one slot: most chunks had to wait
         _settle(a)
         assert _value(ma.save_chunks) == 15
+        write = ma.save_phase_seconds.labels(instance="test", stage="0", phase="write")
+        assert write._value.get() > 0  # where the save thread's time went
         assert _value(ma.save_dropped) == 0
         for reason in ("evicted", "chain"):
             assert _value(ma.save_lost, instance="test", reason=reason) == 0
