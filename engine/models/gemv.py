@@ -53,15 +53,17 @@ CANDIDATES = (
     Config(16, 128, 4, 3),
     Config(8, 512, 8, 2),
     Config(16, 256, 8, 2),
-    Config(32, 128, 8, 2),
     Config(2, 1024, 4, 2),
-    Config(16, 512, 8, 1),
-    Config(4, 256, 4, 4),
     Config(4, 1024, 8, 2),
-    Config(8, 128, 4, 4),
+    Config(32, 128, 8, 2),
+    Config(16, 512, 8, 1),
 )
 """The block shapes timed per weight shape; small rows-per-program first, so that narrow
 weights (4096 outputs) still fill the GPU's 132 multiprocessors several times."""
+
+TIMED_BYTES = 4 << 20
+"""Weights smaller than this take the first fitting block shape untimed (each candidate
+compiles a kernel: seconds, not worth it for a weight read in microseconds)."""
 
 _CHOSEN: dict[tuple[Any, ...], Config] = {}
 """The timed choice per (N, K, mode, dtype)."""
@@ -254,7 +256,8 @@ def gemv(
             num_stages=cfg.stages,
         )
 
-    launch(_choose(key, half if pair else n, x.device, launch))
+    small = w.numel() * w.element_size() < TIMED_BYTES
+    launch(_choose(key, half if pair else n, x.device, launch, timed=not small))
     return out
 
 
@@ -275,13 +278,16 @@ def supports(n: int, pair: int, half: int, seg: int) -> bool:
     return any(_fits(c, half if pair else n) for c in CANDIDATES)
 
 
-def _choose(key: tuple[Any, ...], rows: int, device: torch.device, launch: Any) -> Config:
+def _choose(
+    key: tuple[Any, ...], rows: int, device: torch.device, launch: Any, timed: bool
+) -> Config:
     """The candidate that ran fastest for `key` (timed on first use); the first fitting
-    one where timing is impossible (CPU interpreter, or inside a CUDA graph capture)."""
+    one where timing is impossible (CPU interpreter, inside a CUDA graph capture) or not
+    worth it (`timed` false: a weight far smaller than the GPU's L2)."""
     if key in _CHOSEN:
         return _CHOSEN[key]
     fitting = [c for c in CANDIDATES if _fits(c, rows)]
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if not timed or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return fitting[0]
     from triton.testing import do_bench
 
