@@ -14,6 +14,8 @@ from protocol.pool_messages import PoolCounts
 FAILURE_OPS = ("lookup", "load", "save", "remove")
 """Operations of kvserve_pool_failures_total{op}; reasons vary (Mooncake status codes)."""
 RESTORE_PHASES = (
+    "locate",  # where the objects are, to read those in this process's own segment in
+    # place (Mooncake batch_get_replica_desc; wall time)
     "read",  # the pool read into the load slots (Mooncake get_into; wall time)
     "check",  # size and header checks on the host (+ payload checksums without a GPU)
     "unpack",  # CPU engine: payloads from the slots into the KV blocks
