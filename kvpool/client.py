@@ -256,6 +256,8 @@ class PoolClient:
             self.metrics.restore_phase(stage, "locate", t_loc - t0)
             t0 = t_loc
         self.metrics.restore_phase(stage, "read", t1 - t0)
+        if self._leases:
+            self.metrics.load_in_place.inc(sum(buf.in_place(s) for s in slots))
         valid: list[bool] = []
         damaged: list[str] = []
         injected = faults.take("load", stage)

@@ -116,6 +116,10 @@ class PoolMetrics:
             ["instance", "stage", "phase"],
             registry=registry,
         )
+        self.load_in_place = counter(
+            "kvserve_pool_load_in_place_objects",
+            "Objects read in place from this process's own pool segment (no copy)",
+        ).labels(**labels)
         self.checksum_failures = counter(
             "kvserve_pool_checksum_failures",
             "Objects read that did not match (header, size or payload checksum): removed",
@@ -149,6 +153,7 @@ class PoolMetrics:
         self.load_bytes.inc(c.load_bytes)
         self.save_bytes.inc(c.save_bytes)
         self.checksum_failures.inc(c.checksum_failures)
+        self.load_in_place.inc(c.load_in_place)
         self.save_dropped.inc(c.save_dropped)
         for f in c.failures:
             self.failure(f.op, f.reason, f.count)
