@@ -182,7 +182,7 @@ def main() -> None:
     print("| mode | GB/s | GB/s, best | ms |")
     print("|---|---:|---:|---:|")
     for mode, med, best in rows:
-        print(f"| {mode} | {total / med / 1e9:.2f} | {total / best / 1e9:.2f} | {med * 1e3:.0f} |")
+        print(f"| {mode} | {total / med / 1e9:.2f} | {total / best / 1e9:.2f} | {med * 1e3:.2f} |")
 
 
 if __name__ == "__main__":
