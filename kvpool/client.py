@@ -19,6 +19,7 @@ objects are removed at once.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Sequence
@@ -47,8 +48,7 @@ from protocol.namespace import KVNamespace
 log = logging.getLogger(__name__)
 
 PROBE_KEY = "kvserve/probe"
-CUDA_HOST_MEMORY_ALREADY_REGISTERED = 712
-"""cudaErrorHostMemoryAlreadyRegistered."""
+CUDA_HOST_REGISTER_PORTABLE = 1
 NO_SPACE_RETRY_S = 0.05
 
 
@@ -65,6 +65,26 @@ def object_spec(keys: PoolKeys, stage: StageSpec, layout: KVLayout, chunk_size: 
         head_dim=layout.row_width,
         num_parts=layout.num_parts,
     )
+
+
+def _is_pinned(ptr: int) -> bool:
+    """Whether host address `ptr` is page-locked for CUDA (cudaPointerGetAttributes)."""
+    return bool(
+        torch.frombuffer((ctypes.c_uint8 * 1).from_address(ptr), dtype=torch.uint8).is_pinned()
+    )
+
+
+def _clear_last_cuda_error() -> None:
+    """A failed cudaHostRegister stays this thread's last CUDA error, which torch's next
+    kernel launch check would raise as its own: clear it through the CUDA runtime this
+    process loaded (torch's cudart bindings have no cudaGetLastError)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError as e:
+        log.warning("could not clear the CUDA error of the refused registration: %s", e)
 
 
 def leading_run(flags: Sequence[bool]) -> int:
@@ -148,10 +168,12 @@ class PoolClient:
             return True
         cudart = torch.cuda.cudart()
         for base, nbytes in ranges:
-            rc = int(cudart.cudaHostRegister(base, nbytes, 0))
-            if rc == CUDA_HOST_MEMORY_ALREADY_REGISTERED:
+            if _is_pinned(base):
                 continue  # Mooncake pinned it; it unpins it when it unmounts
+            t = time.perf_counter()
+            rc = int(cudart.cudaHostRegister(base, nbytes, CUDA_HOST_REGISTER_PORTABLE))
             if rc != 0:
+                _clear_last_cuda_error()
                 log.warning(
                     "cudaHostRegister of the pool segment [%#x, +%d) failed (cudaError %d): "
                     "restores copy through the load slots",
@@ -162,7 +184,12 @@ class PoolClient:
                 self._unpin()
                 return False
             self._pinned.append(base)
-        log.info("pool segment registered with CUDA: restores read it in place")
+            log.info(
+                "pool segment [%#x, +%d) registered with CUDA in %.1f s: restores read it in place",
+                base,
+                nbytes,
+                time.perf_counter() - t,
+            )
         return True
 
     def _unpin(self) -> None:
