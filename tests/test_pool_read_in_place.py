@@ -5,7 +5,8 @@ PoolClient.read(in_place=True) reads it there with nothing copied, byte for byte
 object elsewhere falls back to get_into; a damaged object is refused on the in-place path
 as on the copying one (header at read, payload at confirm) and removed; a lease that ended
 before the use did makes the read a miss. The engine-level check (byte-exact KV, greedy
-output) is tests/test_e2e_pool_in_prefill.py; the CUDA path tests/test_pool_read_in_place_gpu.py."""
+output) is tests/test_e2e_pool_in_prefill.py; the worker's restore in place (CPU, and
+CUDA under -m gpu) tests/test_pool_read_in_place_worker.py."""
 
 from __future__ import annotations
 
