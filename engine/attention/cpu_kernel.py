@@ -37,7 +37,9 @@ from engine.attention.base import merge_partials
 
 log = logging.getLogger(__name__)
 
-SOURCE_PATHS = [Path(__file__).with_name(n) for n in ("cpu_decode.c", "cpu_prefill.c")]
+SOURCE_PATHS = [
+    Path(__file__).with_name(n) for n in ("cpu_decode.c", "cpu_decode_avx512.c", "cpu_prefill.c")
+]
 FLAGS = [
     "-O3",
     "-march=native",
