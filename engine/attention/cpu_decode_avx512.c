@@ -27,7 +27,8 @@
  * 3 instructions per score instead of a horizontal reduction each).
  *
  * Everything accumulates in float32, as in the portable kernel; the result differs from
- * it only in rounding (summation order). */
+ * it only in rounding (summation order). `scratch` (the caller's scores scratch, at least
+ * hq * D floats) holds the permuted query. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -100,9 +101,8 @@ static inline void prefetch_row(const uint16_t *row, int64_t bytes) {
 static inline __attribute__((always_inline)) void seq_kernel(
     const float *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
     int64_t len, int64_t hq, int64_t hkv, const int64_t D, int64_t bs, float scale,
-    float *out, float *lse) {
+    float *qp, float *out, float *lse) {
     const int64_t group = hq / hkv, row = hkv * D, nv = D / 16;
-    float qp[MAX_Q_HEADS * MAX_D] __attribute__((aligned(64)));
     float acc[HEAD_CHUNK][TILE * 16] __attribute__((aligned(64)));
     float pt[HEAD_CHUNK][TILE] __attribute__((aligned(64)));
     float vf[TILE][MAX_D] __attribute__((aligned(64)));
@@ -147,9 +147,9 @@ static inline __attribute__((always_inline)) void seq_kernel(
                         widen32(krow[t] + h * D + 16 * c, &kw[c], &kw[c + 1]);
                     for (int64_t ii = 0; ii < gi; ii++) {
                         const float *qi = qp + (first + ii) * D;
-                        __m512 a = _mm512_mul_ps(_mm512_load_ps(qi), kw[0]);
+                        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qi), kw[0]);
                         for (int64_t c = 1; c < nv; c++)
-                            a = _mm512_fmadd_ps(_mm512_load_ps(qi + 16 * c), kw[c], a);
+                            a = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * c), kw[c], a);
                         _mm512_store_ps(acc[ii] + 16 * t, a);
                     }
                 }
@@ -208,15 +208,16 @@ static inline __attribute__((always_inline)) void seq_kernel(
 
 int decode_bf16_avx512_seq(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int32_t *table, int64_t len, int64_t hq, int64_t hkv,
-                           int64_t D, int64_t bs, float scale, float *out, float *lse) {
+                           int64_t D, int64_t bs, float scale, float *scratch, float *out,
+                           float *lse) {
     if (len <= 0 || D % 32 != 0 || D > MAX_D || hq > MAX_Q_HEADS || hkv <= 0 || hq % hkv)
         return -1;
     if (D == 64)
-        seq_kernel(q, k_cache, v_cache, table, len, hq, hkv, 64, bs, scale, out, lse);
+        seq_kernel(q, k_cache, v_cache, table, len, hq, hkv, 64, bs, scale, scratch, out, lse);
     else if (D == 128)
-        seq_kernel(q, k_cache, v_cache, table, len, hq, hkv, 128, bs, scale, out, lse);
+        seq_kernel(q, k_cache, v_cache, table, len, hq, hkv, 128, bs, scale, scratch, out, lse);
     else
-        seq_kernel(q, k_cache, v_cache, table, len, hq, hkv, D, bs, scale, out, lse);
+        seq_kernel(q, k_cache, v_cache, table, len, hq, hkv, D, bs, scale, scratch, out, lse);
     return 0;
 }
 
@@ -224,9 +225,10 @@ int decode_bf16_avx512_seq(const float *q, const uint16_t *k_cache, const uint16
 
 int decode_bf16_avx512_seq(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int32_t *table, int64_t len, int64_t hq, int64_t hkv,
-                           int64_t D, int64_t bs, float scale, float *out, float *lse) {
+                           int64_t D, int64_t bs, float scale, float *scratch, float *out,
+                           float *lse) {
     (void)q, (void)k_cache, (void)v_cache, (void)table, (void)len, (void)hq, (void)hkv;
-    (void)D, (void)bs, (void)scale, (void)out, (void)lse;
+    (void)D, (void)bs, (void)scale, (void)scratch, (void)out, (void)lse;
     return -1;
 }
 
