@@ -41,6 +41,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, SamplingState, TopLogprobs
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerCounters, SchedulerOutput
 from engine.step_isolation import ForwardFailed, describe, find_culprits, sample_isolating
+from engine.step_threads import StepThreads
 from engine.step_trace import Row, StepTrace
 from engine.weights.cache import load_weights
 from modelinfo.detokenizer import RequestOutputText
@@ -133,6 +134,9 @@ class LLMEngine:
         """This process's worker side of the KV connector."""
         self.trace: StepTrace | None = None
         """Where steps are recorded (engine/step_trace.py); None: not recorded."""
+        self.step_threads: StepThreads | None = None
+        """Torch threads per kind of step on the CPU (engine/step_threads.py); None:
+        torch's count for every step."""
 
     def _local_runner(self) -> ModelRunner:
         """The whole model and its cache in this process."""
@@ -294,6 +298,8 @@ class LLMEngine:
         if not plan.scheduled:
             self._poll_connector(plan)
             return []
+        if self.step_threads is not None:
+            self.step_threads.before_step(plan)
         t_sched = time.monotonic() if trace is not None else 0.0
         rows: list[Row] = (
             [

@@ -16,6 +16,14 @@ with one torch thread per CPU of its slice and one inter-op thread. With more en
 processes than CPUs, or `cpu_pinning: false`, no process is pinned and each gets
 cpus // processes threads (at least one). The router and the pool's Mooncake services
 are not pinned: they are mostly idle and take whichever core is free.
+
+A unified instance owns every CPU of its slice but shares them with the router, its own
+event loop and, on a small box, the clients: its pure-decode steps run on one thread
+fewer (`decode_threads`, engine/step_threads.py), steps with prefill rows on all of them.
+Decode is bound by memory bandwidth, which one core nearly saturates here, and a step on
+fewer threads does not wait at a barrier for a thread the router preempted
+(docs/benchmarks.md, "Decode steps on one thread"). KVSERVE_CPU_DECODE_THREADS (the
+instance's `env:` in cluster.yaml) sets the count instead, for A/B runs.
 """
 
 from __future__ import annotations
@@ -36,6 +44,25 @@ class CpuSlot:
 
     cpus: tuple[int, ...] | None
     threads: int
+    decode_threads: int | None = None
+    """Torch threads for steps that only decode; None: `threads`."""
+
+
+DECODE_THREADS_ENV = "KVSERVE_CPU_DECODE_THREADS"
+"""Overrides a slot's decode_threads (1 .. threads), e.g. = threads for every step alike."""
+
+
+def _decode_threads(cluster: ClusterConfig, name: str, threads: int) -> int | None:
+    """One fewer than `threads` for a unified instance (it shares its CPUs with the
+    request path), the env override if set; None: the same as every step."""
+    env = os.environ.get(DECODE_THREADS_ENV)
+    if env:
+        n = int(env)
+        if n < 1:
+            raise ValueError(f"{DECODE_THREADS_ENV} must be >= 1, got {env!r}")
+        return min(n, threads)
+    unified = any(u.name == name for u in cluster.unified)
+    return threads - 1 if unified and threads > 1 else None
 
 
 def engine_processes(cluster: ClusterConfig, node: str) -> list[tuple[str, int]]:
@@ -74,13 +101,14 @@ def plan_slot(
     procs = engine_processes(cluster, node)
     n = max(1, len(procs))
     if (name, index) not in procs or not cluster.cpu_pinning or len(cpus) < n:
-        return CpuSlot(None, max(1, len(cpus) // n))
+        threads = max(1, len(cpus) // n)
+        return CpuSlot(None, threads, _decode_threads(cluster, name, threads))
     i = procs.index((name, index))
     per = len(cpus) // n
     extra = len(cpus) % n  # the first `extra` processes take one CPU more
     start = i * per + min(i, extra)
     mine = tuple(cpus[start : start + per + (i < extra)])
-    return CpuSlot(mine, len(mine))
+    return CpuSlot(mine, len(mine), _decode_threads(cluster, name, len(mine)))
 
 
 def apply_slot(slot: CpuSlot) -> None:
@@ -99,7 +127,12 @@ def apply_slot(slot: CpuSlot) -> None:
     # ran (the pool exists), keep it
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
-    log.info("CPU engine: %d thread(s), CPUs %s", slot.threads, slot.cpus or "not pinned")
+    log.info(
+        "CPU engine: %d thread(s) (%d for decode-only steps), CPUs %s",
+        slot.threads,
+        slot.decode_threads or slot.threads,
+        slot.cpus or "not pinned",
+    )
 
 
 def describe_plan(cluster: ClusterConfig, node: str, cpus: list[int] | None = None) -> list[str]:
@@ -108,10 +141,15 @@ def describe_plan(cluster: ClusterConfig, node: str, cpus: list[int] | None = No
     for name, index in engine_processes(cluster, node):
         slot = plan_slot(cluster, node, name, index, cpus)
         where = f"CPUs {list(slot.cpus)}" if slot.cpus is not None else "not pinned"
-        lines.append(f"{name} process {index}: {where}, {slot.threads} torch thread(s)")
+        line = f"{name} process {index}: {where}, {slot.threads} torch thread(s)"
+        if slot.decode_threads is not None and slot.decode_threads != slot.threads:
+            line += f" ({slot.decode_threads} for decode-only steps)"
+        lines.append(line)
     return lines
 
 
-def setup_cpu_engine(cluster: ClusterConfig, node: str, name: str, index: int) -> None:
-    """plan_slot + apply_slot for this process."""
-    apply_slot(plan_slot(cluster, node, name, index))
+def setup_cpu_engine(cluster: ClusterConfig, node: str, name: str, index: int) -> CpuSlot:
+    """plan_slot + apply_slot for this process; its slot."""
+    slot = plan_slot(cluster, node, name, index)
+    apply_slot(slot)
+    return slot

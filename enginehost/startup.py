@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from engine.config import EngineConfig
 from engine.faults import EngineFaults
 from engine.llm_engine import LLMEngine
-from enginehost.cpu_plan import setup_cpu_engine
+from enginehost.cpu_plan import CpuSlot, setup_cpu_engine
 from modelinfo.info import ModelInfo, load_model_info
 from protocol.cluster import (
     ClusterConfig,
@@ -98,11 +98,13 @@ def torch_device(device: object) -> str:
 
 def set_cpu_threads(
     cluster: ClusterConfig, inst: PrefillConfig | DecodeConfig | UnifiedConfig, index: int = 0
-) -> None:
+) -> CpuSlot | None:
     """Pin and size the thread pools of stage / rank `index` of `inst` when it runs on
-    the CPU (enginehost/cpu_plan.py); a GPU process keeps torch's defaults."""
+    the CPU (enginehost/cpu_plan.py) and return its slot; a GPU process keeps torch's
+    defaults (None)."""
     if str(inst.devices[index]) == "cpu":
-        setup_cpu_engine(cluster, inst.node, inst.name, index)
+        return setup_cpu_engine(cluster, inst.node, inst.name, index)
+    return None
 
 
 def engine_config(

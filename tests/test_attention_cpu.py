@@ -244,6 +244,34 @@ def test_kernel_lse_and_rows_without_keys(monkeypatch: pytest.MonkeyPatch, threa
         torch.testing.assert_close(lse[b].double(), s.logsumexp(-1), atol=2e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "block_size"),
+    [(9, 3, 64, 16), (8, 2, 128, 16), (20, 2, 32, 7), (6, 6, 96, 4), (9, 3, 64, 5)],
+)
+def test_bf16_decode_against_float64(hq: int, hkv: int, d: int, block_size: int) -> None:
+    """The bf16 decode kernel (one pass over tiles of 16 keys with AVX-512, the portable
+    kernel elsewhere) against float64 attention over the same bf16 values: float32
+    accumulation leaves it within ~1e-6 (the bf16 rounding of the output is the caller's).
+    Lengths around the tile of 16 (partial tiles, one key), blocks of 4-16 tokens that a
+    tile crosses, GQA groups of 1-10 (more than 8 query heads per KV head are scored in
+    two chunks), head dims 32-128."""
+    lens_list = [1, 15, 16, 17, 40, 333, 1000]
+    meta, tables = _layout([(n - 1, 1) for n in lens_list], block_size, 700, 3)
+    lens = torch.tensor(lens_list, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, 700, block_size, hkv, d, generator=gen).to(torch.bfloat16)
+    q = torch.randn(len(lens_list), hq, d, generator=gen) * 2  # sharper softmax
+    out, lse = cpu_kernel.decode(q, cache, meta.block_tables, lens, max(lens_list), d**-0.5)
+    for b, n in enumerate(lens_list):
+        slots = [tables[b][p // block_size] * block_size + p % block_size for p in range(n)]
+        k = cache[0].reshape(-1, hkv, d)[slots].double().repeat_interleave(hq // hkv, dim=1)
+        v = cache[1].reshape(-1, hkv, d)[slots].double().repeat_interleave(hq // hkv, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[b].double(), k) * d**-0.5
+        want = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+        torch.testing.assert_close(out[b].double(), want, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(lse[b].double(), s.logsumexp(-1), atol=2e-6, rtol=1e-6)
+
+
 def test_fp8_cache_runs_the_reference_path() -> None:
     ours, ref, ours_cache, ref_cache = _both(
         MIXED, dtype=torch.float32, hq=9, hkv=3, d=64, block_size=16, fp8=True

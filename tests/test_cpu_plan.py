@@ -13,7 +13,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from enginehost.cpu_plan import CpuSlot, engine_processes, plan_slot
+from enginehost.cpu_plan import (
+    DECODE_THREADS_ENV,
+    CpuSlot,
+    describe_plan,
+    engine_processes,
+    plan_slot,
+)
 from protocol.cluster import load_cluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,3 +69,28 @@ def test_a_pinned_process_runs_on_its_slice() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [[cpu], [cpu], 1, 1]
+
+
+UNIFIED = load_cluster(REPO / "deploy" / "examples" / "local.yaml")
+
+
+def test_a_unified_instance_decodes_on_one_thread_fewer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unified default on 2 CPUs: both for steps with prefill rows, one for pure
+    decode (the other core left to the router and the event loop); an engine alone on
+    its core (P/D) or a 1-CPU unified slot keeps one count; the env override wins."""
+    monkeypatch.delenv(DECODE_THREADS_ENV, raising=False)
+    assert plan_slot(UNIFIED, "local", "unified-0", 0, [0, 1]) == CpuSlot((0, 1), 2, 1)
+    assert plan_slot(UNIFIED, "local", "unified-0", 0, [0, 1, 2, 3]) == CpuSlot((0, 1, 2, 3), 4, 3)
+    assert plan_slot(UNIFIED, "local", "unified-0", 0, [5]) == CpuSlot((5,), 1, None)
+    assert plan_slot(LOCAL, "local", "decode-0", 0, [0, 1]).decode_threads is None
+    assert describe_plan(UNIFIED, "local", [0, 1]) == [
+        "unified-0 process 0: CPUs [0, 1], 2 torch thread(s) (1 for decode-only steps)"
+    ]
+    monkeypatch.setenv(DECODE_THREADS_ENV, "2")
+    assert plan_slot(UNIFIED, "local", "unified-0", 0, [0, 1]) == CpuSlot((0, 1), 2, 2)
+    assert describe_plan(UNIFIED, "local", [0, 1]) == [
+        "unified-0 process 0: CPUs [0, 1], 2 torch thread(s)"
+    ]
+    monkeypatch.setenv(DECODE_THREADS_ENV, "0")
+    with pytest.raises(ValueError, match=DECODE_THREADS_ENV):
+        plan_slot(UNIFIED, "local", "unified-0", 0, [0, 1])

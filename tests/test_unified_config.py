@@ -92,14 +92,16 @@ def test_bad_unified_sections_name_the_key(edit, path: str, words: str) -> None:
     assert words in str(e.value)
 
 
-def test_one_unified_process_takes_every_cpu() -> None:
+def test_one_unified_process_takes_every_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every CPU, all threads for steps with prefill rows, one fewer for pure decode."""
+    monkeypatch.delenv("KVSERVE_CPU_DECODE_THREADS", raising=False)
     c = _parse(_raw())
-    assert plan_slot(c, "local", "unified-0", 0, cpus=[0, 1]) == CpuSlot((0, 1), 2)
+    assert plan_slot(c, "local", "unified-0", 0, cpus=[0, 1]) == CpuSlot((0, 1), 2, 1)
     raw = _raw()
     raw["unified"].append({**raw["unified"][0], "name": "unified-1", "port": 8101})
     two = _parse(raw)
-    assert plan_slot(two, "local", "unified-0", 0, cpus=[0, 1, 2, 3]) == CpuSlot((0, 1), 2)
-    assert plan_slot(two, "local", "unified-1", 0, cpus=[0, 1, 2, 3]) == CpuSlot((2, 3), 2)
+    assert plan_slot(two, "local", "unified-0", 0, cpus=[0, 1, 2, 3]) == CpuSlot((0, 1), 2, 1)
+    assert plan_slot(two, "local", "unified-1", 0, cpus=[0, 1, 2, 3]) == CpuSlot((2, 3), 2, 1)
 
 
 def test_gpu_budget_of_a_unified_instance() -> None:

@@ -1,6 +1,7 @@
 """`python -m unified_worker -c cluster.yaml --name NAME`: run one unified instance.
 
-One process, one engine: its CPU slice and threads from enginehost/cpu_plan.py, the
+One process, one engine: its CPU slice and threads from enginehost/cpu_plan.py (pure-decode
+steps on one thread fewer: engine/step_threads.py), the
 pool's connector (the prefill worker's PoolScheduler and PoolWorker over the whole
 model: restores history, saves full chunks) as its only KV connector, no handoff.
 """
@@ -11,6 +12,7 @@ import asyncio
 import sys
 
 from engine.llm_engine import LLMEngine
+from engine.step_threads import StepThreads
 from engine.step_trace import StepTrace
 from enginehost.host import EngineHost
 from enginehost.metrics import serve_metrics_port
@@ -23,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = load_instance("unified", argv)
     cluster, node, info = ctx.cluster, ctx.node, ctx.info
     inst = cluster.unified_instance(ctx.instance.name)
-    set_cpu_threads(cluster, inst, 0)
+    slot = set_cpu_threads(cluster, inst, 0)
     config = engine_config(
         cluster,
         device=inst.devices[0],
@@ -34,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     engine = LLMEngine(info, config)
     engine.trace = StepTrace.from_env(inst.name)  # KVSERVE_STEP_TRACE: off unless set
+    if slot is not None and slot.decode_threads not in (None, slot.threads):
+        # pure-decode steps on fewer threads, the rest of the slice left to the request path
+        engine.step_threads = StepThreads(slot.threads, slot.decode_threads)
     host = EngineHost(engine)
     service = UnifiedService(inst.name, host, ctx.secret, num_devices=1, trace=engine.trace)
     pool, pool_worker = build_pool_connector(

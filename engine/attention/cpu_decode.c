@@ -16,8 +16,9 @@
  *     3. out[i] = sum_t p[i][t] v_t[i / G] / l[i],  lse[i] = m[i] + log(l[i])
  *
  * A call runs the sequences [seq_begin, seq_end) of the step: callers split a step across
- * threads, each thread with its own `scores` scratch of at least Hq * max(seq_lens)
- * floats. q, out: [B][Hq][D] float32; lse: [B][Hq] float32, natural log.
+ * threads, each thread with its own `scores` scratch of at least
+ * Hq * max(max(seq_lens), D) floats. q, out: [B][Hq][D] float32; lse: [B][Hq] float32,
+ * natural log.
  *
  * Everything accumulates in float32; bf16 rows widen exactly (a 16-bit shift). A
  * sequence without keys (a decode-context-parallel rank holding none of its tokens)
@@ -59,6 +60,22 @@ static inline float exp_nonpos(float x) {
     return x < -87.0f ? 0.0f : e;
 }
 
+/* The one-pass AVX-512 kernel for bf16 caches (cpu_decode_avx512.c): 0 if it ran the
+ * sequence, -1 where it does not apply (no AVX-512, a head dim not a multiple of 32). */
+int decode_bf16_avx512_seq(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                           const int32_t *table, int64_t len, int64_t hq, int64_t hkv,
+                           int64_t D, int64_t bs, float scale, float *scratch, float *out,
+                           float *lse);
+
+static inline int no_fast_f32(const float *q, const float *k_cache, const float *v_cache,
+                              const int32_t *table, int64_t len, int64_t hq, int64_t hkv,
+                              int64_t D, int64_t bs, float scale, float *scratch, float *out,
+                              float *lse) {
+    (void)q, (void)k_cache, (void)v_cache, (void)table, (void)len, (void)hq, (void)hkv;
+    (void)D, (void)bs, (void)scale, (void)scratch, (void)out, (void)lse;
+    return -1;
+}
+
 #define MAX_HEADS 256
 #define PREFETCH_BLOCKS 2
 
@@ -69,7 +86,7 @@ static inline void prefetch_block(const void *base, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
-#define DEFINE_KERNEL(NAME, T, LOAD)                                                        \
+#define DEFINE_KERNEL(NAME, T, LOAD, FAST)                                                      \
     static inline void NAME##_seq(                                                          \
         const float *q, const T *k_cache, const T *v_cache, const int32_t *table,           \
         int64_t len, int64_t hq, int64_t hkv, int64_t D, int64_t bs, float scale,           \
@@ -136,6 +153,8 @@ static inline void prefetch_block(const void *base, int64_t bytes) {
             if (len <= 0) {                                                                 \
                 memset(ob, 0, (size_t)(hq * D) * sizeof(float));                            \
                 for (int64_t i = 0; i < hq; i++) lb[i] = -INFINITY;                         \
+            } else if (FAST(qb, k_cache, v_cache, table, len, hq, hkv, D, bs, scale, scores, \
+                            ob, lb) == 0) {                                                 \
             } else if (D == 64) {                                                           \
                 NAME##_seq(qb, k_cache, v_cache, table, len, hq, hkv, 64, bs, scale,        \
                            scores, ob, lb);                                                 \
@@ -150,5 +169,5 @@ static inline void prefetch_block(const void *base, int64_t bytes) {
         return 0;                                                                           \
     }
 
-DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_to_f32)
-DEFINE_KERNEL(paged_decode_f32, float, f32_load)
+DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_to_f32, decode_bf16_avx512_seq)
+DEFINE_KERNEL(paged_decode_f32, float, f32_load, no_fast_f32)

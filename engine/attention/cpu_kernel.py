@@ -37,7 +37,9 @@ from engine.attention.base import merge_partials
 
 log = logging.getLogger(__name__)
 
-SOURCE_PATHS = [Path(__file__).with_name(n) for n in ("cpu_decode.c", "cpu_prefill.c")]
+SOURCE_PATHS = [
+    Path(__file__).with_name(n) for n in ("cpu_decode.c", "cpu_decode_avx512.c", "cpu_prefill.c")
+]
 FLAGS = [
     "-O3",
     "-march=native",
@@ -233,7 +235,8 @@ def decode(
         lens = (seq_lens.view(1, -1) - starts).clamp(0, part_len).contiguous()  # [P, B]
     out = torch.empty(parts, num_seqs, num_heads, head_dim, dtype=torch.float32)
     lse = torch.empty(parts, num_seqs, num_heads, dtype=torch.float32)
-    scores = torch.empty(len(jobs), num_heads * part_len, dtype=torch.float32)
+    # scratch per job: the portable kernel's scores, the AVX-512 one's permuted query
+    scores = torch.empty(len(jobs), num_heads * max(part_len, head_dim), dtype=torch.float32)
     entry = block_tables.element_size()
 
     def run(j: int) -> int:
