@@ -12,8 +12,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
-import yaml
-from cluster_harness import free_ports, internal_headers, kvserve
+from cluster_harness import free_ports, internal_headers, kvserve, launch
 
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -112,11 +111,7 @@ def start_parallel_cluster(
             "request_timeout_s": 120,
         },
     }
-    config = tmp / "cluster.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    state = tmp / "state"
-    res = kvserve("up", "-c", str(config), "--detach", "--state-dir", str(state), timeout=600)
-    assert res.returncode == 0, f"kvserve up failed:\n{res.stdout}\n{res.stderr}"
+    config, state = launch(tmp, cfg, timeout=600)
     return ParallelCluster(config, state, f"http://127.0.0.1:{ports[0]}", urls, layouts)
 
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-from cluster_harness import free_ports, kvserve, wait_until
+from cluster_harness import free_ports, kvserve, launch, wait_until
 from test_e2e_pool import (
     CHUNK,
     PoolCluster,
@@ -29,7 +28,7 @@ SEGMENT = 48 << 20
 FAILURES = "kvserve_pool_failures_total"
 
 
-def _config(tmp: Path, model: str, cache_dir: str) -> tuple[Path, dict]:
+def _config(model: str, cache_dir: str) -> dict:
     p = free_ports(8)
     prefill = {
         "node": "n0",
@@ -71,18 +70,14 @@ def _config(tmp: Path, model: str, cache_dir: str) -> tuple[Path, dict]:
             "request_timeout_s": 60,
         },
     }
-    path = tmp / "cluster.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path, cfg
+    return cfg
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_llama_dir: Path, weights_cache_dir: str):
     tmp = tmp_path_factory.mktemp("inprefill")
-    path, cfg = _config(tmp, str(tiny_llama_dir), weights_cache_dir)
-    state = tmp / "state"
-    res = kvserve("up", "-c", str(path), "--detach", "--state-dir", str(state))
-    assert res.returncode == 0, f"kvserve up failed:\n{res.stdout}\n{res.stderr}"
+    cfg = _config(str(tiny_llama_dir), weights_cache_dir)
+    path, state = launch(tmp, cfg)
     c = PoolCluster(
         path,
         state,
@@ -95,8 +90,7 @@ def cluster(tmp_path_factory, tiny_llama_dir: Path, weights_cache_dir: str):
     )
     c.cfg = cfg
     yield c
-    res = c.down()
-    assert res.returncode == 0, res.stderr
+    c.stop()
 
 
 def _capacity(c: PoolCluster) -> int:

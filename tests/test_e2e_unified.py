@@ -25,7 +25,7 @@ import openai
 import pytest
 import torch
 import yaml
-from cluster_harness import Cluster, free_ports, kvserve, wait_until
+from cluster_harness import Cluster, free_ports, kvserve, launch, wait_until
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -44,20 +44,6 @@ class UnifiedCluster(Cluster):
     unified_url: str
     store_health: str
     trace_dir: Path
-
-    def metric(self, url: str, name: str, **labels: str) -> float:
-        """Sum of a series' samples whose labels include `labels` (0 when none)."""
-        text = httpx.get(url + "/metrics", timeout=10).text
-        total = 0.0
-        for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
-            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-            if all(have.get(k) == v for k, v in labels.items()):
-                total += float(m.group(2))
-        return total
-
-    def reset(self) -> None:
-        r = httpx.post(self.router_url + "/v1/admin/reset_prefix_cache", timeout=30)
-        assert r.status_code == 200 and r.json()["success"], r.text
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +85,7 @@ def cluster(tmp_path_factory, weights_cache_dir: str):
             "request_timeout_s": 120,
         },
     }
-    config = tmp / "cluster.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    state = tmp / "state"
-    res = kvserve("up", "-c", str(config), "--detach", "--state-dir", str(state), timeout=600)
-    assert res.returncode == 0, f"kvserve up failed:\n{res.stdout}\n{res.stderr}"
+    config, state = launch(tmp, cfg, timeout=600)
     c = UnifiedCluster(
         config,
         state,
@@ -118,8 +100,7 @@ def cluster(tmp_path_factory, weights_cache_dir: str):
     c.store_health = f"http://127.0.0.1:{p[2]}/health"
     c.trace_dir = tmp / "trace"
     yield c
-    res = c.down()
-    assert res.returncode == 0, res.stderr
+    c.stop()
 
 
 @pytest.fixture(scope="module")
