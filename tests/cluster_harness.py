@@ -91,6 +91,23 @@ class Cluster:
         assert r.status_code == 200 and r.json()["success"], r.text
 
 
+def router_section(
+    port: int,
+    served_model_name: str,
+    *,
+    timeout_s: float = 60,
+    policy: str = "round_robin",
+) -> dict:
+    """The router section of a test cluster: on 127.0.0.1:port, no API key."""
+    return {
+        "host": "127.0.0.1",
+        "port": port,
+        "policy": policy,
+        "served_model_name": served_model_name,
+        "request_timeout_s": timeout_s,
+    }
+
+
 def pool_section(ports: list[int], store_size: str = "64MiB") -> dict:
     """An enabled shared pool on 127.0.0.1: master rpc, master metrics and one store
     (/health and /metrics) on the three `ports`."""
@@ -158,13 +175,7 @@ def start_cluster(
                 "landing_memory": "32MiB",
             }
         ],
-        "router": {
-            "host": "127.0.0.1",
-            "port": router_port,
-            "policy": "round_robin",
-            "served_model_name": served,
-            "request_timeout_s": 60,
-        },
+        "router": router_section(router_port, served),
     }
     cfg["prefill"][0].update(prefill or {})
     cfg["decode"][0].update(decode or {})

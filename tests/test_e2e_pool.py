@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from cluster_harness import Cluster, free_ports, kvserve, launch, wait_until
+from cluster_harness import Cluster, free_ports, kvserve, launch, router_section, wait_until
 from pool_harness import listening_sockets
 
 from engine.config import EngineConfig
@@ -85,13 +85,7 @@ def _cluster_config(model: str, cache_dir: str, *, shared: bool, name: str) -> d
                 "landing_memory": "16MiB",
             }
         ],
-        "router": {
-            "host": "127.0.0.1",
-            "port": p[0],
-            "policy": "round_robin",
-            "served_model_name": "e2e-model",
-            "request_timeout_s": 60,
-        },
+        "router": router_section(p[0], "e2e-model"),
     }
     return cfg
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster_harness import free_ports, kvserve, launch, wait_until
+from cluster_harness import free_ports, kvserve, launch, router_section, wait_until
 from test_e2e_pool import (
     CHUNK,
     PoolCluster,
@@ -62,13 +62,7 @@ def _config(model: str, cache_dir: str) -> dict:
                 "landing_memory": "16MiB",
             }
         ],
-        "router": {
-            "host": "127.0.0.1",
-            "port": p[0],
-            "policy": "round_robin",
-            "served_model_name": "e2e-model",
-            "request_timeout_s": 60,
-        },
+        "router": router_section(p[0], "e2e-model"),
     }
     return cfg
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from cluster_harness import Cluster, free_ports, launch, metric_sum, wait_until
+from cluster_harness import Cluster, free_ports, launch, metric_sum, router_section, wait_until
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -86,13 +86,7 @@ def cluster(tmp_path_factory, tiny_parallel_dir: Path, weights_cache_dir: str):
                 "landing_memory": "8MiB",
             }
         ],
-        "router": {
-            "host": "127.0.0.1",
-            "port": p[0],
-            "policy": "round_robin",
-            "served_model_name": "pp-pool-model",
-            "request_timeout_s": 120,
-        },
+        "router": router_section(p[0], "pp-pool-model", timeout_s=120),
     }
     config, state = launch(tmp, cfg, timeout=600)
     c = PPPoolCluster(config, state, f"http://127.0.0.1:{p[0]}", "", "", "pp-pool-model", "pp-pool")

@@ -25,7 +25,7 @@ import openai
 import pytest
 import torch
 import yaml
-from cluster_harness import Cluster, free_ports, kvserve, launch, wait_until
+from cluster_harness import Cluster, free_ports, kvserve, launch, router_section, wait_until
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -77,13 +77,7 @@ def cluster(tmp_path_factory, weights_cache_dir: str):
                 "env": {STEP_TRACE_ENV: str(tmp / "trace")},
             }
         ],
-        "router": {
-            "host": "127.0.0.1",
-            "port": p[4],
-            "policy": "kv_aware",
-            "served_model_name": "e2e-model",
-            "request_timeout_s": 120,
-        },
+        "router": router_section(p[4], "e2e-model", timeout_s=120, policy="kv_aware"),
     }
     config, state = launch(tmp, cfg, timeout=600)
     c = UnifiedCluster(
