@@ -28,7 +28,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import tokenizers
@@ -73,6 +73,16 @@ class TokenBytes:
     """byte_fallback: the ids of "<0xAB>" tokens (each one byte of `table`)."""
     strip_leading_space: bool
     """byte_fallback with Strip(" ", 1, 0): the text's first char, if a space, is dropped."""
+    by_id: dict[int, bytes] = field(init=False, repr=False, compare=False)
+    """`table` as a dict: one `get` is the lookup, its default the answer for an id
+    outside the vocabulary."""
+    by_id_skipping: dict[int, bytes] = field(init=False, repr=False, compare=False)
+    """The same with the special tokens' bytes empty (skip_special_tokens)."""
+
+    def __post_init__(self) -> None:
+        by_id = dict(enumerate(self.table))
+        object.__setattr__(self, "by_id", by_id)
+        object.__setattr__(self, "by_id_skipping", {**by_id, **dict.fromkeys(self.special, b"")})
 
 
 def token_bytes(backend: tokenizers.Tokenizer) -> TokenBytes | None:
@@ -144,21 +154,34 @@ class ByteStream:
 
     def __init__(self, tb: TokenBytes, *, skip_special_tokens: bool = True) -> None:
         self._tb = tb
-        self._skip = tb.special if skip_special_tokens else frozenset()
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._bytes_of = tb.by_id_skipping if skip_special_tokens else tb.by_id
+        self._skip = skip_special_tokens
+        self._byte_level = tb.kind == "byte_level"
+        self._held = b""  # byte_level: the start of a character not complete yet
         self._run = bytearray()  # byte_fallback: the pending run of byte tokens
         self._run_tokens = 0
         self._strip = tb.strip_leading_space
 
     def append(self, token_id: int) -> str:
         """The text `token_id` completes (maybe "")."""
-        tb = self._tb
-        if token_id in self._skip or not 0 <= token_id < len(tb.table):
-            return ""
-        data = tb.table[token_id]
-        if tb.kind == "byte_level":
-            return self._out(self._utf8.decode(data))
-        if token_id in tb.byte_ids:
+        data = self._bytes_of.get(token_id, b"")
+        if self._byte_level:
+            # The common case is one C call: bytes that are whole UTF-8.
+            if self._held:
+                data = self._held + data
+            try:
+                text = data.decode()
+            except UnicodeDecodeError:
+                # Broken or unfinished: U+FFFD for each maximal invalid part, and an
+                # unfinished character's bytes held for the next token.
+                text, consumed = codecs.utf_8_decode(data, "replace", False)
+                self._held = data[consumed:]
+                return text
+            self._held = b""
+            return text
+        if not data and self._dropped(token_id):
+            return ""  # dropped before the decoder: it does not end a byte run
+        if token_id in self._tb.byte_ids:
             self._run += data
             self._run_tokens += 1
             return ""
@@ -167,13 +190,19 @@ class ByteStream:
     @property
     def pending(self) -> bool:
         """True while bytes are held (an unfinished character, a byte run)."""
-        return bool(self._run_tokens or self._utf8.getstate()[0])
+        return bool(self._run_tokens or self._held)
 
     def flush(self) -> str:
         """At the end: what is still held (an unfinished character, a byte run)."""
-        if self._tb.kind == "byte_level":
-            return self._out(self._utf8.decode(b"", final=True))
+        if self._byte_level:
+            text = self._held.decode("utf-8", "replace")
+            self._held = b""
+            return text
         return self._out(self._end_run())
+
+    def _dropped(self, token_id: int) -> bool:
+        """An id `decode` drops: outside the vocabulary, or a skipped special token."""
+        return token_id not in self._tb.by_id or (self._skip and token_id in self._tb.special)
 
     def _end_run(self) -> str:
         if not self._run_tokens:

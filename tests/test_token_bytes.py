@@ -55,7 +55,8 @@ def test_random_sequences_of_the_real_model(smollm2) -> None:  # type: ignore[no
     # tokens that are not whole UTF-8 on their own (pieces of multi-byte characters)
     broken = [i for i in range(n) if "\ufffd" in tb.table[i].decode("utf-8", "replace")]
     assert len(broken) > 100
-    pools = [list(range(n)), broken, sorted(tb.special), list(range(256))]
+    outside = [n, n + 7, 10**6]  # ids outside the vocabulary: decode drops them
+    pools = [list(range(n)), broken, sorted(tb.special), list(range(256)), outside]
     rng = random.Random(1234)
     for trial in range(4000):
         ids = _random_ids(rng, pools, rng.randint(1, 40))
@@ -99,6 +100,7 @@ def test_byte_fallback_random_sequences(strip: bool) -> None:
     utf8_lead = [i for i in bytes_ if tb.table[i][0] >= 0xC0]
     cont = [i for i in bytes_ if 0x80 <= tb.table[i][0] < 0xC0]
     pools = [list(range(n)), bytes_, utf8_lead + cont, list(range(257, n)), sorted(tb.special)]
+    pools.append([n, n + 3])  # outside the vocabulary: dropped, a byte run goes on
     rng = random.Random(99)
     for trial in range(4000):
         ids = _random_ids(rng, pools, rng.randint(1, 30))
