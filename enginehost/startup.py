@@ -24,7 +24,7 @@ from protocol.cluster import (
     UnifiedConfig,
     load_cluster,
 )
-from protocol.cluster_checks import check_model_layouts
+from protocol.cluster_model_checks import check_model_layouts
 from protocol.config_errors import ConfigError
 from protocol.internal_auth import SECRET_ENV, secret_from_env, secret_problem
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -244,16 +246,11 @@ def _run_chat(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "generate":
-            return _run_generate(args)
-        if args.command == "chat":
-            return _run_chat(args)
-        if args.command in ("up", "down", "status", "check", "render"):
-            return _run_cluster_command(args)
-        if args.command == "bench":
-            from benchmarks.agentic.cli import run
-
-            return run(args)
+        status = _run(args)
+        # What is still buffered goes out here, where a closed pipe is caught, rather
+        # than in the interpreter's flush at exit, which would print a traceback.
+        sys.stdout.flush()
+        return status
     except KvserveError as e:
         from kvserve.supervisor import LaunchError
 
@@ -264,7 +261,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _closed_stdout()
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "generate":
+        return _run_generate(args)
+    if args.command == "chat":
+        return _run_chat(args)
+    if args.command in ("up", "down", "status", "check", "render"):
+        return _run_cluster_command(args)
+    if args.command == "bench":
+        from benchmarks.agentic.cli import run
+
+        return run(args)
     return 2
+
+
+def _closed_stdout() -> int:
+    """The reader of stdout went away (`kvserve check | head -1`): stop quietly as a Unix
+    tool killed by SIGPIPE would, with its status. SIGPIPE itself stays ignored (Python's
+    default), since `kvserve up` must outlive a peer closing one of its sockets. stdout now
+    points at /dev/null, so the interpreter's last flush of what is still buffered cannot
+    raise again on the way out."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -37,9 +37,9 @@ from kvserve.run_state import ComponentState, RunDir, RunState
 from kvserve.supervisor import LaunchError, Supervisor
 from modelinfo.info import load_model_config
 from protocol.cluster import ClusterConfig, load_cluster, local_nodes
-from protocol.cluster_checks import (
+from protocol.cluster_checks import cluster_ports
+from protocol.cluster_model_checks import (
     check_model_layouts,
-    cluster_ports,
     prefill_kv_bytes_per_token,
     rank_kv_bytes_per_token,
 )

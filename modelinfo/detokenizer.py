@@ -5,8 +5,10 @@ Three pieces, each usable alone:
 - `IncrementalDetokenizer(tokenizer)`: `append(token_id) -> str` returns the text that
   is safe to emit now; `flush() -> str` returns what is still held at the end. It never
   emits half a UTF-8 character: a token that ends inside a multi-byte character (an emoji
-  split over byte tokens) yields "" until the character completes. It decodes a small
-  window of recent tokens (vLLM's prefix/read offsets), so a token costs O(1) work.
+  split over byte tokens) yields "" until the character completes. A tokenizer whose
+  decoder modelinfo/token_bytes.py reads exactly streams by table (one lookup and an
+  incremental UTF-8 decode a token); others decode a small window of recent tokens
+  (tokenizers' DecodeStream, or vLLM's prefix/read offsets here), so a token costs O(1).
 - `StopChecker(params, eos_token_ids)`: the token-level stop rules, for the engine
   (which has no text): `check(token_id, num_output_tokens) -> "stop" | "length" | None`.
 - `RequestOutputText(tokenizer, params, eos_token_ids)`: both of the above plus stop
@@ -42,6 +44,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
+from modelinfo.token_bytes import ByteStream, TokenBytes
 from protocol.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length"]
@@ -85,10 +88,18 @@ class IncrementalDetokenizer:
         self._tokens: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
-        self._stream, self._backend = _decode_stream(tokenizer, self._tokens, skip_special_tokens)
+        self._bytes = _byte_stream(tokenizer, self._tokens, skip_special_tokens)
+        self._stream: Any = None
+        self._backend: Any = None
+        if self._bytes is None:
+            self._stream, self._backend = _decode_stream(
+                tokenizer, self._tokens, skip_special_tokens
+            )
 
     def append(self, token_id: int) -> str:
         """Adds one output token; returns the text that is complete now (maybe "")."""
+        if self._bytes is not None:
+            return self._bytes.append(token_id)
         self._tokens.append(token_id)
         if self._stream is not None:
             try:
@@ -111,6 +122,8 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At finish: the text still held back (an unfinished character shows as U+FFFD,
         as a full decode of the output would show it)."""
+        if self._bytes is not None:
+            return self._bytes.flush()
         if self._read_offset == len(self._tokens):
             return ""
         prefix_text, new_text = self._decode_window()
@@ -125,6 +138,21 @@ class IncrementalDetokenizer:
         prefix_text = self._tokenizer.decode(window[:read], skip_special_tokens=skip)
         new_text = self._tokenizer.decode(window, skip_special_tokens=skip)
         return prefix_text, new_text
+
+
+def _byte_stream(
+    tokenizer: TokenDecoder, context: list[int], skip_special_tokens: bool
+) -> ByteStream | None:
+    """A ByteStream over `tokenizer`'s id → bytes table, primed with `context` (its text
+    is the prompt's, not emitted), or None: no table (another decoder), or a context that
+    ends inside a character or a byte run (what it holds is the prompt's)."""
+    table = getattr(tokenizer, "token_bytes", None)
+    if not isinstance(table, TokenBytes):
+        return None
+    stream = ByteStream(table, skip_special_tokens=skip_special_tokens)
+    for token_id in context:
+        stream.append(token_id)
+    return None if stream.pending else stream
 
 
 def _decode_stream(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 import tokenizers
 from tokenizers import processors
 
+from modelinfo.token_bytes import TokenBytes, token_bytes
 from protocol.errors import ModelLoadError
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -141,6 +143,12 @@ class Tokenizer:
         """The underlying `tokenizers.Tokenizer` (e.g. for `tokenizers.decoders.DecodeStream`);
         do not mutate it."""
         return self._backend
+
+    @functools.cached_property
+    def token_bytes(self) -> TokenBytes | None:
+        """The id → bytes table of streamed detokenization (modelinfo/token_bytes.py),
+        built on first use; None when the decoder is not one it reads exactly."""
+        return token_bytes(self._backend)
 
     @property
     def vocab_size(self) -> int:

@@ -1,23 +1,17 @@
 """Validation of cluster.yaml beyond types: references, names, devices, layouts, ports.
-(Type errors become ConfigErrors in protocol/config_paths.py.)"""
+(Type errors become ConfigErrors in protocol/config_paths.py; the checks that need the
+model's shape are protocol/cluster_model_checks.py.)"""
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+from protocol.cluster_hosts import cluster_hosts
 from protocol.cluster_types import device_name
 from protocol.config_errors import ConfigError
 from protocol.device_budget import shared_devices
-from protocol.kv_layout import kv_kind_parts, row_bytes
-from protocol.parallel import (
-    decode_rank_shards,
-    head_layout_error,
-    landing_error,
-    layer_split_error,
-)
 
 if TYPE_CHECKING:
     from protocol.cluster import ClusterConfig, DecodeConfig, PrefillConfig, UnifiedConfig
@@ -187,83 +181,6 @@ def _check_decode_layout(path: str, d: DecodeConfig) -> None:
         )
 
 
-class ModelShape(Protocol):
-    """What the layout checks need of a model (modelinfo.config.ModelConfig has it)."""
-
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def num_heads(self) -> int: ...
-    @property
-    def num_kv_heads(self) -> int: ...
-
-
-def check_model_layouts(c: ClusterConfig, model: ModelShape, only: str | None = None) -> None:
-    """ConfigError if a prefill layer split or a decode TP x DCP does not fit the model
-    (only instance `only` when given). Run where the model can be read: `kvserve check`
-    and `kvserve up`, and every worker at start."""
-    for i, p in enumerate(c.prefill):
-        if only is not None and p.name != only:
-            continue
-        if p.layer_split is not None:
-            problem = layer_split_error(p.layer_split, model.num_layers)
-            if problem is not None:
-                raise ConfigError(f"prefill[{i}].layer_split", problem)
-        elif p.pipeline_parallel > model.num_layers:
-            raise ConfigError(
-                f"prefill[{i}].pipeline_parallel",
-                f"{p.pipeline_parallel} stages for a model of {model.num_layers} layers; "
-                f"at most {model.num_layers}",
-            )
-    for i, d in enumerate(c.decode):
-        if only is not None and d.name != only:
-            continue
-        problem = head_layout_error(
-            model.num_heads, model.num_kv_heads, d.tensor_parallel, d.decode_context_parallel
-        )
-        if problem is not None:
-            raise ConfigError(f"decode[{i}].tensor_parallel", problem)
-        head_dim = getattr(model, "head_dim", None)
-        if head_dim is None:
-            continue  # a bare shape (layout checks only): no bytes to check
-        problem = landing_error(
-            int(d.landing_memory),
-            rank_kv_bytes_per_token(
-                c, model, head_dim, d.tensor_parallel, d.decode_context_parallel
-            ),
-            max((p.pipeline_parallel for p in c.prefill), default=1),
-            int(getattr(model, "max_position_embeddings", 0)),
-        )
-        if problem is not None:
-            raise ConfigError(f"decode[{i}].landing_memory", problem)
-
-
-def rank_kv_bytes_per_token(
-    c: ClusterConfig, model: ModelShape, head_dim: int, tp: int, dcp: int
-) -> int:
-    """KV bytes of one token (all layers; K and V, or the MLA latent, which every rank
-    holds whole) on a decode rank holding the most heads, in the cluster's KV cache dtype
-    (fp8 rows: head_dim + 4 bytes)."""
-    shard = decode_rank_shards(model.num_heads, model.num_kv_heads, tp, dcp)[0]
-    parts = kv_kind_parts(getattr(model, "kv_kind", "mha"))
-    row = row_bytes(c.kv_cache_dtype, c.dtype, head_dim)
-    return model.num_layers * parts * shard.num_kv_heads * row
-
-
-def prefill_kv_bytes_per_token(
-    c: ClusterConfig, model: ModelShape, head_dim: int, p: PrefillConfig | UnifiedConfig
-) -> int:
-    """KV bytes of one token (all parts) on the prefill stage holding the most layers (a
-    unified instance: its one process, every layer)."""
-    if p.layer_split is not None:
-        layers = max(p.layer_split)
-    else:
-        layers = -(-model.num_layers // p.pipeline_parallel)
-    parts = kv_kind_parts(getattr(model, "kv_kind", "mha"))
-    heads = 1 if parts == 1 else model.num_kv_heads
-    return layers * parts * heads * row_bytes(c.kv_cache_dtype, c.dtype, head_dim)
-
-
 def _check_gpu_sharing(c: ClusterConfig) -> None:
     """Instances share a GPU only where their node says share_devices: true (then
     protocol/device_budget.py checks that their budgets fit it, once the model is known);
@@ -333,26 +250,6 @@ def _check_router(c: ClusterConfig) -> None:
             "router.api_key_env; or bind the router node's address",
         )
     _check_env("router.env", r.env)
-
-
-def cluster_hosts(c: ClusterConfig) -> list[str]:
-    """The distinct hosts of the cluster's nodes; loopback addresses are one host (two
-    "nodes" on 127.0.0.1 and 127.0.0.2 share a machine)."""
-    hosts: list[str] = []
-    for n in c.nodes:
-        host = "loopback" if _is_loopback(n.host) else n.host
-        if host not in hosts:
-            hosts.append(host)
-    return hosts
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _check_auth(c: ClusterConfig) -> None:
@@ -498,6 +395,3 @@ def _check_ports(c: ClusterConfig) -> None:
                 f"port {port} on host {host} is also {used[key]}; give each component its own port",
             )
         used[key] = path
-
-
-# -- msgspec errors → key paths ---------------------------------------------------------

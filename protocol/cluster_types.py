@@ -121,3 +121,7 @@ def device_name(device: int | str) -> str | None:
         return "cpu"
     m = _CUDA_RE.match(device)
     return f"cuda:{int(m.group(1))}" if m else None
+
+
+class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of every cluster.yaml section: immutable, unknown keys are errors."""

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from protocol.cluster_model_checks import ModelShape
 from protocol.cluster_types import device_name, format_bytes
 from protocol.config_errors import ConfigError
 
@@ -45,8 +46,9 @@ CUDA_CONTEXT_BYTES = 768 * MiB
 """The CUDA context, cuBLAS workspaces and allocator slack of one process."""
 
 
-class ModelBytes(Protocol):
-    """What a budget needs of the model (modelinfo.config.ModelConfig has it)."""
+class ModelBytes(ModelShape, Protocol):
+    """What a budget needs of the model (modelinfo.config.ModelConfig has it): its layout
+    (ModelShape: layers and heads) and the sizes of its weights."""
 
     @property
     def vocab_size(self) -> int: ...
@@ -54,12 +56,6 @@ class ModelBytes(Protocol):
     def hidden_size(self) -> int: ...
     @property
     def intermediate_size(self) -> int: ...
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def num_heads(self) -> int: ...
-    @property
-    def num_kv_heads(self) -> int: ...
     @property
     def head_dim(self) -> int: ...
     @property

@@ -68,6 +68,9 @@ def uvicorn_config(
 def run_router(settings: RouterSettings, log_level: str = "info") -> None:
     """Load the model's tokenizer and template, then serve until interrupted."""
     model = load_model_info(settings.model, served_name=settings.served_model_name)
+    # The streamed-detokenization table (modelinfo/token_bytes.py), built now rather than
+    # inside the first request.
+    _ = model.tokenizer.token_bytes
     app = create_app(settings, model)
     if settings.metrics_port is not None:
         start_http_server(

@@ -1,9 +1,12 @@
 """Start a real kvserve cluster with `kvserve up --detach` for end-to-end tests, on
-127.0.0.1 with free ports, and stop it with `kvserve down`."""
+127.0.0.1 with free ports, and stop it with `kvserve down`; and what the end-to-end
+tests ask of one (completions, metrics, the router's view of decode, the reference
+engine's greedy text)."""
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -74,6 +77,36 @@ class Cluster:
     def down(self) -> subprocess.CompletedProcess[str]:
         return kvserve("down", "-c", str(self.config), "--state-dir", str(self.state_dir))
 
+    def stop(self) -> None:
+        """`kvserve down`, which must succeed (the end of a fixture)."""
+        res = self.down()
+        assert res.returncode == 0, res.stderr
+
+    def metric(self, url: str, name: str, **labels: str) -> float:
+        return metric_sum(url, name, **labels)
+
+    def reset(self) -> None:
+        """Empty every instance's prefix cache (what is left is the pool's)."""
+        r = httpx.post(self.router_url + "/v1/admin/reset_prefix_cache", timeout=30)
+        assert r.status_code == 200 and r.json()["success"], r.text
+
+
+def router_section(
+    port: int,
+    served_model_name: str,
+    *,
+    timeout_s: float = 60,
+    policy: str = "round_robin",
+) -> dict:
+    """The router section of a test cluster: on 127.0.0.1:port, no API key."""
+    return {
+        "host": "127.0.0.1",
+        "port": port,
+        "policy": policy,
+        "served_model_name": served_model_name,
+        "request_timeout_s": timeout_s,
+    }
+
 
 def pool_section(ports: list[int], store_size: str = "64MiB") -> dict:
     """An enabled shared pool on 127.0.0.1: master rpc, master metrics and one store
@@ -83,6 +116,17 @@ def pool_section(ports: list[int], store_size: str = "64MiB") -> dict:
         "master": {"node": "local", "port": ports[0], "metrics_port": ports[1]},
         "stores": [{"node": "local", "size": store_size, "metrics_port": ports[2]}],
     }
+
+
+def launch(tmp: Path, cfg: dict, timeout: float = 300) -> tuple[Path, Path]:
+    """Write `cfg` to tmp/cluster.yaml and `kvserve up --detach` it with its run state in
+    tmp/state; returns (cluster file, state dir). Fails the test if `up` fails."""
+    config = tmp / "cluster.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    state = tmp / "state"
+    res = kvserve("up", "-c", str(config), "--detach", "--state-dir", str(state), timeout=timeout)
+    assert res.returncode == 0, f"kvserve up failed:\n{res.stdout}\n{res.stderr}"
+    return config, state
 
 
 def start_cluster(
@@ -131,13 +175,7 @@ def start_cluster(
                 "landing_memory": "32MiB",
             }
         ],
-        "router": {
-            "host": "127.0.0.1",
-            "port": router_port,
-            "policy": "round_robin",
-            "served_model_name": served,
-            "request_timeout_s": 60,
-        },
+        "router": router_section(router_port, served),
     }
     cfg["prefill"][0].update(prefill or {})
     cfg["decode"][0].update(decode or {})
@@ -149,11 +187,7 @@ def start_cluster(
         pool_metrics_url = f"http://127.0.0.1:{ports[1]}"
     for key, value in (extra or {}).items():
         cfg[key] = value
-    config = tmp / "cluster.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    state = tmp / "state"
-    res = kvserve("up", "-c", str(config), "--detach", "--state-dir", str(state))
-    assert res.returncode == 0, f"kvserve up failed:\n{res.stdout}\n{res.stderr}"
+    config, state = launch(tmp, cfg)
     return Cluster(
         config,
         state,
@@ -173,3 +207,56 @@ def wait_until(cond, timeout_s: float, interval_s: float = 0.05) -> bool:  # typ
             return True
         time.sleep(interval_s)
     return bool(cond())
+
+
+# -- what the tests ask of a running cluster ---------------------------------------------
+
+
+def spread_prompt(n: int, seed: int) -> list[int]:
+    """n token ids of ordinary text-range tokens (distinct per seed: no prefix reuse)."""
+    return [1000 + (seed * 7919 + i * 104729) % 30000 for i in range(n)]
+
+
+def complete_ids(c: Cluster, prompt: list[int], max_tokens: int = 8, timeout: float = 120) -> dict:
+    """A greedy /v1/completions of token ids through the router: {"status", "body", "t0",
+    "done_at"} (monotonic times around the call)."""
+    started = time.monotonic()
+    r = httpx.post(
+        c.api_base + "/completions",
+        json={
+            "model": c.served_name,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+        timeout=timeout,
+        trust_env=False,
+    )
+    return {"status": r.status_code, "body": r.json(), "done_at": time.monotonic(), "t0": started}
+
+
+def greedy_text(ref, prompt: list[int], max_tokens: int = 8) -> str:  # type: ignore[no-untyped-def]
+    """The single-process engine's greedy completion text of `prompt` (ignoring EOS)."""
+    from protocol.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return str(ref.generate([prompt], params)[0].text)
+
+
+def router_decode(c: Cluster) -> dict:
+    """The router's view of the first decode instance (GET /health)."""
+    body = httpx.get(c.router_url + "/health", timeout=5, trust_env=False).json()
+    return dict(body["decode"]["instances"][0])
+
+
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of series `name` on url/metrics whose labels include `labels`
+    (every sample when none are given; 0 when there is none)."""
+    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
+    total = 0.0
+    for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total

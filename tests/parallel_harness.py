@@ -12,8 +12,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
-import yaml
-from cluster_harness import free_ports, internal_headers, kvserve
+from cluster_harness import free_ports, internal_headers, kvserve, launch, router_section
 
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -104,19 +103,9 @@ def start_parallel_cluster(
         "nodes": [{"name": "local", "host": "127.0.0.1"}],
         "prefill": prefills,
         "decode": decodes,
-        "router": {
-            "host": "127.0.0.1",
-            "port": ports[0],
-            "policy": "round_robin",
-            "served_model_name": "parallel-model",
-            "request_timeout_s": 120,
-        },
+        "router": router_section(ports[0], "parallel-model", timeout_s=120),
     }
-    config = tmp / "cluster.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    state = tmp / "state"
-    res = kvserve("up", "-c", str(config), "--detach", "--state-dir", str(state), timeout=600)
-    assert res.returncode == 0, f"kvserve up failed:\n{res.stdout}\n{res.stderr}"
+    config, state = launch(tmp, cfg, timeout=600)
     return ParallelCluster(config, state, f"http://127.0.0.1:{ports[0]}", urls, layouts)
 
 

@@ -64,8 +64,7 @@ def cluster(tmp_path_factory, weights_cache_dir: str):
         router={"request_timeout_s": 300},
     )
     yield c
-    res = c.down()
-    assert res.returncode == 0, res.stderr
+    c.stop()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
-from cluster_harness import Cluster, kvserve, start_cluster, wait_until
+from cluster_harness import Cluster, kvserve, metric_sum, start_cluster, wait_until
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -47,23 +47,12 @@ def cluster(tmp_path_factory, tiny_llama_dir: Path, weights_cache_dir: str):
         tmp_path_factory.mktemp("e2e-auth"), str(tiny_llama_dir), cache_dir=weights_cache_dir
     )
     yield c
-    res = c.down()
-    assert res.returncode == 0, res.stderr
+    c.stop()
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir: Path, weights_cache_dir: str) -> LLMEngine:
     return LLMEngine.from_spec(str(tiny_llama_dir), EngineConfig(cache_dir=weights_cache_dir))
-
-
-def _metric(url: str, name: str) -> float:
-    """Sum of every sample of `name` on a worker's /metrics (open without the secret)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    )
 
 
 def _prefill_idle(cluster: Cluster) -> bool:
@@ -148,8 +137,8 @@ def test_a_forged_landing_writes_nothing_and_the_genuine_one_serves(
         # engine takes the report, after the client had its answer): prefill releases a
         # request's blocks in that same update, so all blocks free = every flow counted.
         assert wait_until(lambda: _prefill_idle(cluster), timeout_s=60)
-        bytes_before = _metric(prefill, "kvserve_handoff_bytes_total")
-        ops_before = _metric(prefill, "kvserve_handoff_ops_total")
+        bytes_before = metric_sum(prefill, "kvserve_handoff_bytes_total")
+        ops_before = metric_sum(prefill, "kvserve_handoff_ops_total")
         forged = {
             "shifted": msgspec.structs.replace(landing, buffer_addr=landing.buffer_addr + 4096),
             "widened": msgspec.structs.replace(landing, capacity_bytes=landing.capacity_bytes * 4),
@@ -168,8 +157,8 @@ def test_a_forged_landing_writes_nothing_and_the_genuine_one_serves(
         )
         r = client.post(prefill + "/prefill", content=msgspec.json.encode(replay))
         assert r.status_code == 403 and "forged or altered" in r.json()["message"]
-        assert _metric(prefill, "kvserve_handoff_bytes_total") == bytes_before
-        assert _metric(prefill, "kvserve_handoff_ops_total") == ops_before
+        assert metric_sum(prefill, "kvserve_handoff_bytes_total") == bytes_before
+        assert metric_sum(prefill, "kvserve_handoff_ops_total") == ops_before
         # decode refuses a piece naming bytes outside the region it reserved
         nbytes = 16 * landing.layout.bytes_per_token
         outside = KVSegment(0, 16, landing.capacity_bytes - nbytes // 2, nbytes)
@@ -185,5 +174,5 @@ def test_a_forged_landing_writes_nothing_and_the_genuine_one_serves(
         first = msgspec.json.decode(r.content.splitlines()[0], type=FirstToken)
         batches = [msgspec.json.decode(line, type=TokenBatch) for line in lines]
     assert [first.token_id] + [t for b in batches for t in b.token_ids] == want
-    assert _metric(prefill, "kvserve_handoff_bytes_total") > bytes_before
+    assert metric_sum(prefill, "kvserve_handoff_bytes_total") > bytes_before
     client.close()

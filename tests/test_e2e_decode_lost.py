@@ -16,50 +16,21 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
-from cluster_harness import Cluster, start_cluster, wait_until
+from cluster_harness import (
+    complete_ids,
+    metric_sum,
+    router_decode,
+    spread_prompt,
+    start_cluster,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
 HELD = 61
 """Prompt tokens of the requests held at prefill's door while decode is killed."""
 NUM_HELD = 3
-
-
-def _complete(c: Cluster, prompt: list[int], max_tokens: int = 8) -> dict:
-    started = time.monotonic()
-    r = httpx.post(
-        c.api_base + "/completions",
-        json={
-            "model": c.served_name,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-        },
-        timeout=120,
-        trust_env=False,
-    )
-    return {"status": r.status_code, "body": r.json(), "done_at": time.monotonic(), "t0": started}
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return [1000 + (seed * 7919 + i * 104729) % 30000 for i in range(n)]
-
-
-def _router_decode(c: Cluster) -> dict:
-    body = httpx.get(c.router_url + "/health", timeout=5, trust_env=False).json()
-    return dict(body["decode"]["instances"][0])
-
-
-def _series(url: str, name: str, match: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") and match in line
-    )
 
 
 def test_requests_waiting_at_prefill_fail_fast_when_their_decode_dies(
@@ -79,23 +50,26 @@ def test_requests_waiting_at_prefill_fail_fast_when_their_decode_dies(
         prefill={"handoff_faults": {"hold_prompt_tokens": HELD, "hold_until_file": str(release)}},
     )
     try:
-        first = _complete(c, _prompt(30, 1))
+        first = complete_ids(c, spread_prompt(30, 1))
         assert first["status"] == 200, first
-        computed = 'source="computed"'
-        computed_before = _series(c.prefill_url, "kvserve_prompt_tokens_total", computed)
+        computed_before = metric_sum(
+            c.prefill_url, "kvserve_prompt_tokens_total", source="computed"
+        )
         assert computed_before >= 30
-        aborted_before = _series(
-            c.prefill_url, "kvserve_prefill_requests_total", 'outcome="aborted"'
+        aborted_before = metric_sum(
+            c.prefill_url, "kvserve_prefill_requests_total", outcome="aborted"
         )
 
         held: list[dict] = [{} for _ in range(NUM_HELD)]
         threads = [
-            threading.Thread(target=lambda i=i: held[i].update(_complete(c, _prompt(HELD, 50 + i))))
+            threading.Thread(
+                target=lambda i=i: held[i].update(complete_ids(c, spread_prompt(HELD, 50 + i)))
+            )
             for i in range(NUM_HELD)
         ]
         for t in threads:
             t.start()
-        assert wait_until(lambda: _router_decode(c)["waiting_for_prefill"] == NUM_HELD, 60)
+        assert wait_until(lambda: router_decode(c)["waiting_for_prefill"] == NUM_HELD, 60)
 
         os.kill(c.pids()["decode-0"], signal.SIGKILL)
         killed_at = time.monotonic()
@@ -109,24 +83,27 @@ def test_requests_waiting_at_prefill_fail_fast_when_their_decode_dies(
             assert "decode instance decode-0" in err["message"], err
             # the router's health poll (1 s) or the restarted process, not prefill
             assert res["done_at"] - killed_at < 20, res["done_at"] - killed_at
-        assert _router_decode(c)["waiting_for_prefill"] == 0
+        assert router_decode(c)["waiting_for_prefill"] == 0
 
         # Released now: prefill refuses them (their aborts came first), computes nothing.
         release.touch()
         assert wait_until(
             lambda: (
-                _series(c.prefill_url, "kvserve_prefill_requests_total", 'outcome="aborted"')
+                metric_sum(c.prefill_url, "kvserve_prefill_requests_total", outcome="aborted")
                 >= aborted_before + NUM_HELD
             ),
             30,
         )
-        assert _series(c.prefill_url, "kvserve_prompt_tokens_total", computed) == computed_before
+        assert (
+            metric_sum(c.prefill_url, "kvserve_prompt_tokens_total", source="computed")
+            == computed_before
+        )
 
-        assert wait_until(lambda: _router_decode(c)["healthy"], 180)
-        prompts = [_prompt(20 + 7 * i, 200 + i) for i in range(4)]
+        assert wait_until(lambda: router_decode(c)["healthy"], 180)
+        prompts = [spread_prompt(20 + 7 * i, 200 + i) for i in range(4)]
         want = [str(x.text) for x in ref.generate(prompts, params)]
         with cf.ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(pool.map(lambda p: _complete(c, p), prompts))
+            results = list(pool.map(lambda p: complete_ids(c, p), prompts))
         for res, text in zip(results, want, strict=True):
             assert res["status"] == 200, res
             assert res["body"]["choices"][0]["text"] == text

@@ -18,44 +18,20 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster_harness import Cluster, start_cluster, wait_until
+from cluster_harness import (
+    Cluster,
+    complete_ids,
+    greedy_text,
+    router_decode,
+    spread_prompt,
+    start_cluster,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
 HELD = 77
 """Prompt tokens of the request whose KV writes are held until decode was restarted."""
-
-
-def _complete(c: Cluster, prompt: list[int], max_tokens: int = 8) -> dict:
-    r = httpx.post(
-        c.api_base + "/completions",
-        json={
-            "model": c.served_name,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-        },
-        timeout=120,
-        trust_env=False,
-    )
-    return {"status": r.status_code, "body": r.json()}
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return [1000 + (seed * 7919 + i * 104729) % 30000 for i in range(n)]
-
-
-def _greedy(ref, prompt: list[int], max_tokens: int = 8) -> str:  # type: ignore[no-untyped-def]
-    from protocol.sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return str(ref.generate([prompt], params)[0].text)
-
-
-def _router_decode(c: Cluster) -> dict:
-    body = httpx.get(c.router_url + "/health", timeout=5, trust_env=False).json()
-    return dict(body["decode"]["instances"][0])
 
 
 def _decode_incarnation(c: Cluster) -> str:
@@ -80,17 +56,17 @@ def test_requests_right_after_a_decode_restart_are_served_exactly(
         cache_dir=weights_cache_dir,
         prefill={"handoff_faults": {"hold_prompt_tokens": HELD, "hold_until_file": str(release)}},
     )
-    prompts = [_prompt(40 + 3 * i, i) for i in range(6)]
-    want = [_greedy(ref, p) for p in prompts]
+    prompts = [spread_prompt(40 + 3 * i, i) for i in range(6)]
+    want = [greedy_text(ref, p) for p in prompts]
     try:
-        before = _complete(c, prompts[0])
+        before = complete_ids(c, prompts[0])
         assert before["status"] == 200, before
         assert before["body"]["choices"][0]["text"] == want[0]
         old_incarnation = _decode_incarnation(c)
         assert old_incarnation
 
         held: dict = {}
-        t = threading.Thread(target=lambda: held.update(_complete(c, _prompt(HELD, 99))))
+        t = threading.Thread(target=lambda: held.update(complete_ids(c, spread_prompt(HELD, 99))))
         t.start()
         assert wait_until(lambda: Path(str(release) + ".held").exists(), timeout_s=60)
 
@@ -103,7 +79,7 @@ def test_requests_right_after_a_decode_restart_are_served_exactly(
         new_incarnation = _decode_incarnation(c)
         assert wait_until(
             lambda: (
-                _router_decode(c)["incarnation"] == new_incarnation and _router_decode(c)["healthy"]
+                router_decode(c)["incarnation"] == new_incarnation and router_decode(c)["healthy"]
             ),
             timeout_s=30,
         )
@@ -117,12 +93,12 @@ def test_requests_right_after_a_decode_restart_are_served_exactly(
 
         started = time.monotonic()
         with cf.ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(pool.map(lambda p: _complete(c, p), prompts))
+            results = list(pool.map(lambda p: complete_ids(c, p), prompts))
         for res, text in zip(results, want, strict=True):
             assert res["status"] == 200, res  # no 503 "no healthy decode instance"
             assert res["body"]["choices"][0]["text"] == text
         assert time.monotonic() - started < 60
-        assert _router_decode(c)["healthy"]
+        assert router_decode(c)["healthy"]
     finally:
         res = c.down()
     assert res.returncode == 0, res.stderr

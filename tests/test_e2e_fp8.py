@@ -8,13 +8,12 @@ rows with their scales (bytes per token of the fp8 layout)."""
 from __future__ import annotations
 
 import random
-import re
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from cluster_harness import Cluster, start_cluster
+from cluster_harness import Cluster, metric_sum, start_cluster
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -43,18 +42,7 @@ def cluster(tmp_path_factory, tiny_llama_dir: Path, weights_cache_dir: str):
         prefill={"pool_buffer_memory": "8MiB"},
     )
     yield c
-    res = c.down()
-    assert res.returncode == 0, res.stderr
-
-
-def _metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    total = 0.0
-    for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    c.stop()
 
 
 def _words(seed: int, n: int) -> str:
@@ -78,7 +66,7 @@ def test_session_restores_from_the_pool_and_hands_off_fp8_kv(cluster: Cluster, r
         want = reference.generate(
             [ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         )[0]
-        sent = _metric(cluster.prefill_url, "kvserve_handoff_bytes_total")
+        sent = metric_sum(cluster.prefill_url, "kvserve_handoff_bytes_total")
         got = client.completions.create(
             model=cluster.served_name,
             prompt=text,
@@ -95,7 +83,7 @@ def test_session_restores_from_the_pool_and_hands_off_fp8_kv(cluster: Cluster, r
         if k:
             assert details["pool_tokens"] > 0
         # the whole prompt's KV went to decode as fp8 rows with their scales
-        delta = _metric(cluster.prefill_url, "kvserve_handoff_bytes_total") - sent
+        delta = metric_sum(cluster.prefill_url, "kvserve_handoff_bytes_total") - sent
         assert delta == len(ids) * per_token, (delta, len(ids))
         text += got.choices[0].text
         prev_len = len(ids)

@@ -17,7 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from cluster_harness import Cluster, start_cluster, wait_until
+from cluster_harness import (
+    Cluster,
+    complete_ids,
+    greedy_text,
+    metric_sum,
+    spread_prompt,
+    start_cluster,
+    wait_until,
+)
 
 MODEL = "builtin:smollm2-135m-instruct"
 LOCAL_YAML = Path(__file__).resolve().parent.parent / "deploy" / "examples" / "local-pd.yaml"
@@ -32,27 +40,6 @@ def _local_instance(role: str) -> dict:
     for key in ("name", "node", "port", "metrics_port"):
         inst.pop(key, None)
     return inst
-
-
-def _complete(c: Cluster, prompt: list[int], max_tokens: int, timeout: float = 600) -> dict:
-    r = httpx.post(
-        c.api_base + "/completions",
-        json={
-            "model": c.served_name,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-        },
-        timeout=timeout,
-        trust_env=False,
-    )
-    return {"status": r.status_code, "body": r.json()}
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    """n token ids of ordinary text-range tokens (distinct per seed: no prefix reuse)."""
-    return [1000 + (seed * 7919 + i * 104729) % 30000 for i in range(n)]
 
 
 def _free(c: Cluster) -> bool:
@@ -88,8 +75,7 @@ def faulty(tmp_path_factory, tiny_llama_dir: Path, weights_cache_dir: str):
         {"fail_prompt_tokens": 1333},
     )
     yield c
-    res = c.down()
-    assert res.returncode == 0, res.stderr
+    c.stop()
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +88,7 @@ def slow(tmp_path_factory, tiny_llama_dir: Path, weights_cache_dir: str):
         {"write_delay_s": 0.2},
     )
     yield c
-    res = c.down()
-    assert res.returncode == 0, res.stderr
+    c.stop()
 
 
 @pytest.fixture(scope="module")
@@ -114,38 +99,31 @@ def reference(tiny_llama_dir: Path, weights_cache_dir: str):
     return LLMEngine.from_spec(str(tiny_llama_dir), EngineConfig(cache_dir=weights_cache_dir))
 
 
-def _greedy(ref, prompt: list[int], max_tokens: int) -> str:  # type: ignore[no-untyped-def]
-    from protocol.sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return str(ref.generate([prompt], params)[0].text)
-
-
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=5, trust_env=False).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-
 def test_streamed_handoff_is_exact_and_a_failed_one_recomputes_alone(faulty: Cluster, reference):
     """Two prompts at once, each several ring turns: one handoff fails mid-flight
     (injected); decode recomputes what did not land, for that request only. Both
     completions equal the single-process engine's, token for token."""
-    good, bad = _prompt(3000, 2), _prompt(1333, 3)
+    good, bad = spread_prompt(3000, 2), spread_prompt(1333, 3)
     with cf.ThreadPoolExecutor(2) as pool:
-        futs = [pool.submit(_complete, faulty, p, 24) for p in (good, bad)]
+        futs = [pool.submit(complete_ids, faulty, p, 24, 600) for p in (good, bad)]
         results = [f.result() for f in futs]
     for res, prompt in zip(results, (good, bad), strict=True):
         assert res["status"] == 200, res["body"]
-        assert res["body"]["choices"][0]["text"] == _greedy(reference, prompt, 24)
+        assert res["body"]["choices"][0]["text"] == greedy_text(reference, prompt, 24)
         assert res["body"]["usage"]["completion_tokens"] == 24
     assert (
-        _metric(
-            faulty.decode_url, 'kvserve_handoff_flows_total{instance="decode-0",result="failed"}'
+        metric_sum(
+            faulty.decode_url,
+            "kvserve_handoff_flows_total",
+            instance="decode-0",
+            result="failed",
         )
         == 1
     )
     assert (
-        _metric(faulty.decode_url, 'kvserve_handoff_flows_total{instance="decode-0",result="ok"}')
+        metric_sum(
+            faulty.decode_url, "kvserve_handoff_flows_total", instance="decode-0", result="ok"
+        )
         >= 1
     )
     assert wait_until(lambda: _free(faulty), timeout_s=5)
@@ -163,14 +141,13 @@ def local(tmp_path_factory, weights_cache_dir: str):
         router={"request_timeout_s": 600},
     )
     yield c
-    res = c.down()
-    assert res.returncode == 0, res.stderr
+    c.stop()
 
 
 @pytest.mark.slow
 def test_8100_token_prompt_streams_through_the_landing_ring(local: Cluster):
     """8,100 prompt tokens need 373 MB of KV at decode: ~6 turns of a 64 MiB region."""
-    res = _complete(local, _prompt(8100, 1), 64)
+    res = complete_ids(local, spread_prompt(8100, 1), 64, 600)
     assert res["status"] == 200, res["body"]
     usage = res["body"]["usage"]
     assert usage["prompt_tokens"] == 8100 and usage["completion_tokens"] == 64
@@ -180,7 +157,9 @@ def test_8100_token_prompt_streams_through_the_landing_ring(local: Cluster):
 @pytest.mark.slow
 def test_four_8100_token_prompts_at_once(local: Cluster):
     with cf.ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda s: _complete(local, _prompt(8100, 10 + s), 64), range(4)))
+        results = list(
+            pool.map(lambda s: complete_ids(local, spread_prompt(8100, 10 + s), 64, 600), range(4))
+        )
     assert [r["status"] for r in results] == [200] * 4, results
     assert all(r["body"]["usage"]["completion_tokens"] == 64 for r in results)
     assert wait_until(lambda: _free(local), timeout_s=5), (
@@ -202,7 +181,7 @@ def _stream(c: Cluster, prompt: list[int], max_tokens: int):  # type: ignore[no-
 
 
 def test_client_disconnect_mid_transfer_frees_everything_within_1s(slow: Cluster):
-    with _stream(slow, _prompt(3000, 7), 50) as r:
+    with _stream(slow, spread_prompt(3000, 7), 50) as r:
         assert r.status_code == 200
         lines = r.iter_lines()  # held: closing the iterator would close the stream
         for line in lines:
@@ -232,7 +211,7 @@ def test_slow_transport_does_not_slow_other_decodes(slow: Cluster):
     stop = threading.Event()
 
     def decode_long() -> None:
-        with _stream(slow, _prompt(16, 8), 3000) as r:
+        with _stream(slow, spread_prompt(16, 8), 3000) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     stamps.append(time.monotonic())
@@ -243,7 +222,7 @@ def test_slow_transport_does_not_slow_other_decodes(slow: Cluster):
     reader.start()
     assert wait_until(lambda: len(stamps) > 40, timeout_s=30)
     t0 = time.monotonic()
-    res = _complete(slow, _prompt(4000, 9), 4, timeout=120)
+    res = complete_ids(slow, spread_prompt(4000, 9), 4, timeout=120)
     t1 = time.monotonic()
     stop.set()
     reader.join(30)

@@ -18,8 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import yaml
-from cluster_harness import Cluster, free_ports, kvserve, wait_until
+from cluster_harness import Cluster, free_ports, kvserve, launch, router_section, wait_until
 from pool_harness import listening_sockets
 
 from engine.config import EngineConfig
@@ -43,9 +42,7 @@ POOL_SERIES = (
 )
 
 
-def _cluster_config(
-    tmp: Path, model: str, cache_dir: str, *, shared: bool, name: str
-) -> tuple[Path, dict]:
+def _cluster_config(model: str, cache_dir: str, *, shared: bool, name: str) -> dict:
     """Two prefill instances; shared: one node, one master, two stores (two NUMA nodes);
     split: nodes a (127.0.0.1) and b (127.0.0.2), a master and a store on each."""
     p = free_ports(12)
@@ -88,17 +85,9 @@ def _cluster_config(
                 "landing_memory": "16MiB",
             }
         ],
-        "router": {
-            "host": "127.0.0.1",
-            "port": p[0],
-            "policy": "round_robin",
-            "served_model_name": "e2e-model",
-            "request_timeout_s": 60,
-        },
+        "router": router_section(p[0], "e2e-model"),
     }
-    path = tmp / "cluster.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path, cfg
+    return cfg
 
 
 class PoolCluster(Cluster):
@@ -108,32 +97,16 @@ class PoolCluster(Cluster):
         nodes = {n["name"]: n["host"] for n in self.cfg["nodes"]}
         return [f"http://{nodes[p['node']]}:{p['port']}" for p in self.cfg["prefill"]]
 
-    def metric(self, url: str, name: str, **labels: str) -> float:
-        """Sum of a series' samples whose labels include `labels` (0 when none)."""
-        text = httpx.get(url + "/metrics", timeout=10).text
-        total = 0.0
-        for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
-            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-            if all(have.get(k) == v for k, v in labels.items()):
-                total += float(m.group(2))
-        return total
-
     def pool_tokens(self) -> list[float]:
         return [
             self.metric(u, "kvserve_prompt_tokens_total", source="pool")
             for u in self.prefill_urls()
         ]
 
-    def reset(self) -> None:
-        r = httpx.post(self.router_url + "/v1/admin/reset_prefix_cache", timeout=30)
-        assert r.status_code == 200 and r.json()["success"], r.text
-
 
 def _start(tmp: Path, model: str, cache_dir: str, *, shared: bool, name: str) -> PoolCluster:
-    path, cfg = _cluster_config(tmp, model, cache_dir, shared=shared, name=name)
-    state = tmp / "state"
-    res = kvserve("up", "-c", str(path), "--detach", "--state-dir", str(state))
-    assert res.returncode == 0, f"kvserve up failed:\n{res.stdout}\n{res.stderr}"
+    cfg = _cluster_config(model, cache_dir, shared=shared, name=name)
+    path, state = launch(tmp, cfg)
     c = PoolCluster(
         path,
         state,
@@ -163,8 +136,7 @@ def shared(tmp_path_factory, tiny_llama_dir: Path, weights_cache_dir: str):
         name="e2e-pool",
     )
     yield c
-    res = c.down()
-    assert res.returncode == 0, res.stderr
+    c.stop()
 
 
 def _client(c: Cluster) -> openai.OpenAI:
@@ -395,5 +367,4 @@ def test_split_pools_do_not_share(tmp_path_factory, tiny_llama_dir, weights_cach
         _, details, _ = s.turn(c, 2)  # prefill-0 again: n0's pool has turn 0's chunks
         assert details["pool_tokens"] > 0
     finally:
-        res = c.down()
-        assert res.returncode == 0, res.stderr
+        c.stop()

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-from cluster_harness import free_ports, kvserve, wait_until
+from cluster_harness import free_ports, kvserve, launch, router_section, wait_until
 from test_e2e_pool import (
     CHUNK,
     PoolCluster,
@@ -30,7 +29,7 @@ SEGMENT = 48 << 20
 FAILURES = "kvserve_pool_failures_total"
 
 
-def _config(tmp: Path, model: str, cache_dir: str) -> tuple[Path, dict]:
+def _config(model: str, cache_dir: str) -> dict:
     p = free_ports(8)
     prefill = {
         "node": "n0",
@@ -64,26 +63,16 @@ def _config(tmp: Path, model: str, cache_dir: str) -> tuple[Path, dict]:
                 "landing_memory": "16MiB",
             }
         ],
-        "router": {
-            "host": "127.0.0.1",
-            "port": p[0],
-            "policy": "round_robin",
-            "served_model_name": "e2e-model",
-            "request_timeout_s": 60,
-        },
+        "router": router_section(p[0], "e2e-model"),
     }
-    path = tmp / "cluster.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path, cfg
+    return cfg
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_llama_dir: Path, weights_cache_dir: str):
     tmp = tmp_path_factory.mktemp("inprefill")
-    path, cfg = _config(tmp, str(tiny_llama_dir), weights_cache_dir)
-    state = tmp / "state"
-    res = kvserve("up", "-c", str(path), "--detach", "--state-dir", str(state))
-    assert res.returncode == 0, f"kvserve up failed:\n{res.stdout}\n{res.stderr}"
+    cfg = _config(str(tiny_llama_dir), weights_cache_dir)
+    path, state = launch(tmp, cfg)
     c = PoolCluster(
         path,
         state,
@@ -96,8 +85,7 @@ def cluster(tmp_path_factory, tiny_llama_dir: Path, weights_cache_dir: str):
     )
     c.cfg = cfg
     yield c
-    res = c.down()
-    assert res.returncode == 0, res.stderr
+    c.stop()
 
 
 def _capacity(c: PoolCluster) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import random
-import re
 import signal
 import time
 from pathlib import Path
@@ -18,8 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import yaml
-from cluster_harness import Cluster, free_ports, kvserve, wait_until
+from cluster_harness import Cluster, free_ports, launch, metric_sum, router_section, wait_until
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -37,19 +35,9 @@ class PPPoolCluster(Cluster):
     master_metrics_port: int = 0
     store_metrics_ports: tuple[int, ...] = ()
 
-    def metric(self, name: str, **labels: str) -> float:
+    def prefill_metric(self, name: str, **labels: str) -> float:
         """Sum of the prefill's samples of a series whose labels include `labels`."""
-        text = httpx.get(self.prefill_metrics_url + "/metrics", timeout=10).text
-        total = 0.0
-        for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
-            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-            if all(have.get(k) == v for k, v in labels.items()):
-                total += float(m.group(2))
-        return total
-
-    def reset(self) -> None:
-        r = httpx.post(self.router_url + "/v1/admin/reset_prefix_cache", timeout=30)
-        assert r.status_code == 200 and r.json()["success"], r.text
+        return metric_sum(self.prefill_metrics_url, name, **labels)
 
 
 @pytest.fixture(scope="module")
@@ -98,27 +86,16 @@ def cluster(tmp_path_factory, tiny_parallel_dir: Path, weights_cache_dir: str):
                 "landing_memory": "8MiB",
             }
         ],
-        "router": {
-            "host": "127.0.0.1",
-            "port": p[0],
-            "policy": "round_robin",
-            "served_model_name": "pp-pool-model",
-            "request_timeout_s": 120,
-        },
+        "router": router_section(p[0], "pp-pool-model", timeout_s=120),
     }
-    config = tmp / "cluster.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    state = tmp / "state"
-    res = kvserve("up", "-c", str(config), "--detach", "--state-dir", str(state), timeout=600)
-    assert res.returncode == 0, f"kvserve up failed:\n{res.stdout}\n{res.stderr}"
+    config, state = launch(tmp, cfg, timeout=600)
     c = PPPoolCluster(config, state, f"http://127.0.0.1:{p[0]}", "", "", "pp-pool-model", "pp-pool")
     c.prefill_metrics_url = f"http://127.0.0.1:{p[5]}"
     c.fault_dir = faults
     c.master_metrics_port = p[2]
     c.store_metrics_ports = (p[3], p[4])
     yield c
-    res = c.down()
-    assert res.returncode == 0, res.stderr
+    c.stop()
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +166,7 @@ def test_multi_turn_restore_from_every_stage_equals_cold(cluster: PPPoolCluster,
     for stage in ("0", "1"):
 
         def both(stage: str = stage) -> bool:
-            m = cluster.metric
+            m = cluster.prefill_metric
             return (
                 m("kvserve_pool_stage_objects_total", stage=stage, op="save") > 0
                 and m("kvserve_pool_stage_objects_total", stage=stage, op="load") * CHUNK
@@ -197,10 +174,10 @@ def test_multi_turn_restore_from_every_stage_equals_cold(cluster: PPPoolCluster,
             )
 
         assert wait_until(both, timeout_s=10, interval_s=0.2), f"stage {stage} saved/restored"
-        assert cluster.metric("kvserve_pool_restore_seconds_count", stage=stage) >= 2
-    assert cluster.metric("kvserve_pool_restored_tokens_total") >= restored
-    assert cluster.metric("kvserve_prompt_tokens_total", source="pool") >= restored
-    assert cluster.metric("kvserve_pool_save_chunks_total") >= 2
+        assert cluster.prefill_metric("kvserve_pool_restore_seconds_count", stage=stage) >= 2
+    assert cluster.prefill_metric("kvserve_pool_restored_tokens_total") >= restored
+    assert cluster.prefill_metric("kvserve_prompt_tokens_total", source="pool") >= restored
+    assert cluster.prefill_metric("kvserve_pool_save_chunks_total") >= 2
 
 
 def test_load_failed_on_one_stage_recomputes_only_that_request(cluster: PPPoolCluster, reference):
@@ -212,12 +189,15 @@ def test_load_failed_on_one_stage_recomputes_only_that_request(cluster: PPPoolCl
     assert min(lens) >= 2 * CHUNK
     # Every chunk of both histories is in the pool before the fault is armed.
     assert wait_until(
-        lambda: cluster.metric("kvserve_pool_save_chunks_total") >= sum(n // CHUNK for n in lens),
+        lambda: (
+            cluster.prefill_metric("kvserve_pool_save_chunks_total")
+            >= sum(n // CHUNK for n in lens)
+        ),
         timeout_s=10,
         interval_s=0.2,
     )
     cluster.reset()
-    before = cluster.metric("kvserve_pool_failures_total", op="load", reason="injected")
+    before = cluster.prefill_metric("kvserve_pool_failures_total", op="load", reason="injected")
     (cluster.fault_dir / "load-stage1").touch()  # stage 1's next read returns one object
     turns = [s.prepare(1) for s in sessions]
     with cf.ThreadPoolExecutor(2) as ex:
@@ -234,7 +214,9 @@ def test_load_failed_on_one_stage_recomputes_only_that_request(cluster: PPPoolCl
     short = [g for g in got if g[0] < g[1]]
     assert len(short) == 1 and short[0][0] == CHUNK, got
     assert all(pool == full for pool, full in got if (pool, full) != short[0]), got
-    assert cluster.metric("kvserve_pool_failures_total", op="load", reason="injected") > before
+    assert (
+        cluster.prefill_metric("kvserve_pool_failures_total", op="load", reason="injected") > before
+    )
 
 
 def _kill_and_wait(c: PPPoolCluster, name: str, health: str) -> None:
@@ -274,7 +256,7 @@ def test_store_and_master_killed_every_stage_recomputes_then_pools_again(
     for s in sessions:
         s.turn(cluster, 2)  # lookups may fail: computed, same output
     before = {
-        st: cluster.metric("kvserve_pool_stage_objects_total", stage=st, op="load")
+        st: cluster.prefill_metric("kvserve_pool_stage_objects_total", stage=st, op="load")
         for st in ("0", "1")
     }
     deadline = time.monotonic() + 60
@@ -288,4 +270,7 @@ def test_store_and_master_killed_every_stage_recomputes_then_pools_again(
         assert time.monotonic() < deadline, "pooling did not resume"
         time.sleep(1)
     for st in ("0", "1"):
-        assert cluster.metric("kvserve_pool_stage_objects_total", stage=st, op="load") > before[st]
+        assert (
+            cluster.prefill_metric("kvserve_pool_stage_objects_total", stage=st, op="load")
+            > before[st]
+        )

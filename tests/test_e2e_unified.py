@@ -25,7 +25,7 @@ import openai
 import pytest
 import torch
 import yaml
-from cluster_harness import Cluster, free_ports, kvserve, wait_until
+from cluster_harness import Cluster, free_ports, kvserve, launch, router_section, wait_until
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -44,20 +44,6 @@ class UnifiedCluster(Cluster):
     unified_url: str
     store_health: str
     trace_dir: Path
-
-    def metric(self, url: str, name: str, **labels: str) -> float:
-        """Sum of a series' samples whose labels include `labels` (0 when none)."""
-        text = httpx.get(url + "/metrics", timeout=10).text
-        total = 0.0
-        for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
-            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-            if all(have.get(k) == v for k, v in labels.items()):
-                total += float(m.group(2))
-        return total
-
-    def reset(self) -> None:
-        r = httpx.post(self.router_url + "/v1/admin/reset_prefix_cache", timeout=30)
-        assert r.status_code == 200 and r.json()["success"], r.text
 
 
 @pytest.fixture(scope="module")
@@ -91,19 +77,9 @@ def cluster(tmp_path_factory, weights_cache_dir: str):
                 "env": {STEP_TRACE_ENV: str(tmp / "trace")},
             }
         ],
-        "router": {
-            "host": "127.0.0.1",
-            "port": p[4],
-            "policy": "kv_aware",
-            "served_model_name": "e2e-model",
-            "request_timeout_s": 120,
-        },
+        "router": router_section(p[4], "e2e-model", timeout_s=120, policy="kv_aware"),
     }
-    config = tmp / "cluster.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    state = tmp / "state"
-    res = kvserve("up", "-c", str(config), "--detach", "--state-dir", str(state), timeout=600)
-    assert res.returncode == 0, f"kvserve up failed:\n{res.stdout}\n{res.stderr}"
+    config, state = launch(tmp, cfg, timeout=600)
     c = UnifiedCluster(
         config,
         state,
@@ -118,8 +94,7 @@ def cluster(tmp_path_factory, weights_cache_dir: str):
     c.store_health = f"http://127.0.0.1:{p[2]}/health"
     c.trace_dir = tmp / "trace"
     yield c
-    res = c.down()
-    assert res.returncode == 0, res.stderr
+    c.stop()
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cluster_harness import free_ports
 
 from kvserve import launcher
 from kvserve.launcher import LaunchOptions
@@ -67,18 +68,6 @@ class H(http.server.BaseHTTPRequestHandler):
 print(f"{name} listening on {host}:{port}", flush=True)
 http.server.HTTPServer((host, int(port)), H).serve_forever()
 """
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Cluster:

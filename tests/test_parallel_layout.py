@@ -13,7 +13,7 @@ import yaml
 
 from kvserve.launcher import check
 from protocol.cluster import parse_cluster
-from protocol.cluster_checks import check_model_layouts
+from protocol.cluster_model_checks import check_model_layouts
 from protocol.config_errors import ConfigError
 from protocol.parallel import (
     decode_rank_shards,
