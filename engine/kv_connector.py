@@ -169,6 +169,20 @@ class KVConnectorScheduler(ABC):
         the forward and stay. A connector whose workers save or send KV overrides it."""
         return meta
 
+    def workers_failed(self, meta: bytes, error: str, process: int) -> set[RequestId]:
+        """A worker call over step metadata `meta` (from build_step_meta) raised in
+        process `process` (stage / rank; engine/kv_connector_guard.py caught it): there,
+        what `meta` asked may be partly done or not at all, and that process skipped the
+        step's saves and sends. Stop expecting what will not be reported, and return the
+        requests that must fail now (the engine fails them alone with `error`); a
+        request that can go on without what failed (recompute instead of a load) is not
+        returned. Called before the step's reports are applied. Default: an empty `meta`
+        concerned nothing; NotImplementedError otherwise (the engine then fails the step
+        as a whole)."""
+        if meta:
+            raise NotImplementedError(f"{type(self).__name__} cannot isolate a worker failure")
+        return set()
+
     def close(self) -> None:  # noqa: B027 (optional hook: most connectors hold nothing)
         """Release what the scheduler side holds."""
 
