@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from enginehost.auth import InternalAuth
-from enginehost.host import EngineHost, InstanceLost
+from enginehost.host import EngineHost, InstanceLost, RequestIdInUse
 from protocol.incarnation import HEADER as INCARNATION_HEADER
 from protocol.incarnation import new_incarnation
 from protocol.messages import PROTOCOL_VERSION, AbortRequest, ErrorEvent, InstanceStatus
@@ -100,6 +100,10 @@ def base_app(
     @app.exception_handler(InstanceLost)
     async def instance_lost(request: Request, exc: InstanceLost) -> Response:
         return error_response(503, str(exc))
+
+    @app.exception_handler(RequestIdInUse)
+    async def request_id_in_use(request: Request, exc: RequestIdInUse) -> Response:
+        return error_response(409, str(exc))
 
     @app.get("/health")
     async def health() -> Response:

@@ -35,6 +35,11 @@ class InstanceLost(StepFailed):
     status = 503
 
 
+class RequestIdInUse(Exception):
+    """A request arrived with the id of one that still has an open stream here (a 409:
+    opening a second stream would silently take the first one's outputs)."""
+
+
 class EngineHost:
     """Owns the engine loop and the per-request output queues of one worker process."""
 
@@ -76,6 +81,9 @@ class EngineHost:
             self._aloop.call_soon_threadsafe(self._fail_all, InstanceLost(reason))
 
     def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | BaseException]:
+        """The request's output queue; RequestIdInUse if that id has one already."""
+        if request_id in self._streams:
+            raise RequestIdInUse(f"request id {request_id!r} is already in use")
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = q
         return q
