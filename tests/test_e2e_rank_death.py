@@ -141,6 +141,7 @@ def test_decode_rank_killed_mid_generation(cluster: ParallelCluster, reference: 
     _restarted_and_exact(c, "tp2", old, reference)
 
 
+@pytest.mark.slow  # CI time: the decode case above runs the same machinery
 def test_prefill_stage_killed(cluster: ParallelCluster, reference: LLMEngine):
     c = cluster
     driver = _driver_pid(c, "pp2")
