@@ -138,7 +138,7 @@ class DecodeService:
         except (InvalidRequestError, PromptTooLongError) as e:
             self.metrics.outcome("rejected")
             return error_response(400, str(e), rid)
-        if self.receiver.holds(rid):
+        if self.receiver.holds(rid) or self.host.has_stream(rid):
             self.metrics.outcome("rejected")
             return error_response(409, f"request id {rid!r} is already in use", rid)
         nbytes = self.ranks.region_bytes(len(msg.prompt_token_ids))

@@ -88,6 +88,9 @@ class EngineHost:
         self._streams[request_id] = q
         return q
 
+    def has_stream(self, request_id: str) -> bool:
+        return request_id in self._streams
+
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
