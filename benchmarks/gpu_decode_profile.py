@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.gpu_engine import (
+from benchmarks.gpu_engine_setup import (
     BLOCK,
     LLAMA3_8B,
     FakeKV,

@@ -12,6 +12,10 @@ with CUDA events; GB/s counts the weight bytes read. Variants:
 - cublas: F.linear, what an uncompiled step calls;
 - inductor-gemv: torch.compile with coordinate-descent tuning, under which inductor
   writes a one-row matmul as a reduction kernel of its own (rows = 1 only);
+- triton: engine/models/gemv.py's kernel, plain (rows = 1 only);
+- triton+glue: the same with the glue the engine fuses into that weight's GEMV: q|k|v
+  the RMSNorm and RoPE, o and down the residual add, gate|up the RMSNorm and SwiGLU, lm_head
+  none (rows = 1 only);
 - autotune (--autotune): torch.compile mode max-autotune-no-cudagraphs, inductor's
   Triton matmul templates benchmarked against cuBLAS (rows > 1).
 
@@ -29,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.gpu_engine import ceilings
+from benchmarks.gpu_engine_setup import ceilings
+from engine.models import gemv as row_gemv
 from engine.models.layer_ops import GEMV_OPTIONS
 
 SHAPES = {
@@ -43,6 +48,23 @@ SHAPES = {
 
 def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
+
+
+def _glue(name: str, x: torch.Tensor, n: int) -> Any:
+    """The engine's fused GEMV for weight `name` (None for lm_head: no glue there)."""
+    k = x.shape[-1]
+    dev, dt = x.device, x.dtype
+    norm = torch.rand(k, device=dev, dtype=dt) + 0.5
+    if name == "qkv":
+        cos, sin = torch.rand(128, device=dev, dtype=dt), torch.rand(128, device=dev, dtype=dt)
+        rope = (cos, sin, 40 * 128, 128)
+        return lambda w: row_gemv.gemv(x, w, norm=norm, eps=1e-5, rope=rope)
+    if name == "gate_up":
+        return lambda w: row_gemv.gemv(x, w, norm=norm, eps=1e-5, swiglu=True)
+    if name in ("o", "down"):
+        res = torch.randn(1, n, device=dev, dtype=dt)
+        return lambda w: row_gemv.gemv(x, w, residual=res)
+    return None
 
 
 def events_ms(fn: Any, weights: list[torch.Tensor], reps: int = 5) -> float:
@@ -94,6 +116,10 @@ def main() -> None:
             if rows == 1:
                 gemv = torch.compile(_linear, fullgraph=True, options=GEMV_OPTIONS)
                 variants["inductor-gemv"] = lambda w, x=x, f=gemv: f(x, w)
+                variants["triton"] = lambda w, x=x: row_gemv.gemv(x, w)
+                glue = _glue(name, x, n)
+                if glue is not None:
+                    variants["triton+glue"] = glue
             elif args.autotune:
                 tuned = torch.compile(_linear, fullgraph=True, mode="max-autotune-no-cudagraphs")
                 variants["autotune"] = lambda w, x=x, f=tuned: f(x, w)
@@ -101,7 +127,10 @@ def main() -> None:
             for label, fn in variants.items():
                 try:
                     out = fn(weights[0]).float()
-                    err = ((out - ref).norm() / ref.norm()).item()
+                    # the glue changes the result: only the plain variants compare
+                    err = float("nan")
+                    if label != "triton+glue":
+                        err = ((out - ref).norm() / ref.norm()).item()
                     ms = events_ms(fn, weights)
                 except Exception as e:  # a variant that does not compile: say so, go on
                     print(f"| {name} | {rows} | {label} | failed: {e!r:.100} | | |", flush=True)

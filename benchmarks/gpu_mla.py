@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.gpu_engine import FakeKV, FakeRequest, step_of
+from benchmarks.gpu_engine_setup import FakeKV, FakeRequest, step_of
 from engine.attention.base import get_backend
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM

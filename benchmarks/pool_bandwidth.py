@@ -2,7 +2,8 @@
 registered pool buffer, by where the objects live and how the reader reads them.
 
     python -m benchmarks.pool_bandwidth [--object-mib 4] [--objects 64] [--reps 5]
-                                        [--modes store,clients2,stores2,in_prefill]
+                                        [--modes store,clients2,stores2,in_prefill,
+                                                 in_prefill_direct]
 
 Starts a real pool (`python -m kvpool.master` + `python -m kvpool.store` services,
 127.0.0.1, Mooncake tcp), then per mode: writes `--objects` random objects, reads them
@@ -17,6 +18,11 @@ checks every byte once, and times `--reps` further reads (median and best).
     in_prefill  the reader mounts its own segment (`pool.stores[].prefill`,
                 BackendConfig.segment_bytes): its puts land there, reads are Mooncake's
                 same-process memcpy
+    in_prefill_direct  the same segment, read in place (PoolBackend.locate: one
+                batch_get_replica_desc, then the bytes are readable at their address in
+                the segment, as PoolClient.read(in_place=True) uses them): the time is
+                the lookup alone, the GB/s the bytes made readable per second; the bytes
+                are checked at their address once
     memcpy      one torch copy of the same bytes in this process (the ceiling)
 
 Every object is written by the reader itself, as a prefill instance restores what it
@@ -26,6 +32,7 @@ saved; objects other instances saved are read as in `store`.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import sys
@@ -50,14 +57,20 @@ def _get(backend: PoolBackend, keys: list[str], ptrs: list[int], size: int) -> N
 
 
 def run_mode(
-    mode: str, master: str, buf: torch.Tensor, size: int, n: int, reps: int
+    mode: str, pool: LocalPool, buf: torch.Tensor, size: int, n: int, reps: int
 ) -> tuple[float, float]:
     """(median, best) seconds of one batch read of n objects of `size` bytes."""
     clients = int(mode.removeprefix("clients")) if mode.startswith("clients") else 1
-    segment = n * size + 64 * MiB if mode == "in_prefill" else 0
+    segment = n * size + 64 * MiB if mode.startswith("in_prefill") else 0
     backends = [
         create_backend(
-            "mooncake", BackendConfig(HOST, master, segment_bytes=segment if i == 0 else 0)
+            "mooncake",
+            BackendConfig(
+                HOST,
+                pool.master_address,
+                segment_bytes=segment if i == 0 else 0,
+                master_http=pool.master_http,
+            ),
         )
         for i in range(clients)
     ]
@@ -72,6 +85,8 @@ def run_mode(
         if not all(s.name == "OK" for s in ok):
             raise SystemExit(f"{mode}: a put failed: {ok}")
         parts = [list(range(c, n, clients)) for c in range(clients)]
+        if mode == "in_prefill_direct":
+            return _in_place(backends[0], keys, buf[: n * size], size, reps)
 
         def read() -> None:
             if clients == 1:
@@ -109,6 +124,22 @@ def run_mode(
             b.close()
 
 
+def _in_place(
+    backend: PoolBackend, keys: list[str], want: torch.Tensor, size: int, reps: int
+) -> tuple[float, float]:
+    """Locate the objects in the own segment; check their bytes there once; time the
+    lookups (what a restore's read costs when it reads them in place)."""
+    found = backend.locate(keys)
+    if any(r is None or r.size != size for r in found):
+        raise SystemExit(f"in_prefill_direct: {sum(r is None for r in found)} objects not in place")
+    for i, rep in enumerate(found):
+        assert rep is not None
+        view = torch.frombuffer((ctypes.c_uint8 * size).from_address(rep.ptr), dtype=torch.uint8)
+        if not torch.equal(view, want[i * size : (i + 1) * size]):
+            raise SystemExit("in_prefill_direct: the bytes in place differ from those written")
+    return timed(lambda: backend.locate(keys), reps)
+
+
 def timed(fn: Callable[[], object], reps: int) -> tuple[float, float]:
     secs = []
     for _ in range(reps):
@@ -123,7 +154,7 @@ def main() -> None:
     p.add_argument("--object-mib", type=int, default=4)
     p.add_argument("--objects", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--modes", default="store,stores2,clients2,in_prefill")
+    p.add_argument("--modes", default="store,stores2,clients2,in_prefill,in_prefill_direct")
     args = p.parse_args()
     torch.set_num_threads(1)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -137,7 +168,7 @@ def main() -> None:
     # every store holds every mode's objects (spread over them in storesK)
     with LocalPool(len(modes) * total + 64 * MiB, num_stores=stores) as pool:
         for mode in modes:
-            med, best = run_mode(mode, pool.master_address, buf, size, n, args.reps)
+            med, best = run_mode(mode, pool, buf, size, n, args.reps)
             rows.append((mode, med, best))
             print(f"{mode}: {total / med / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
     med, best = timed(lambda: buf[total:].copy_(buf[:total]), args.reps)
@@ -151,7 +182,7 @@ def main() -> None:
     print("| mode | GB/s | GB/s, best | ms |")
     print("|---|---:|---:|---:|")
     for mode, med, best in rows:
-        print(f"| {mode} | {total / med / 1e9:.2f} | {total / best / 1e9:.2f} | {med * 1e3:.0f} |")
+        print(f"| {mode} | {total / med / 1e9:.2f} | {total / best / 1e9:.2f} | {med * 1e3:.2f} |")
 
 
 if __name__ == "__main__":

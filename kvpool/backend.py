@@ -17,6 +17,9 @@ Contract of every backend (tests/test_pool_backends.py runs it against each):
 - `exists` answers per key and may protect what it finds from eviction for a while
   (Mooncake: a read lease, 10 s by default) — call it only right before reading;
 - pointers come from a buffer given to `register_buffer`;
+- `locate` (optional: the default finds nothing) tells which objects live in this
+  process's own mounted segment (`own_segments`), so they can be read in place instead of
+  copied; it protects what it finds from eviction until `LocalReplica.lease_until`;
 - a call that cannot reach the pool at all raises PoolUnavailableError; `close` is
   idempotent.
 """
@@ -48,6 +51,23 @@ class BackendConfig:
     local memcpy instead of a transfer (Mooncake's same-process path)."""
     hugepages: bool = False
     """Back `segment_bytes` with reserved huge pages."""
+    master_http: str = ""
+    """host:port of the master's HTTP (metrics/admin) server: where this process learns
+    the address range of its own segment (in-place reads); "" turns them off."""
+    lease_ttl_s: float = 10.0
+    """The master's read lease (`pool.master.lease_ttl_s`): how long a `locate` protects
+    what it found."""
+
+
+@dataclass(frozen=True)
+class LocalReplica:
+    """An object's bytes inside this process's own segment, readable in place."""
+
+    ptr: int
+    size: int
+    lease_until: float
+    """time.monotonic() by which the read must be over: until then the object can be
+    neither evicted nor removed without force (the read lease `locate` took)."""
 
 
 GetResult = int | KeyStatus
@@ -90,6 +110,16 @@ class PoolBackend(ABC):
     @abstractmethod
     def remove(self, keys: Sequence[str]) -> list[KeyStatus]:
         """Remove now, even if leased (a damaged object must not be read again)."""
+
+    def own_segments(self) -> list[tuple[int, int]]:
+        """(base address, bytes) of the memory this process contributes to the pool (its
+        mounted segment); [] for a pure client or a backend that cannot tell."""
+        return []
+
+    def locate(self, keys: Sequence[str]) -> list[LocalReplica | None]:
+        """Per key: its replica inside `own_segments`, leased for reading, or None (not
+        there: missing, elsewhere, or unknown; read it with get_into)."""
+        return [None] * len(keys)
 
     @abstractmethod
     def close(self) -> None: ...

@@ -6,10 +6,15 @@
 Objects move between slots and Store DRAM with zero-copy calls (no staging copy inside
 Mooncake); the device packs into save slots and unpacks from load slots. On a GPU host
 the buffer is pinned host memory, so the device copies run at the DMA ceiling.
+
+A load slot can instead stand for an object read in place (`place`): one that lives in
+this process's own mounted segment. Its bytes are then the segment's (`object`,
+`payload`, `payload_bytes` return views of them) and nothing is copied into the slot.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import threading
 from collections import deque
@@ -55,20 +60,47 @@ class SlotBuffer:
         self.load_slot_ids = list(range(num_save_slots, num_slots))
         self._free_save: deque[int] = deque(self.save_slot_ids)
         self._lock = threading.Lock()
+        self._in_place: dict[int, torch.Tensor] = {}
+        """Load slot -> uint8 view of the object it stands for in the own segment."""
 
     def ptr(self, slot: int) -> int:
         return self.base_ptr + slot * self.slot_bytes
 
-    def object(self, slot: int) -> np.ndarray:
-        """The slot's bytes as a flat uint8 array (header + payload)."""
+    def place(self, slot: int, ptr: int, nbytes: int) -> None:
+        """Let load `slot` stand for the object at [ptr, +nbytes) (in this process's own
+        segment, under a read lease) until `unplace`: nothing is copied."""
+        self._in_place[slot] = torch.frombuffer(
+            (ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8
+        )
+
+    def unplace(self, slots: list[int]) -> None:
+        """The slots hold their own bytes again (before a read into them)."""
+        for slot in slots:
+            self._in_place.pop(slot, None)
+
+    def in_place(self, slot: int) -> bool:
+        return slot in self._in_place
+
+    def _bytes(self, slot: int) -> torch.Tensor:
+        view = self._in_place.get(slot)
+        if view is not None:
+            return view
         off = slot * self.slot_bytes
-        return self.array[off : off + self.slot_bytes]
+        return self.tensor[off : off + self.slot_bytes]
+
+    def object(self, slot: int) -> np.ndarray:
+        """The slot's bytes as a flat uint8 array (header + payload; the object's own
+        bytes in the segment for a slot read in place)."""
+        return self._bytes(slot).numpy()
+
+    def payload_bytes(self, slot: int, nbytes: int) -> torch.Tensor:
+        """The slot's first `nbytes` payload bytes, flat uint8 (in place: the segment's)."""
+        return self._bytes(slot)[HEADER_BYTES : HEADER_BYTES + nbytes]
 
     def payload(self, slot: int, spec: ObjectSpec) -> torch.Tensor:
         """The slot's payload as a [L_s, P, n, H, D] tensor of the spec's dtype."""
-        off = slot * self.slot_bytes + HEADER_BYTES
         dtype = getattr(torch, spec.dtype)
-        return self.tensor[off : off + spec.payload_bytes].view(dtype).view(spec.shape)
+        return self.payload_bytes(slot, spec.payload_bytes).view(dtype).view(spec.shape)
 
     @property
     def num_free_save_slots(self) -> int:
@@ -86,6 +118,7 @@ class SlotBuffer:
             self._free_save.extend(slots)
 
     def close(self) -> None:
+        self._in_place.clear()
         if self._registered:
             self._registered = False
             self._backend.unregister_buffer(self.base_ptr)

@@ -19,12 +19,15 @@ objects are removed at once.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Sequence
 
+import torch
+
 from kvpool import faults
-from kvpool.backend import PoolBackend
+from kvpool.backend import GetResult, PoolBackend
 from kvpool.breaker import Breaker
 from kvpool.buffer import SLOT_ALIGN, SlotBuffer
 from kvpool.errors import KeyStatus, PoolConfigError, PoolUnavailableError
@@ -33,6 +36,7 @@ from kvpool.metrics import PoolMetrics
 from kvpool.object_format import (
     ObjectSpec,
     check_object,
+    payload_checksum_t,
     stored_payload_checksum,
     write_header,
 )
@@ -44,6 +48,7 @@ from protocol.namespace import KVNamespace
 log = logging.getLogger(__name__)
 
 PROBE_KEY = "kvserve/probe"
+CUDA_HOST_REGISTER_PORTABLE = 1
 NO_SPACE_RETRY_S = 0.05
 
 
@@ -60,6 +65,26 @@ def object_spec(keys: PoolKeys, stage: StageSpec, layout: KVLayout, chunk_size: 
         head_dim=layout.row_width,
         num_parts=layout.num_parts,
     )
+
+
+def _is_pinned(ptr: int) -> bool:
+    """Whether host address `ptr` is page-locked for CUDA (cudaPointerGetAttributes)."""
+    return bool(
+        torch.frombuffer((ctypes.c_uint8 * 1).from_address(ptr), dtype=torch.uint8).is_pinned()
+    )
+
+
+def _clear_last_cuda_error() -> None:
+    """A failed cudaHostRegister stays this thread's last CUDA error, which torch's next
+    kernel launch check would raise as its own: clear it through the CUDA runtime this
+    process loaded (torch's cudart bindings have no cudaGetLastError)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError as e:
+        log.warning("could not clear the CUDA error of the refused registration: %s", e)
 
 
 def leading_run(flags: Sequence[bool]) -> int:
@@ -86,6 +111,7 @@ class PoolClient:
         metrics: PoolMetrics | StageCounters,
         local_stages: Sequence[int] | None = None,
         pin_memory: bool = False,
+        in_place: bool = True,
     ) -> None:
         self.backend = backend
         self.namespace = namespace
@@ -118,6 +144,60 @@ class PoolClient:
         num_save = min(max_save_chunks, num_slots // per_chunk // 2) * per_chunk
         self.buffer = SlotBuffer(backend, slot_bytes, num_slots, num_save, pin_memory=pin_memory)
         self.breaker = Breaker(self._probe)
+        self._leases: dict[int, float] = {}
+        """Load slot read in place -> time.monotonic() its read lease ends."""
+        self._sums: dict[int, int] = {}
+        """Load slot read in place -> payload checksum of the header read() checked."""
+        self._deferred: set[int] = set()
+        """Load slots read in place whose payload checksum `confirm` still has to check."""
+        self._pinned: list[int] = []
+        """Bases of own-segment ranges this client registered with CUDA (unregistered at
+        close, before the backend unmounts them)."""
+        self.direct = in_place and self._enable_direct(pin_memory)
+        """Objects in this process's own mounted segment can be read in place (read)."""
+
+    def _enable_direct(self, pin_memory: bool) -> bool:
+        """Whether reads in place can work here: the backend knows this process's own
+        segment, and (CUDA, pin_memory) its ranges are page-locked for the device's DMA
+        (registered here once, or already by Mooncake: MC_STORE_PIN_MEMORY_MAX_BYTES). A
+        refused registration turns them off: every read goes through the load slots."""
+        ranges = self.backend.own_segments()
+        if not ranges:
+            return False
+        if not pin_memory:
+            return True
+        cudart = torch.cuda.cudart()
+        for base, nbytes in ranges:
+            if _is_pinned(base):
+                continue  # Mooncake pinned it; it unpins it when it unmounts
+            t = time.perf_counter()
+            rc = int(cudart.cudaHostRegister(base, nbytes, CUDA_HOST_REGISTER_PORTABLE))
+            if rc != 0:
+                _clear_last_cuda_error()
+                log.warning(
+                    "cudaHostRegister of the pool segment [%#x, +%d) failed (cudaError %d): "
+                    "restores copy through the load slots",
+                    base,
+                    nbytes,
+                    rc,
+                )
+                self._unpin()
+                return False
+            self._pinned.append(base)
+            log.info(
+                "pool segment [%#x, +%d) registered with CUDA in %.1f s: restores read it in place",
+                base,
+                nbytes,
+                time.perf_counter() - t,
+            )
+        return True
+
+    def _unpin(self) -> None:
+        if self._pinned:
+            cudart = torch.cuda.cudart()
+            for base in self._pinned:
+                cudart.cudaHostUnregister(base)
+            self._pinned = []
 
     def _probe(self) -> None:
         self.backend.exists([PROBE_KEY])  # raises while the pool is unreachable
@@ -151,29 +231,60 @@ class PoolClient:
         chunk_keys: Sequence[ChunkKey],
         slots: Sequence[int],
         verify_payload: bool = True,
+        in_place: bool = False,
     ) -> int:
         """Read stage `stage`'s objects of `chunk_keys` into load `slots` and verify them.
         Returns how many leading chunks are valid in their slots; objects that do not
         match are removed and counted. With verify_payload=False only size and header are
         checked here: the caller checks each payload where it copies it (a GPU, after its
-        H2D copy) against `stored_checksum(slot)` and reports a mismatch to `discard`."""
+        H2D copy) against `stored_checksum(slot)` and reports a mismatch to `discard`.
+
+        in_place=True: an object in this process's own segment (when `direct`) is not
+        copied, its slot stands for it (`buffer.in_place(slot)`: `buffer.payload*` are
+        views of the segment). Its header is checked here; with verify_payload=True its
+        payload checksum is left to `confirm`, which the caller must call once it has
+        used the payloads (so the check covers the bytes it used). A caller that copies
+        the payloads elsewhere checks `lease_held` once its copies are done."""
         spec = self.specs[stage]
         buf = self.buffer
         keys = [self.keys.object_key(c, stage) for c in chunk_keys]
+        buf.unplace(list(slots))
+        for slot in slots:
+            self._leases.pop(slot, None)
+            self._deferred.discard(slot)
         if self.breaker.is_open:
             self.metrics.failure("load", "unreachable")
             return 0
         t0 = time.perf_counter()
+        results: list[GetResult | None] = [None] * len(keys)
         try:
-            results = self.backend.get_into(
-                keys, [buf.ptr(s) for s in slots], [buf.slot_bytes] * len(keys)
-            )
+            if in_place and self.direct:
+                for i, rep in enumerate(self.backend.locate(keys)):
+                    if rep is not None:
+                        buf.place(slots[i], rep.ptr, rep.size)
+                        self._leases[slots[i]] = rep.lease_until
+                        results[i] = rep.size
+            t_loc = time.perf_counter()
+            todo = [i for i, r in enumerate(results) if r is None]
+            if todo:
+                got = self.backend.get_into(
+                    [keys[i] for i in todo],
+                    [buf.ptr(slots[i]) for i in todo],
+                    [buf.slot_bytes] * len(todo),
+                )
+                for i, code in zip(todo, got, strict=True):
+                    results[i] = code
         except PoolUnavailableError as e:
             self.metrics.failure("load", KeyStatus.UNAVAILABLE.value)
             self.breaker.trip(str(e))
             return 0
         t1 = time.perf_counter()
+        if in_place and self.direct:
+            self.metrics.restore_phase(stage, "locate", t_loc - t0)
+            t0 = t_loc
         self.metrics.restore_phase(stage, "read", t1 - t0)
+        if self._leases:
+            self.metrics.load_in_place.inc(sum(buf.in_place(s) for s in slots))
         valid: list[bool] = []
         damaged: list[str] = []
         injected = faults.take("load", stage)
@@ -184,18 +295,27 @@ class PoolClient:
                 self.metrics.failure("load", "injected")
                 valid.append(False)
                 continue
+            assert res is not None
             if isinstance(res, KeyStatus):
                 self.metrics.failure("load", res.value)
                 valid.append(False)
                 if res is KeyStatus.INVALID:  # an object of another size than ours
                     damaged.append(key)
                 continue
-            reason = check_object(buf.object(slot), res, spec, chunk, verify_payload)
+            placed = buf.in_place(slot)
+            obj = buf.object(slot)
+            reason = check_object(obj, res, spec, chunk, verify_payload and not placed)
             if reason is not None:
                 self.metrics.failure("load", reason)
                 damaged.append(key)
                 valid.append(False)
                 continue
+            if placed:
+                # The header as checked now is what the payload must match, whatever
+                # happens to the segment's bytes later.
+                self._sums[slot] = stored_payload_checksum(obj)
+                if verify_payload:
+                    self._deferred.add(slot)
             self.metrics.load_bytes.inc(res)
             valid.append(True)
         self.metrics.restore_phase(stage, "check", time.perf_counter() - t1)
@@ -205,8 +325,57 @@ class PoolClient:
             self._remove(damaged)
         return leading_run(valid)
 
+    def lease_held(self, slot: int) -> bool:
+        """False when `slot` stands for an object read in place whose read lease has
+        ended: it may have been evicted (and its memory reused) while it was used."""
+        until = self._leases.get(slot)
+        return until is None or time.monotonic() < until
+
+    def confirm(
+        self, stage: int, chunk_keys: Sequence[ChunkKey], slots: Sequence[int], n: int
+    ) -> int:
+        """After the caller used the first n objects that read(in_place=True) left in
+        `slots`: how many leading ones were valid while used. An object read in place
+        must still be under its read lease, and its payload (when read() left it to this
+        call) must match the checksum in the header read() checked, computed now over
+        the bytes the caller used. Objects copied into their slots were checked by read()."""
+        t = time.perf_counter()
+        spec = self.specs[stage]
+        try:
+            return self._confirm(stage, spec, chunk_keys, slots, n)
+        finally:
+            self.metrics.restore_phase(stage, "check", time.perf_counter() - t)
+
+    def _confirm(
+        self,
+        stage: int,
+        spec: ObjectSpec,
+        chunk_keys: Sequence[ChunkKey],
+        slots: Sequence[int],
+        n: int,
+    ) -> int:
+        for j in range(n):
+            slot = slots[j]
+            if not self.buffer.in_place(slot):
+                continue
+            matches = True
+            if slot in self._deferred:
+                self._deferred.discard(slot)
+                got = payload_checksum_t(self.buffer.payload_bytes(slot, spec.payload_bytes))
+                matches = got == self._sums[slot]
+            if not self.lease_held(slot):  # its bytes may be another object's by now
+                self.metrics.failure("load", "lease_expired")
+                return j
+            if not matches:
+                self.discard(stage, [chunk_keys[j]])
+                return j
+        return n
+
     def stored_checksum(self, slot: int) -> int:
-        """The payload checksum in the header of the object read into `slot`."""
+        """The payload checksum in the header of the object read into `slot` (read in
+        place: as the header read() checked said)."""
+        if self.buffer.in_place(slot):
+            return self._sums[slot]
         return stored_payload_checksum(self.buffer.object(slot))
 
     def discard(self, stage: int, chunk_keys: Sequence[ChunkKey], reason: str = "checksum") -> None:
@@ -319,4 +488,5 @@ class PoolClient:
     def close(self) -> None:
         self.breaker.close()
         self.buffer.close()
+        self._unpin()  # before the backend unmounts (frees) the segment
         self.backend.close()

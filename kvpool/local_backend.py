@@ -6,18 +6,32 @@ It keeps Mooncake's visible semantics: put never overwrites, reads need room for
 whole object, and when a put does not fit, whole groups are evicted in LRU order (least
 recently written or read first). Capacity comes from `master_address`'s query string:
 "local-a?capacity=1048576" (default 1 GiB). There are no leases.
+
+A client with `segment_bytes` > 0 also mounts its own segment, as a Mooncake client does:
+one page-aligned mapping where its puts go while it has room (bump allocation: evicted
+or removed objects leave their bytes there, unread, until the client closes), which
+`own_segments` / `locate` report, so in-place reads can be tested without Mooncake
+(CUDA tests among them). Its objects leave the pool when it closes.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlsplit
 
-from kvpool.backend import BackendConfig, GetResult, PoolBackend, register_backend
+from kvpool.backend import (
+    BackendConfig,
+    GetResult,
+    LocalReplica,
+    PoolBackend,
+    register_backend,
+)
 from kvpool.errors import BufferRegistrationError, KeyStatus, PoolConfigError
 
 
@@ -26,7 +40,10 @@ class _Pool:
     """One shared in-memory pool: objects, their groups, and LRU order of groups."""
 
     capacity_bytes: int
-    objects: dict[str, tuple[bytes, str]] = field(default_factory=dict)
+    objects: dict[str, tuple[bytes | ctypes.Array[ctypes.c_uint8], str]] = field(
+        default_factory=dict
+    )
+    """key -> (its bytes: a copy, or an array in a client's segment, group id)."""
     groups: OrderedDict[str, set[str]] = field(default_factory=OrderedDict)
     used_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -78,6 +95,41 @@ class LocalBackend(PoolBackend):
         self.config = config
         self._pool = _pool_for(config.master_address)
         self._buffers: dict[int, int] = {}
+        self._segment = mmap.mmap(-1, config.segment_bytes) if config.segment_bytes else None
+        self._segment_used = 0
+        self._segment_base = (
+            ctypes.addressof(ctypes.c_uint8.from_buffer(self._segment)) if self._segment else 0
+        )
+
+    def _store(self, ptr: int, size: int) -> bytes | ctypes.Array[ctypes.c_uint8]:
+        """The object's bytes, in the own segment while it has room, else a copy."""
+        seg = self._segment
+        if seg is not None and self._segment_used + size <= len(seg):
+            arr = (ctypes.c_uint8 * size).from_buffer(seg, self._segment_used)
+            self._segment_used += -(-size // 64) * 64
+            ctypes.memmove(arr, ptr, size)
+            return arr
+        return ctypes.string_at(ptr, size)
+
+    def own_segments(self) -> list[tuple[int, int]]:
+        return [(self._segment_base, len(self._segment))] if self._segment else []
+
+    def locate(self, keys: Sequence[str]) -> list[LocalReplica | None]:
+        seg = self._segment
+        if seg is None:
+            return [None] * len(keys)
+        until = time.monotonic() + self.config.lease_ttl_s
+        out: list[LocalReplica | None] = []
+        with self._pool.lock:
+            for key in keys:
+                item = self._pool.objects.get(key)
+                data = None if item is None else item[0]
+                if isinstance(data, ctypes.Array) and _inside(data, self._segment_base, len(seg)):
+                    self._pool.touch(key)
+                    out.append(LocalReplica(ctypes.addressof(data), len(data), until))
+                else:
+                    out.append(None)
+        return out
 
     def _check(self, ptr: int, nbytes: int) -> None:
         if not any(b <= ptr and ptr + nbytes <= b + n for b, n in self._buffers.items()):
@@ -106,7 +158,6 @@ class LocalBackend(PoolBackend):
         pool = self._pool
         for key, ptr, size, group in zip(keys, ptrs, sizes, group_ids, strict=True):
             self._check(ptr, size)
-            data = ctypes.string_at(ptr, size)
             with pool.lock:
                 if key in pool.objects:
                     out.append(KeyStatus.OK)
@@ -114,7 +165,7 @@ class LocalBackend(PoolBackend):
                 if not pool.evict_for(size):
                     out.append(KeyStatus.NO_SPACE)
                     continue
-                pool.objects[key] = (data, group)
+                pool.objects[key] = (self._store(ptr, size), group)
                 pool.groups.setdefault(group or key, set()).add(key)
                 pool.touch(key)
                 pool.used_bytes += size
@@ -153,6 +204,19 @@ class LocalBackend(PoolBackend):
 
     def close(self) -> None:
         self._buffers.clear()
+        seg = self._segment
+        if seg is not None:  # its objects die with it, as with a Mooncake segment
+            with self._pool.lock:
+                for key, (data, _) in list(self._pool.objects.items()):
+                    if isinstance(data, ctypes.Array) and _inside(
+                        data, self._segment_base, len(seg)
+                    ):
+                        self._pool.drop(key)
+
+
+def _inside(data: ctypes.Array[ctypes.c_uint8], base: int, nbytes: int) -> bool:
+    ptr = ctypes.addressof(data)
+    return base <= ptr and ptr + len(data) <= base + nbytes
 
 
 def reset_local_pools() -> None:

@@ -14,6 +14,8 @@ from protocol.pool_messages import PoolCounts
 FAILURE_OPS = ("lookup", "load", "save", "remove")
 """Operations of kvserve_pool_failures_total{op}; reasons vary (Mooncake status codes)."""
 RESTORE_PHASES = (
+    "locate",  # where the objects are, to read those in this process's own segment in
+    # place (Mooncake batch_get_replica_desc; wall time)
     "read",  # the pool read into the load slots (Mooncake get_into; wall time)
     "check",  # size and header checks on the host (+ payload checksums without a GPU)
     "unpack",  # CPU engine: payloads from the slots into the KV blocks
@@ -114,6 +116,10 @@ class PoolMetrics:
             ["instance", "stage", "phase"],
             registry=registry,
         )
+        self.load_in_place = counter(
+            "kvserve_pool_load_in_place_objects",
+            "Objects read in place from this process's own pool segment (no copy)",
+        ).labels(**labels)
         self.checksum_failures = counter(
             "kvserve_pool_checksum_failures",
             "Objects read that did not match (header, size or payload checksum): removed",
@@ -147,6 +153,7 @@ class PoolMetrics:
         self.load_bytes.inc(c.load_bytes)
         self.save_bytes.inc(c.save_bytes)
         self.checksum_failures.inc(c.checksum_failures)
+        self.load_in_place.inc(c.load_in_place)
         self.save_dropped.inc(c.save_dropped)
         for f in c.failures:
             self.failure(f.op, f.reason, f.count)

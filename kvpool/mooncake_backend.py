@@ -13,6 +13,13 @@ batch_get_into, batch_remove. Metadata goes over P2PHANDSHAKE (no metadata serve
 Mooncake advertises MC_TCP_BIND_ADDRESS, so it is set here from the configured host;
 another value already set in this process is an error.
 
+In-place reads (`locate`): `batch_get_replica_desc` answers where each object's replica
+is (buffer address, size, transfer endpoint) and grants the same read lease as a get. A
+replica whose endpoint is this client's and whose bytes lie inside this process's own
+segment (its range comes from the master's /get_segments_detail, once) is readable at
+that address in this process; the caller reads it there instead of having Mooncake copy
+it into a load slot (docs/pool.md, "Reading in place").
+
 Measured behaviour this relies on (docs MOONCAKE.md): a missing master makes every call
 return -900 after ~4 s (the first one sooner); a dead store makes reads of its objects
 return -800 after ~1 s until the master drops its segment (client_ttl); after a master
@@ -21,12 +28,22 @@ restart the same client works again (the Store services remount by themselves).
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import threading
+import time
+import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.backend import BackendConfig, GetResult, PoolBackend, register_backend
+from kvpool.backend import (
+    BackendConfig,
+    GetResult,
+    LocalReplica,
+    PoolBackend,
+    register_backend,
+)
 from kvpool.errors import (
     BufferRegistrationError,
     KeyStatus,
@@ -36,6 +53,8 @@ from kvpool.errors import (
     code_name,
     status_of,
 )
+
+log = logging.getLogger(__name__)
 
 METADATA_SERVER = "P2PHANDSHAKE"
 MAX_EXIST_KEYS = 8192
@@ -122,6 +141,70 @@ class MooncakeBackend(PoolBackend):
         self.address = self._store.get_hostname()
         self.segment: str | None = self.address if config.segment_bytes else None
         """This process's own segment name, where its puts go first; None: pure client."""
+        self._own: tuple[str, list[tuple[int, int]]] | None = None
+        """(transfer endpoint, [(base, bytes)]) of the own segment, once learned."""
+
+    def own_segments(self) -> list[tuple[int, int]]:
+        return self._own_segment()[1]
+
+    def _own_segment(self) -> tuple[str, list[tuple[int, int]]]:
+        """This process's segment as the master describes it (asked once): its transfer
+        endpoint (what replica descriptors name) and its address ranges (several when a
+        transport splits a large segment). ("", []) for a pure client, or when the master
+        cannot say: every read then goes through get_into."""
+        if self._own is not None:
+            return self._own
+        own: tuple[str, list[tuple[int, int]]] = ("", [])
+        if self.segment is not None and self.config.master_http:
+            url = f"http://{self.config.master_http}/get_segments_detail"
+            try:
+                with urllib.request.urlopen(url, timeout=5) as resp:
+                    detail = json.loads(resp.read())
+                mine = [s for s in detail["segments"] if s["segment_name"] == self.segment]
+                endpoints = {s["te_endpoint"] for s in mine}
+                if len(endpoints) == 1 and all(s["status"] == "OK" for s in mine):
+                    ranges = [(int(s["base_address"], 16), int(s["size_bytes"])) for s in mine]
+                    own = (endpoints.pop(), ranges)
+                else:
+                    log.warning(
+                        "the master lists segment %s as %s: no in-place reads", self.segment, mine
+                    )
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("no in-place pool reads: %s did not describe this segment (%s)", url, e)
+        self._own = own
+        return own
+
+    def locate(self, keys: Sequence[str]) -> list[LocalReplica | None]:
+        endpoint, ranges = self._own_segment()
+        if not ranges or not keys:
+            return [None] * len(keys)
+        # Mooncake dates the lease from before its request (Client::Query): so do we.
+        lease_until = time.monotonic() + self.config.lease_ttl_s
+        try:
+            found = self._live().batch_get_replica_desc(list(keys))
+        except PoolUnavailableError:
+            raise
+        except Exception as e:  # a failed query only means: read through get_into
+            log.warning("batch_get_replica_desc failed (%s): reading through get_into", e)
+            return [None] * len(keys)
+        complete = self._store_mod.ReplicaStatus.COMPLETE
+        out: list[LocalReplica | None] = []
+        for key in keys:
+            hit = None
+            for rep in found.get(key, ()):
+                if not rep.is_memory_replica() or rep.status != complete:
+                    continue
+                desc = rep.get_memory_descriptor().buffer_descriptor
+                ptr, size = int(desc.buffer_address), int(desc.size)
+                # Mooncake's own same-process rule (its local memcpy) is the endpoint; the
+                # range check makes sure the bytes are mapped here whatever it says.
+                if desc.transport_endpoint == endpoint and any(
+                    b <= ptr and ptr + size <= b + n for b, n in ranges
+                ):
+                    hit = LocalReplica(ptr, size, lease_until)
+                    break
+            out.append(hit)
+        return out
 
     def _live(self) -> Any:
         """The store client; a closed one must never be called (Mooncake would crash)."""

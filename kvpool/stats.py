@@ -38,6 +38,7 @@ class StageCounters:
         self.load_bytes = _Count(self, "load_bytes")
         self.save_bytes = _Count(self, "save_bytes")
         self.checksum_failures = _Count(self, "checksum_failures")
+        self.load_in_place = _Count(self, "load_in_place")
         self.save_dropped = _Count(self, "save_dropped")
         self.save_chunks = _Count(self, "save_chunks")
         """Counted by the scheduler side when every stage stored a chunk; ignored here."""
@@ -80,6 +81,7 @@ class StageCounters:
                 load_bytes=s["load_bytes"],
                 save_bytes=s["save_bytes"],
                 checksum_failures=s["checksum_failures"],
+                load_in_place=s["load_in_place"],
                 save_dropped=s["save_dropped"],
                 failures=[PoolFailure(op, r, n) for (op, r), n in self._failures.items()],
                 restore_seconds=list(self._restores),

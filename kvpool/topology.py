@@ -45,6 +45,13 @@ def master_address(cluster: ClusterConfig, node: str) -> str:
     return f"{host}:{pool.master.port}"
 
 
+def master_http_address(cluster: ClusterConfig, node: str) -> str:
+    """host:port of the HTTP (metrics/admin) server of the master that `node` uses."""
+    pool = _pool(cluster)
+    host = cluster.node(pool.master.node if pool.shared else node).host
+    return f"{host}:{pool.master.metrics_port}"
+
+
 def master_component(cluster: ClusterConfig, node: str) -> str:
     """Component name of the master running on `node`."""
     return "pool-master" if _pool(cluster).shared else f"pool-master-{node}"

@@ -41,7 +41,12 @@ from kvpool.client import PoolClient
 from kvpool.metrics import PoolMetrics
 from kvpool.retention import LruChainRetention, Retention
 from kvpool.stats import StageCounters
-from kvpool.topology import master_address, prefill_segment, retention_share_bytes
+from kvpool.topology import (
+    master_address,
+    master_http_address,
+    prefill_segment,
+    retention_share_bytes,
+)
 from prefill_worker.pool_pack import pack_blocks, unpack_blocks
 from prefill_worker.pool_worker import PoolWorker
 from protocol.cluster import ClusterConfig, PoolInstance
@@ -451,6 +456,8 @@ def build_pool_client(
             pool.protocol,
             segment_bytes=segment,
             hugepages=hugepages,
+            master_http=master_http_address(cluster, inst.node),  # for in-place reads
+            lease_ttl_s=pool.master.lease_ttl_s,
         )
         backend = create_backend("mooncake", config)
         buffer_bytes: int | None = int(inst.pool_buffer_memory)

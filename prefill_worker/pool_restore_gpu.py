@@ -13,6 +13,12 @@ checked and unpacked. With Triton (CUDA), the sums and the unpack of a group are
 kernel each (prefill_worker/restore_kernels.py): the load thread queues a group's work
 in a few launches, far ahead of the copies. Without it, kvpool's torch sums and one
 index_put per layer (pool_pack.unpack_chunks) compute the same.
+
+A slot read in place (client.read(in_place=True): the object lives in this process's own
+pool segment, registered with CUDA once) is copied to the device straight from the
+segment: the same H2D copy, from the object's own address, with no Mooncake get into the
+slot before it. Its checksum is computed on the device copy as for any other, and once
+the copy is done its read lease must still hold (else the group ends there, a miss).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.client import PoolClient
-from kvpool.object_format import HEADER_BYTES, checksums_of_sums, payload_sums_t
+from kvpool.object_format import checksums_of_sums, payload_sums_t
 from prefill_worker import restore_kernels
 from prefill_worker.pool_pack import unpack_blocks, unpack_chunks
 from protocol.ids import BlockId, ChunkKey
@@ -104,11 +110,19 @@ class GpuRestore:
             staged.summed.synchronize()
             got = checksums_of_sums(staged.sums)
             want = [self.client.stored_checksum(slots[j]) for j in staged.group]
+            # The copies are done (the sums waited for them): an object read in place
+            # was safe to copy only if its lease outlived the copy (if not, its bytes
+            # may be another object's by now: a miss, but nothing to remove).
+            held = [self.client.lease_held(slots[j]) for j in staged.group]
             ok = [a == b for a, b in zip(got, want, strict=True)]
-            good = len(ok) if all(ok) else ok.index(False)
             self.client.discard(
-                stage, [keys[j] for j, o in zip(staged.group, ok, strict=True) if not o]
+                stage,
+                [keys[j] for j, o, h in zip(staged.group, ok, held, strict=True) if h and not o],
             )
+            ok = [o and h for o, h in zip(ok, held, strict=True)]
+            good = len(ok) if all(ok) else ok.index(False)
+            if good < len(ok) and not held[good]:
+                self.client.metrics.failure("load", "lease_expired")
             payloads = staged.payloads.view(getattr(torch, spec.dtype))
             payloads = payloads.view(len(staged.group), *spec.shape)
             with torch.cuda.stream(self.stream):
@@ -167,9 +181,8 @@ class GpuRestore:
                 self.copy_stream.wait_event(free)
             payloads = self._staging[b][: len(group) * nbytes].view(len(group), nbytes)
             begin = _timing_event()
-            for i, j in enumerate(group):
-                off = slots[j] * buf.slot_bytes + HEADER_BYTES
-                payloads[i].copy_(buf.tensor[off : off + nbytes], non_blocking=True)
+            for i, j in enumerate(group):  # from the slot, or the segment (in place)
+                payloads[i].copy_(buf.payload_bytes(slots[j], nbytes), non_blocking=True)
             copied = _timing_event()
             self._timed.append(("h2d_gpu", begin, copied))
         sums = torch.empty(len(group), 2, dtype=torch.int64, pin_memory=True)

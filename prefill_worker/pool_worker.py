@@ -383,7 +383,9 @@ class PoolWorker(KVConnectorWorker):
                 waited = time.perf_counter() - t
                 slots = load_slots[i * window : i * window + len(wkeys)]
                 gpu = self._restore
-                n = self.client.read(stage.index, wkeys, slots, verify_payload=gpu is None)
+                n = self.client.read(
+                    stage.index, wkeys, slots, verify_payload=gpu is None, in_place=True
+                )
                 n = min(n, window_ok)
                 layers = self._layers(stage)
                 first = job.first_chunk + num_ok  # the window's first chunk
@@ -396,6 +398,7 @@ class PoolWorker(KVConnectorWorker):
                     phase = "device"
                 else:
                     n = self._unpack_on_host(job, stage.index, slots, n, first, layers)
+                    n = self.client.confirm(stage.index, wkeys, slots, n)  # read in place
                     phase = "unpack"
                 spent = time.perf_counter() - t_dev + waited
                 self.counters.restore_phase(stage.index, phase, spent)

@@ -66,6 +66,8 @@ class PoolCounts(msgspec.Struct):
     load_bytes: int = 0
     save_bytes: int = 0
     checksum_failures: int = 0
+    load_in_place: int = 0
+    """Objects read in place from this process's own segment (kvpool/client.py read)."""
     save_dropped: int = 0
     failures: list[PoolFailure] = []
     restore_seconds: list[tuple[int, float]] = []

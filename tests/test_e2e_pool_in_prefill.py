@@ -4,7 +4,8 @@ prefill-0 contributes the pool's memory, prefill-1 is a pure client. A session r
 its history from the pool on either instance (prefill-1 reads prefill-0's segment) and
 matches a cold recompute; killing prefill-0 with SIGKILL takes the pool's memory with it,
 and every request still succeeds, with the same output, recomputed on prefill-1; once
-the launcher has restarted prefill-0, its new segment serves the pool again."""
+the launcher has restarted prefill-0, its new segment serves the pool again. prefill-0
+reads the objects in its own segment in place (kvpool/client.py), prefill-1 copies them."""
 
 from __future__ import annotations
 
@@ -131,6 +132,13 @@ def test_both_instances_restore_from_the_segment_in_prefill_0(cluster: PoolClust
         assert details["gpu_tokens"] == 0 and details["pool_tokens"] > 0, (k, details)
     gained = [a - b for a, b in zip(cluster.pool_tokens(), before, strict=True)]
     assert all(g > 0 for g in gained), f"restored tokens per instance: {gained}"
+    # prefill-0 read its own segment's objects in place (no copy into its load slots);
+    # prefill-1, a pure client, read them over the transport. Outputs matched either way.
+    in_place = [
+        cluster.metric(u, "kvserve_pool_load_in_place_objects_total")
+        for u in cluster.prefill_urls()
+    ]
+    assert in_place[0] > 0 and in_place[1] == 0, in_place
 
 
 def test_killed_prefill_takes_its_segment_and_requests_still_succeed(

@@ -20,10 +20,16 @@ compiles for its T, the second (another T) for a symbolic T (torch.compile's aut
 dynamic shapes; weight shapes stay static, so reductions keep their fixed-size kernels).
 
 One-row steps (T = 1, decode at batch 1: torch.compile always specializes a size of 1)
-compile with inductor's coordinate-descent tuning, under which inductor writes a [1, K] x
-[K, N] matmul as a multiply-and-sum reduction it generates and tunes itself (a GEMV
-kernel, with the RMSNorm before it and the SwiGLU or residual add around it fused in)
-instead of calling cuBLAS, whose kernels for that shape read the weights below the
+are a stream of weight reads, and their matmuls are GEMVs. By default (ONE_ROW =
+"triton") they run engine/models/gemv.py's kernel, which keeps the weight stream plain and
+fuses the glue where it costs nothing: q|k|v with the RMSNorm (its scale applied to the
+outputs) and RoPE (pairs of rows), o with the residual add, gate|up with the post-attention
+RMSNorm and the SwiGLU (pairs of rows), down with the residual add; `post_attn` runs o +
+norm + MLP so that the norm needs no kernel of its own. Where that kernel does not apply
+(q|k norms, partial rotary) and under ONE_ROW = "inductor", they compile with inductor's
+coordinate-descent tuning, under which inductor writes a [1, K] x [K, N] matmul as a
+multiply-and-sum reduction it generates and tunes itself, with the glue fused into its
+loads, instead of calling cuBLAS, whose kernels for that shape read the weights below the
 copy bandwidth (benchmarks/gpu_engine.py, docs/benchmarks.md).
 """
 
@@ -36,6 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.models import gemv as row_gemv
 from engine.models.cpu_gemm import linear
 from engine.rope import apply_rotary
 
@@ -112,7 +119,9 @@ def head(lin: Any) -> tuple[Any, Any]:
 @dataclass(frozen=True)
 class LayerOps:
     """The functions a LlamaDecoderLayer calls around attention (attn_in, attn_out, mlp)
-    and the model calls after the last layer (norm, logits)."""
+    and the model calls after the last layer (norm, logits). `post_attn` (None: attn_out
+    then mlp), when set, replaces attn_out + mlp on dense layers:
+    post_attn(x, attn, o_w, norm_w, gate_up_w, down_w, eps) -> the layer's output."""
 
     attn_in: Any
     attn_out: Any
@@ -120,11 +129,12 @@ class LayerOps:
     norm: Any
     logits: Any
     fused: bool = False
+    post_attn: Any = None
 
 
 EAGER = LayerOps(*glue(linear), *head(linear))
 
-_COMPILED: tuple[frozenset[str], LayerOps] | None = None
+_COMPILED: tuple[tuple[frozenset[str], str], LayerOps] | None = None
 
 
 GEMV_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
@@ -138,31 +148,134 @@ GEMV_OPS = frozenset({"attn_in", "attn_out", "mlp", "logits"})
 cuBLAS for them)."""
 
 
-def compiled(gemv: Collection[str] | None = None) -> LayerOps:
-    """The torch.compile'd LayerOps (built once per process and choice of `gemv`; inductor
-    compiles on first call, again per distinct dtype / None-ness of the optional weights,
-    and once more with a symbolic T when T changes). `gemv`: the ops (of attn_in,
-    attn_out, mlp, logits) whose one-row steps go through inductor's GEMV (GEMV_OPTIONS);
-    None: GEMV_OPS; empty: cuBLAS for every matmul."""
+ONE_ROW = "triton"
+"""How one-row steps run the ops of GEMV_OPS: "triton" (engine/models/gemv.py: q|k|v with
+the RMSNorm and RoPE fused in, o with the residual add, gate|up with the RMSNorm and SwiGLU,
+down with the residual add: 4 kernels and no glue kernel per layer; inductor's GEMV where
+those kernels do not apply) or "inductor" (inductor's GEMV with its fusions)."""
+
+
+def triton_one_row(attn_in: Any, attn_out: Any, mlp: Any) -> tuple[Any, Any]:
+    """attn_in and post_attn for one-row steps through engine/models/gemv.py; the given
+    (inductor) functions run where it does not apply (q|k RMSNorm, partial rotary, a
+    device or dtype the kernel does not take, shapes no block size divides)."""
+
+    def one_attn_in(
+        x: torch.Tensor,
+        norm_w: torch.Tensor,
+        qkv_w: torch.Tensor,
+        qkv_b: torch.Tensor | None,
+        qk_norm_w: torch.Tensor | None,
+        cos: torch.Tensor,  # [1, 1, R]
+        sin: torch.Tensor,
+        eps: float,
+        hq: int,
+        hkv: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = qkv_w.shape[0]
+        d = n // (hq + 2 * hkv)
+        if (
+            qk_norm_w is None
+            and cos.shape[-1] == d
+            and row_gemv.usable(x, qkv_w, norm_w, cos, sin)
+            and row_gemv.fits(n, head_dim=d)
+        ):
+            qkv = row_gemv.gemv(
+                x,
+                qkv_w,
+                norm=norm_w,
+                eps=eps,
+                bias=qkv_b,
+                rope=(cos.reshape(-1), sin.reshape(-1), (hq + hkv) * d, d),
+            )
+            q = qkv[:, : hq * d].view(1, hq, d)
+            k = qkv[:, hq * d : (hq + hkv) * d].view(1, hkv, d)
+            return q, k, qkv[:, (hq + hkv) * d :].view(1, hkv, d)
+        return attn_in(x, norm_w, qkv_w, qkv_b, qk_norm_w, cos, sin, eps, hq, hkv)
+
+    def one_post_attn(
+        x: torch.Tensor,
+        attn: torch.Tensor,  # [1, Hq, D]
+        o_w: torch.Tensor,
+        norm_w: torch.Tensor,
+        gate_up_w: torch.Tensor,
+        down_w: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        flat = attn.reshape(1, -1)
+        if (
+            row_gemv.usable(x, o_w, norm_w, gate_up_w, down_w)
+            and row_gemv.usable(flat)
+            and row_gemv.fits(o_w.shape[0])
+            and row_gemv.fits(gate_up_w.shape[0], swiglu=True)
+            and row_gemv.fits(down_w.shape[0])
+        ):
+            x = row_gemv.gemv(flat, o_w, residual=x)
+            act = row_gemv.gemv(x, gate_up_w, norm=norm_w, eps=eps, swiglu=True)
+            return row_gemv.gemv(act, down_w, residual=x)
+        x, h = attn_out(x, attn, o_w, norm_w, eps)
+        return mlp(x, h, gate_up_w, down_w)
+
+    return one_attn_in, one_post_attn
+
+
+def compiled(gemv: Collection[str] | None = None, one_row: str | None = None) -> LayerOps:
+    """The torch.compile'd LayerOps (built once per process and choice of `gemv` and
+    `one_row`; inductor compiles on first call, again per distinct dtype / None-ness of
+    the optional weights, and once more with a symbolic T when T changes). `gemv`: the ops
+    (of attn_in, attn_out, mlp, logits) whose one-row steps get a GEMV kernel instead of
+    cuBLAS (None: GEMV_OPS; empty: cuBLAS for every matmul); `one_row` (None: ONE_ROW):
+    which GEMV, "triton" (attn_in, and attn_out + mlp when both are listed) or "inductor"
+    (GEMV_OPTIONS)."""
     global _COMPILED
-    key = GEMV_OPS if gemv is None else frozenset(gemv)
+    mode = ONE_ROW if one_row is None else one_row
+    key = (GEMV_OPS if gemv is None else frozenset(gemv), mode)
     if _COMPILED is None or _COMPILED[0] != key:
+        names = key[0]
 
         def fuse(fn: Any) -> Any:
             general = torch.compile(fn, fullgraph=True)
-            if fn.__name__ not in key:
+            if fn.__name__ not in names:
                 return general
-            one_row = torch.compile(fn, fullgraph=True, options=GEMV_OPTIONS)
+            one_row_fn = torch.compile(fn, fullgraph=True, options=GEMV_OPTIONS)
 
             def call(x: torch.Tensor, *args: Any) -> Any:
-                return (one_row if x.shape[0] == 1 else general)(x, *args)
+                return (one_row_fn if x.shape[0] == 1 else general)(x, *args)
 
             return call
 
         attn_in, attn_out, mlp = glue(F.linear)
         norm, logits = head(F.linear)
+        f_in, f_out, f_mlp = fuse(attn_in), fuse(attn_out), fuse(mlp)
+        post_attn = None
+        if mode == "triton":
+            one_in, one_post = triton_one_row(f_in, f_out, f_mlp)
+            if "attn_in" in names:
+                general_in = f_in
+
+                def f_in(x: torch.Tensor, *args: Any) -> Any:
+                    return (one_in if x.shape[0] == 1 else general_in)(x, *args)
+
+            if "attn_out" in names and "mlp" in names:
+
+                def post_attn(
+                    x: torch.Tensor,
+                    attn: torch.Tensor,
+                    o_w: Any,
+                    norm_w: Any,
+                    gate_up_w: Any,
+                    down_w: Any,
+                    eps: float,
+                ) -> torch.Tensor:
+                    if x.shape[0] == 1:
+                        return one_post(x, attn, o_w, norm_w, gate_up_w, down_w, eps)
+                    x, h = f_out(x, attn, o_w, norm_w, eps)
+                    return f_mlp(x, h, gate_up_w, down_w)
+
+        elif mode != "inductor":
+            raise ValueError(f"one_row must be 'triton' or 'inductor', not {mode!r}")
         fused = LayerOps(
-            fuse(attn_in), fuse(attn_out), fuse(mlp), fuse(norm), fuse(logits), fused=True
+            f_in, f_out, f_mlp, fuse(norm), fuse(logits), fused=True, post_attn=post_attn
         )
         _COMPILED = (key, fused)
     return _COMPILED[1]

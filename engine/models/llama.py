@@ -108,6 +108,18 @@ class LlamaDecoderLayer(nn.Module):
             cfg.num_kv_heads,
         )
         attn = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        if self.moe is None:
+            assert self.gate_up_weight is not None and self.down_weight is not None
+            if ops.post_attn is not None:  # o + norm + MLP as one op (layer_ops.py)
+                return ops.post_attn(
+                    x,
+                    attn,
+                    self.o_weight,
+                    self.post_norm,
+                    self.gate_up_weight,
+                    self.down_weight,
+                    eps,
+                )
         x, h = ops.attn_out(x, attn, self.o_weight, self.post_norm, eps)
         if self.moe is not None:
             return x + self.moe(h)
