@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     ranks = start_ranks(ctx.config_path, cluster, inst, info, arena)
     engine = ranks.engine
     host = EngineHost(engine)
+    if ranks.children is not None:  # a rank / stage that dies fails the instance at once
+        ranks.children.on_lost = host.instance_lost
+        host.probe_lost = ranks.children.probe
     service = DecodeService(
         inst.name,
         host,

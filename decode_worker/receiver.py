@@ -85,6 +85,9 @@ class RemoteKV:
     num_stages: int | None = None
     closed_stages: set[int] = field(default_factory=set)
     reported: bool = False
+    scatter_failed_from: int | None = None
+    """The first prompt token of a piece whose scatter failed (on any rank): the KV
+    from there on is not in every rank's pages, whatever landed."""
     aborted_at: float | None = None
     region_freed: bool = False
     num_bytes: int = 0
@@ -113,6 +116,8 @@ class HandoffReceiver(KVConnectorScheduler):
         self.stripes = stripes or [(1, 0)] * num_ranks
         self._cond = threading.Condition()
         self._remotes: dict[str, RemoteKV] = {}
+        self._failed_calls: dict[int, str] = {}
+        """Pieces of a step whose worker call failed (workers_failed), engine thread."""
         self._pieces = count()
         self.on_flow_closed: Callable[[FlowClosed], None] = lambda _n: None
 
@@ -266,9 +271,20 @@ class HandoffReceiver(KVConnectorScheduler):
                 r.queued = []
         return msgspec.msgpack.encode(ScatterMeta(scatters)) if scatters else b""
 
+    def workers_failed(self, meta: bytes, error: str, process: int) -> set[RequestId]:
+        """The step's pieces count as failed scatters (engine/kv_connector_guard.py):
+        their requests recompute from the tokens every rank holds, as after a failed
+        flow, and their notices are answered False. Nobody fails."""
+        if meta:
+            for p in _meta.decode(meta).scatters:
+                self._failed_calls[p.piece_id] = f"{error} (decode rank {process})"
+        return set()
+
     def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
         decoded = [_report.decode(b) for b in reports if b]
         failed = {pid: why for rep in decoded for pid, why in rep.failed}
+        failed.update(self._failed_calls)
+        self._failed_calls.clear()
         done = set.intersection(*(set(rep.done) for rep in decoded)) if decoded else set()
         update = ConnectorUpdate()
         with self._cond:
@@ -277,6 +293,9 @@ class HandoffReceiver(KVConnectorScheduler):
                     piece = r.in_step.pop(pid)
                     if pid in failed:
                         r.error = r.error or f"scatter of landed KV failed: {failed[pid]}"
+                        start = min(seg.token_start for seg in piece.notice.segments)
+                        if r.scatter_failed_from is None or start < r.scatter_failed_from:
+                            r.scatter_failed_from = start
                     piece.answer.set_result(pid not in failed)
                 if self._ready(r):
                     r.reported = True
@@ -323,9 +342,13 @@ class HandoffReceiver(KVConnectorScheduler):
         return r.coverage.complete or r.error is not None
 
     def _safe(self, r: RemoteKV) -> int:
-        """Tokens every rank and layer holds after a failure (whole blocks)."""
+        """Tokens every rank and layer holds after a failure (whole blocks): landed, and
+        below any piece whose scatter failed."""
         bs = self.layout.block_size
-        return r.coverage.landed_tokens // bs * bs
+        held = r.coverage.landed_tokens
+        if r.scatter_failed_from is not None:
+            held = min(held, r.scatter_failed_from)
+        return held // bs * bs
 
     def _abandon(self, r: RemoteKV) -> None:
         if r.aborted_at is None:

@@ -138,7 +138,7 @@ class DecodeService:
         except (InvalidRequestError, PromptTooLongError) as e:
             self.metrics.outcome("rejected")
             return error_response(400, str(e), rid)
-        if self.receiver.holds(rid):
+        if self.receiver.holds(rid) or self.host.has_stream(rid):
             self.metrics.outcome("rejected")
             return error_response(409, f"request id {rid!r} is already in use", rid)
         nbytes = self.ranks.region_bytes(len(msg.prompt_token_ids))
@@ -220,7 +220,9 @@ class DecodeService:
                     finished = True
                     self.metrics.outcome("failed")
                     message = f"request {rid} failed in decode instance {self.name}: {failure}"
-                    yield encode_line(ErrorEvent(request_id=rid, status=500, message=message))
+                    # InstanceLost (a rank died): 503
+                    status = max(getattr(i, "status", 500) for i in items)
+                    yield encode_line(ErrorEvent(request_id=rid, status=status, message=message))
                     return
                 outs = [i for i in items if isinstance(i, RequestOutput)]
                 tokens = [t for o in outs for t in o.new_token_ids]

@@ -66,6 +66,10 @@ valid = a prefix of the load the connector can vouch for on every worker (the po
 leading run of whole chunks every stage verified; 0 when it failed); the engine runs the
 request again from g + valid and recomputes the rest: never partial data.
 
+Worker calls that raise: each process's worker sits behind engine/kv_connector_guard.py,
+which reports the failed call with its meta; the scheduler side's workers_failed names
+the requests it concerned, before that step's reports are applied.
+
 Metadata and reports are opaque bytes to the engine (each connector encodes its own
 msgspec messages; never pickle): they cross process boundaries inside the step messages.
 """
@@ -185,6 +189,21 @@ class KVConnectorScheduler(ABC):
         must not leave the engine (engine/step_isolation.py). Loads were started before
         the forward and stay. A connector whose workers save or send KV overrides it."""
         return meta
+
+    def workers_failed(self, meta: bytes, error: str, process: int) -> set[RequestId]:
+        """A worker call over step metadata `meta` (from build_step_meta) raised in
+        process `process` (stage / rank; engine/kv_connector_guard.py caught it): there,
+        what `meta` asked may be partly done or not at all, and that process skipped the
+        step's saves and sends. Stop expecting what will not be reported, and return the
+        requests that must fail now (the engine fails them alone with `error`); a
+        request that can go on without what failed (an async load that counts as 0
+        valid tokens: it recomputes) is not returned, a synchronous load's request (its
+        forward of this step used the load) must be. Called before the step's reports are applied. Default: an empty `meta`
+        concerned nothing; NotImplementedError otherwise (the engine then fails the step
+        as a whole)."""
+        if meta:
+            raise NotImplementedError(f"{type(self).__name__} cannot isolate a worker failure")
+        return set()
 
     def close(self) -> None:  # noqa: B027 (optional hook: most connectors hold nothing)
         """Release what the scheduler side holds."""

@@ -92,6 +92,15 @@ class MultiConnectorScheduler(KVConnectorScheduler):
             [p.without_requests(m, request_ids) for p, m in zip(self.parts, parts, strict=True)]
         )
 
+    def workers_failed(self, meta: bytes, error: str, process: int) -> set[RequestId]:
+        """Every part's share of the failed call's metadata (the call covered them all)."""
+        if not meta:
+            return set()
+        failing: set[RequestId] = set()
+        for p, m in zip(self.parts, _unpack(meta, len(self.parts)), strict=True):
+            failing |= p.workers_failed(m, error, process)
+        return failing
+
     def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
         per_worker = [_unpack(r, len(self.parts)) for r in reports]
         out = ConnectorUpdate()

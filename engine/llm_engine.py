@@ -33,6 +33,8 @@ from engine.kv_connector import (
     NoConnectorWorker,
     WorkerPlace,
 )
+from engine.kv_connector_guard import guarded
+from engine.kv_connector_guard import split_reports as split_failures
 from engine.kv_identity import kv_namespace, torch_dtype
 from engine.model_runner import ModelExecutor, ModelRunner
 from engine.models.registry import build_model
@@ -174,6 +176,7 @@ class LLMEngine:
         self.connector = scheduler
         self.scheduler.connector = scheduler
         scheduler.bind_block_pool(self.pool)
+        worker = guarded(worker)  # its calls fail requests, not the step
         self.kv_worker = worker
         if isinstance(self.runner, ConnectorExecutor):
             self.runner.set_kv_worker(worker)
@@ -296,8 +299,7 @@ class LLMEngine:
         t0 = time.monotonic() if trace is not None else 0.0
         plan = self.scheduler.schedule()
         if not plan.scheduled:
-            self._poll_connector(plan)
-            return []
+            return self._poll_connector(plan)
         if self.step_threads is not None:
             self.step_threads.before_step(plan)
         t_sched = time.monotonic() if trace is not None else 0.0
@@ -311,6 +313,17 @@ class LLMEngine:
         )
         logits, reports, culprits = self._execute(plan)
         t_exec = time.monotonic() if trace is not None else 0.0
+        reports, failing = self.split_reports(reports)
+        if failing:  # a connector call failed for them (engine/kv_connector_guard.py)
+            kept = [  # the rows of `logits`
+                s.request.request_id
+                for s in plan.scheduled
+                if s.samples and s.request.request_id not in culprits
+            ]
+            keep = [i for i, rid in enumerate(kept) if rid not in failing]
+            if logits is not None and len(keep) != len(kept):
+                logits = logits[keep] if keep else None
+            culprits = {**failing, **culprits}
         scheduled = [s for s in plan.scheduled if s.request.request_id not in culprits]
         sampling = [s.request for s in scheduled if s.samples]
         tokens: list[int] = []
@@ -482,12 +495,13 @@ class LLMEngine:
         except Exception as e:
             return self.fail_request(req, f"detokenization failed: {describe(e)}")
 
-    def _poll_connector(self, plan: SchedulerOutput) -> None:
+    def _poll_connector(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """Nothing to compute: deliver the step's connector metadata (a load to start) or,
-        while transfers are outstanding, wait a little and collect the workers' reports."""
+        while transfers are outstanding, wait a little and collect the workers' reports.
+        Returns the requests a failed connector call ended."""
         if not plan.kv_meta:
             if not self.connector.has_pending():
-                return
+                return []
             self.kv_worker.wait(LOAD_POLL_S)
         if isinstance(self.runner, ConnectorExecutor):
             reports = self.runner.poll_kv(plan.kv_meta)
@@ -495,11 +509,37 @@ class LLMEngine:
             self.kv_worker.start_loads(plan.kv_meta)
             self.kv_worker.start_saves(plan.kv_meta)
             reports = [self.kv_worker.get_finished()]
+        reports, failing = self.split_reports(reports)
         self.apply_reports(reports)
+        return [
+            self.fail_request(self._requests[rid], why)
+            for rid, why in failing.items()
+            if rid in self._requests
+        ]
 
     def apply_reports(self, reports: list[bytes]) -> None:
-        """The workers' connector reports of a step (one per process) into the scheduler."""
+        """The workers' connector reports of a step (one per process, after
+        split_reports) into the scheduler."""
         self.scheduler.update_from_connector(self.connector.update_from_workers(reports))
+
+    def split_reports(self, reports: list[bytes]) -> tuple[list[bytes], dict[RequestId, str]]:
+        """The workers' own reports, and the live requests that connector calls which
+        failed in some process end (engine/kv_connector_guard.py), with why. The
+        connector's scheduler side learns of the failures here, before the reports are
+        applied. A connector that cannot say which requests a failure concerns fails
+        the step (RuntimeError)."""
+        inner, failures = split_failures(reports)
+        failing: dict[RequestId, str] = {}
+        for f in failures:
+            why = f"the KV connector's {f.call} failed in process {f.process}: {f.error}"
+            try:
+                named = self.connector.workers_failed(f.meta, why, f.process)
+            except NotImplementedError as e:
+                raise RuntimeError(f"{why} ({e})") from None
+            for rid in named:
+                if rid in self._requests:
+                    failing.setdefault(rid, why)
+        return inner, failing
 
     def _append_token(
         self, req: Request, token: int, logprob: float | None, top: TopLogprobs | None = None

@@ -55,6 +55,11 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout_s)
 
+    def halt(self) -> None:
+        """Stop stepping after the current step (any thread, the engine's own too)."""
+        self._stop = True
+        self._wake.set()
+
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 

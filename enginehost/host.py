@@ -25,6 +25,20 @@ T = TypeVar("T")
 class StepFailed(Exception):
     """Delivered into every open stream when an engine step raised: the request is lost."""
 
+    status = 500
+
+
+class InstanceLost(StepFailed):
+    """A process of this instance (a TP rank, a PP stage) died: every request fails with
+    a 503 (retry elsewhere), new ones too, until the instance is restarted."""
+
+    status = 503
+
+
+class RequestIdInUse(Exception):
+    """A request arrived with the id of one that still has an open stream here (a 409:
+    opening a second stream would silently take the first one's outputs)."""
+
 
 class EngineHost:
     """Owns the engine loop and the per-request output queues of one worker process."""
@@ -34,6 +48,10 @@ class EngineHost:
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.loop = EngineLoop(engine, self._deliver, self._step_failed)
+        self.lost: str | None = None
+        """Why the instance is lost (a process of it died), or None."""
+        self.probe_lost: Callable[[], str | None] | None = None
+        """Asked when a step failed: is a process of the instance gone (the reason)?"""
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will read the streams."""
@@ -44,13 +62,34 @@ class EngineHost:
         self.loop.stop()
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run fn(engine) in the engine thread; its result or exception comes back here."""
+        """Run fn(engine) in the engine thread; its result or exception comes back here.
+        InstanceLost at once when the instance is lost (its engine may be stuck in a
+        collective with the dead process)."""
+        if self.lost is not None:
+            raise InstanceLost(self.lost)
         return await asyncio.wrap_future(self.loop.submit(fn))
 
+    def instance_lost(self, reason: str) -> None:
+        """A process of the instance died (any thread): fail every open stream with a
+        503 now, and every later call."""
+        if self.lost is not None:
+            return
+        self.lost = reason
+        log.error("%s: failing every request", reason)
+        self.loop.halt()  # no step can complete without the dead process
+        if self._aloop is not None:
+            self._aloop.call_soon_threadsafe(self._fail_all, InstanceLost(reason))
+
     def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | BaseException]:
+        """The request's output queue; RequestIdInUse if that id has one already."""
+        if request_id in self._streams:
+            raise RequestIdInUse(f"request id {request_id!r} is already in use")
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = q
         return q
+
+    def has_stream(self, request_id: str) -> bool:
+        return request_id in self._streams
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -77,11 +116,17 @@ class EngineHost:
 
     def _step_failed(self, err: BaseException) -> None:
         """A step raised: the engine's requests are in an unknown state. Abort them all
-        (engine thread) and fail every open stream with the cause."""
+        (engine thread) and fail every open stream with the cause (InstanceLost when the
+        step broke because a process of the instance died)."""
+        why = self.lost or (self.probe_lost() if self.probe_lost is not None else None)
+        if why is not None:
+            self.instance_lost(why)
+            return
         self.engine.abort_all()
         assert self._aloop is not None
-        self._aloop.call_soon_threadsafe(self._fail_all, err)
+        failure = StepFailed(f"engine step failed: {type(err).__name__}: {err}")
+        self._aloop.call_soon_threadsafe(self._fail_all, failure)
 
-    def _fail_all(self, err: BaseException) -> None:
+    def _fail_all(self, failure: StepFailed) -> None:
         for rid in list(self._streams):
-            self._put(rid, StepFailed(f"engine step failed: {type(err).__name__}: {err}"))
+            self._put(rid, failure)

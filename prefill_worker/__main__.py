@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     stages = start_stages(ctx.config_path, cluster, inst, info, transport, ctx.secret)
     engine = stages.engine
     host = EngineHost(engine)
+    if stages.children is not None:  # a rank / stage that dies fails the instance at once
+        stages.children.on_lost = host.instance_lost
+        host.probe_lost = stages.children.probe
     service = PrefillService(
         inst.name,
         host,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +54,10 @@ log = logging.getLogger(__name__)
 
 _meta = msgspec.msgpack.Decoder(HandoffMeta)
 _report = msgspec.msgpack.Decoder(FlowReport)
+
+
+OPENED_KEPT = 65536
+"""Request ids a stage remembers having opened (a flow lives seconds; this is hours)."""
 
 
 @dataclass
@@ -134,6 +139,19 @@ class HandoffScheduler(KVConnectorScheduler):
             return meta
         return msgspec.msgpack.encode(without_sends(_meta.decode(meta), request_ids))
 
+    def workers_failed(self, meta: bytes, error: str, process: int) -> set[RequestId]:
+        """Stage `process` skipped the step's opens, sends and cancels: the requests it
+        should have opened or sent fail (decode would miss that stage's layers); every
+        flow of theirs, and each cancel of the step, is cancelled (again) next step, so
+        each stage closes it (a stage that never opened it answers at once)."""
+        if not meta:
+            return set()
+        m = _meta.decode(meta)
+        failing = {RequestId(o.request_id) for o in m.opens}
+        failing |= {RequestId(s.request_id) for s in m.sends}
+        self._cancels += [rid for rid in {*failing, *m.cancels} if rid in self._live]
+        return failing
+
     def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
         update = ConnectorUpdate()
         for stage, payload in enumerate(reports):
@@ -192,6 +210,9 @@ class HandoffWorker(KVConnectorWorker):
         self.faults = faults
         self.sender: HandoffSender | None = None
         self._closed_now: list[FlowResult] = []
+        self._opened: OrderedDict[str, None] = OrderedDict()
+        """Requests whose FlowOpen this stage ran (the latest OPENED_KEPT): a cancel of
+        any other one closes at once (its open was skipped: a failed connector call)."""
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], place: WorkerPlace) -> None:
         self.sender = HandoffSender(
@@ -222,6 +243,9 @@ class HandoffWorker(KVConnectorWorker):
         m = _meta.decode(meta)
         now = time.time()
         for o in m.opens:
+            self._opened[o.request_id] = None
+            while len(self._opened) > OPENED_KEPT:
+                self._opened.popitem(last=False)
             try:
                 # this stage writes nothing into a landing decode did not mint for it
                 if self.capability_key is not None:
@@ -234,7 +258,11 @@ class HandoffWorker(KVConnectorWorker):
         for s in m.sends:
             self.sender.submit(s.request_id, s.token_start, s.token_end, s.block_table, s.last)
         for rid in m.cancels:
-            self.sender.cancel(rid)
+            if rid in self._opened:
+                self.sender.cancel(rid)
+            else:  # its open never ran here: nothing to stop, the flow is closed
+                self._opened[rid] = None
+                self._closed_now.append(FlowResult(rid, "no flow on this stage", 0, 0, 0.0))
 
     def get_finished(self) -> bytes:
         closed, self._closed_now = self._closed_now, []

@@ -168,6 +168,8 @@ class PoolScheduler(KVConnectorScheduler):
         self._next_save: dict[RequestId, int] = {}
         self._planned: list[PoolLoad] = []
         self._cancels: list[str] = []
+        self._failed_loads: list[tuple[int, str]] = []
+        """(worker, request) whose load a failed worker call skipped (workers_failed)."""
         self._loads: dict[str, _LoadState] = {}
         self._saving: dict[bytes, _SaveState] = {}
         self._depth: dict[int, int] = {}
@@ -410,11 +412,33 @@ class PoolScheduler(KVConnectorScheduler):
             return b""
         return msgspec.msgpack.encode(kept)
 
+    def workers_failed(self, meta: bytes, error: str, process: int) -> set[RequestId]:
+        """Worker `process` skipped or broke off the step's loads and saves
+        (engine/kv_connector_guard.py): its loads count as restoring nothing (the
+        requests recompute without the pool once every worker reported), its saves as
+        not stored (no chunk of them counts as saved). Nobody fails."""
+        if not meta:
+            return set()
+        m = _meta_decoder.decode(meta)
+        self._failed_loads += [(process, load.request_id) for load in m.loads]
+        for save in m.saves:
+            for key in save.chunk_keys:
+                st = self._saving.get(key)
+                if st is not None:
+                    st.all_stored = False
+                    st.expected -= 1
+                    if st.expected <= 0:
+                        del self._saving[key]
+        return set()
+
     def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
         assert len(reports) == self.num_workers, (
             f"{len(reports)} pool worker reports, {self.num_workers} expected"
         )
         out = ConnectorUpdate()
+        for worker, rid in self._failed_loads:  # before the reports: theirs come later
+            self._load_reported(worker, rid, 0, out)
+        self._failed_loads.clear()
         saved: list[ChunkKey] = []
         for worker, raw in enumerate(reports):
             if not raw:

@@ -195,7 +195,8 @@ class PrefillService:
             if isinstance(out, BaseException) or out.error is not None:
                 why = str(out) if isinstance(out, BaseException) else out.error
                 message = f"request {rid} failed in prefill instance {self.name}: {why}"
-                yield encode_line(ErrorEvent(request_id=rid, status=500, message=message))
+                status = getattr(out, "status", 500)  # InstanceLost: 503
+                yield encode_line(ErrorEvent(request_id=rid, status=status, message=message))
                 finished = True
                 self.metrics.outcome("failed")
                 return

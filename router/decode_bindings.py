@@ -45,7 +45,12 @@ class DecodeLost(WorkerUnavailable):
 
 
 class Binding:
-    """One request reserved on one decode process, waiting for prefill."""
+    """One request reserved on one decode process, waiting for prefill.
+
+    No task of its own: while its guard waits for prefill's first event, a loss cancels
+    the task that iterates the guard (the request's own), and the guard turns that
+    cancellation into DecodeLost (Task.uncancel: a cancellation from elsewhere, such as
+    the client leaving, still propagates)."""
 
     def __init__(
         self, owner: DecodeBindings, decode: Instance, incarnation: str, request_id: str
@@ -54,35 +59,54 @@ class Binding:
         self.decode = decode
         self.incarnation = incarnation
         self.request_id = request_id
-        self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        """Done with the reason once the decode process is known to be gone."""
+        self.lost_reason: str | None = None
+        """Set once the decode process is known to be gone."""
+        self._waiting: asyncio.Task[object] | None = None
+        """The task suspended in the guard's first read (the one to cancel on a loss)."""
+        self._cancelled = False
 
     def release(self) -> None:
         """Prefill is done with it (or the run ended): stop watching. Idempotent."""
         self._owner._drop(self)
 
+    def lose(self, reason: str) -> None:
+        """The decode process is gone: the guard raises DecodeLost now or at its entry."""
+        if self.lost_reason is not None:
+            return
+        self.lost_reason = reason
+        if self._waiting is not None and not self._cancelled:
+            self._cancelled = True
+            self._waiting.cancel(f"decode lost: {reason}")
+
     async def guard(self, events: AsyncIterator[_T]) -> AsyncIterator[_T]:
         """`events` (prefill's) until they end, or DecodeLost as soon as the decode
-        process is lost (the pending read is cancelled). The binding is released at
-        prefill's first event (its first token: decode holds the request from then on,
-        and a break of decode's stream is the relay's to see) or at the end."""
+        process is lost (the pending read is cancelled and unwinds first). The binding is
+        released at prefill's first event (its first token: decode holds the request from
+        then on, and a break of decode's stream is the relay's to see) or at the end."""
         it = aiter(events)
         try:
-            if self.lost.done():
+            if self.lost_reason is not None:
                 raise self._error()
-            step = asyncio.ensure_future(anext(it))
+            self._waiting = asyncio.current_task()
             try:
-                await asyncio.wait((step, self.lost), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not step.done():  # lost (or the run itself was cancelled)
-                    step.cancel()
-                    await asyncio.wait((step,))  # the read unwinds (its finally) first
-            if step.cancelled():
-                raise self._error()
-            try:
-                first = step.result()
+                first = await anext(it)
             except StopAsyncIteration:
                 return
+            except BaseException as e:
+                if not self._cancelled:
+                    raise
+                # our cancellation (the read may have turned it into another error)
+                task = self._waiting
+                if task is not None and task.uncancel() > 0:
+                    raise  # cancelled from elsewhere too: that one wins
+                raise self._error() from (None if isinstance(e, asyncio.CancelledError) else e)
+            finally:
+                self._waiting = None
+            if self._cancelled:  # the read swallowed our cancellation: still lost
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
+                raise self._error()
         finally:
             self.release()
         yield first
@@ -92,7 +116,7 @@ class Binding:
     def _error(self) -> DecodeLost:
         return DecodeLost(
             f"request {self.request_id}: {self.decode.describe()}, where it was reserved, "
-            f"went down before prefill finished it ({self.lost.result()}); nothing was "
+            f"went down before prefill finished it ({self.lost_reason}); nothing was "
             "generated: retry the request",
             code="decode_instance_lost",
             headers={"retry-after": "1"},
@@ -132,8 +156,7 @@ class DecodeBindings:
         lost = [b for b in bound.values() if match(b)]
         for b in lost:
             del bound[b.request_id]
-            if not b.lost.done():
-                b.lost.set_result(reason)
+            b.lose(reason)
         if lost:
             log.warning(
                 "%s is down (%s): failing %d request(s) still waiting for prefill",

@@ -3,7 +3,9 @@ prefill (each stage saves and restores its own layers from its own process) and 
 TP 2 x DCP 2 decode. Multi-turn sessions restored after every prefix-cache reset equal a
 cold single-process run token for token, every stage saved and restored (per-stage
 series), and a load that fails mid-flight on one stage (an injected fault) recomputes
-only its own request, from its first missing chunk."""
+only its own request, from its first missing chunk. A KV connector call that raises in
+one process (engine/kv_connector_guard.py: prefill stage 1's loads or saves, decode rank
+1's scatter) fails or recomputes only the requests its step metadata named."""
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ def cluster(tmp_path_factory, tiny_parallel_dir: Path, weights_cache_dir: str):
     tmp = tmp_path_factory.mktemp("pp-pool")
     faults = tmp / "faults"
     faults.mkdir()
+    (faults / "decode").mkdir()  # engine/kv_connector_guard.py faults of decode's ranks
     p = free_ports(8)
     cfg = {
         "name": "pp-pool",
@@ -70,7 +73,7 @@ def cluster(tmp_path_factory, tiny_parallel_dir: Path, weights_cache_dir: str):
                 "max_num_seqs": 16,
                 "kv_cache_memory": "16MiB",
                 "pool_buffer_memory": "8MiB",
-                "env": {"KVSERVE_POOL_FAULT_DIR": str(faults)},
+                "env": {"KVSERVE_POOL_FAULT_DIR": str(faults), "KVSERVE_KV_FAULT_DIR": str(faults)},
             }
         ],
         "decode": [
@@ -84,6 +87,7 @@ def cluster(tmp_path_factory, tiny_parallel_dir: Path, weights_cache_dir: str):
                 "max_num_seqs": 16,
                 "kv_cache_memory": "16MiB",
                 "landing_memory": "8MiB",
+                "env": {"KVSERVE_KV_FAULT_DIR": str(faults / "decode")},
             }
         ],
         "router": router_section(p[0], "pp-pool-model", timeout_s=120),
@@ -91,6 +95,7 @@ def cluster(tmp_path_factory, tiny_parallel_dir: Path, weights_cache_dir: str):
     config, state = launch(tmp, cfg, timeout=600)
     c = PPPoolCluster(config, state, f"http://127.0.0.1:{p[0]}", "", "", "pp-pool-model", "pp-pool")
     c.prefill_metrics_url = f"http://127.0.0.1:{p[5]}"
+    c.prefill_url, c.decode_url = c.prefill_metrics_url, f"http://127.0.0.1:{p[6]}"
     c.fault_dir = faults
     c.master_metrics_port = p[2]
     c.store_metrics_ports = (p[3], p[4])
@@ -217,6 +222,105 @@ def test_load_failed_on_one_stage_recomputes_only_that_request(cluster: PPPoolCl
     assert (
         cluster.prefill_metric("kvserve_pool_failures_total", op="load", reason="injected") > before
     )
+
+
+def _status(c: PPPoolCluster, url: str) -> dict:
+    return httpx.get(url + "/status", headers=c.headers, timeout=10).json()
+
+
+def _no_kv_held(c: PPPoolCluster) -> bool:
+    return all(
+        s["kv_blocks_free"] == s["kv_blocks_total"] and s["num_running"] == 0
+        for s in (_status(c, c.prefill_url), _status(c, c.decode_url))
+    )
+
+
+def test_pool_loads_call_failed_on_one_stage_recompute(cluster: PPPoolCluster, reference):
+    """Stage 1's start_loads raises: the step's loads count as restoring nothing there,
+    the requests recompute without the pool (exact), nothing fails, the pool serves on."""
+    sessions = [Session(40 + i, reference, 220) for i in range(2)]
+    lens = [len(s.turn(cluster, 0)[1]) for s in sessions]
+    assert wait_until(
+        lambda: cluster.metric("kvserve_pool_save_chunks_total") >= sum(n // CHUNK for n in lens),
+        timeout_s=10,
+        interval_s=0.2,
+    )
+    cluster.reset()
+    (cluster.fault_dir / "start_loads-p1").touch()
+    turns = [s.prepare(1) for s in sessions]
+    with cf.ThreadPoolExecutor(2) as ex:  # each output is checked against a cold run
+        results = list(
+            ex.map(lambda st: st[0].send(cluster, *st[1]), zip(sessions, turns, strict=True))
+        )
+    assert not (cluster.fault_dir / "start_loads-p1").exists(), "the fault was never taken"
+    pool = [d["pool_tokens"] for d, _ in results]
+    assert min(pool) == 0, pool  # the failed call's request(s) restored nothing
+    cluster.reset()  # and the pool serves on: the next turn restores again
+    details, _ = sessions[0].turn(cluster, 2)
+    assert details["pool_tokens"] >= CHUNK
+    assert wait_until(lambda: _no_kv_held(cluster), 20)
+
+
+def _fresh(seed: int, n: int) -> str:
+    return f"{seed} " + _words(seed, n)
+
+
+def _complete(c: PPPoolCluster, prompt: str) -> httpx.Response:
+    body = {
+        "model": c.served_name,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    return httpx.post(c.router_url + "/v1/completions", json=body, timeout=120)
+
+
+def test_handoff_sends_call_failed_on_one_stage_fail_alone(cluster: PPPoolCluster, reference):
+    """Stage 1's start_saves raises for the first step of three new requests: those its
+    metadata named (opens and sends: decode would miss stage 1's layers) fail with a
+    clear error, the others are exact, every flow closes (no KV held), and the next
+    requests are exact."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = [_fresh(300 + i, 40 + 30 * i) for i in range(3)]
+    tok = reference.info.tokenizer
+    want = [c.text for c in reference.generate([tok.encode(p) for p in prompts], params)]
+    assert wait_until(lambda: _no_kv_held(cluster), 20)
+    (cluster.fault_dir / "start_saves-p1").touch()
+    with cf.ThreadPoolExecutor(3) as ex:
+        answers = list(ex.map(lambda p: _complete(cluster, p), prompts))
+    assert not (cluster.fault_dir / "start_saves-p1").exists(), "the fault was never taken"
+    failed = [r for r in answers if r.status_code != 200]
+    assert failed, "no request was named by the failed call"
+    for r in failed:
+        assert r.status_code == 500, r.text
+        assert "KV connector's start_saves failed in process 1" in r.text, r.text
+    for r, w in zip(answers, want, strict=True):
+        if r.status_code == 200:
+            assert r.json()["choices"][0]["text"] == w
+    assert wait_until(lambda: _no_kv_held(cluster), 30), "a flow of a failed request stayed open"
+    for p, w in zip(prompts, want, strict=True):
+        r = _complete(cluster, p)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == w, r.text
+
+
+def test_decode_scatter_call_failed_on_one_rank_recomputes(cluster: PPPoolCluster, reference):
+    """Decode rank 1's start_loads (the scatter of landed KV) raises: the step's pieces
+    count as failed on every rank, their requests recompute at decode from what every
+    rank holds, and every output is exact; decode serves on and holds nothing after."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = [_fresh(400 + i, 60 + 40 * i) for i in range(3)]
+    tok = reference.info.tokenizer
+    want = [c.text for c in reference.generate([tok.encode(p) for p in prompts], params)]
+    fault = cluster.fault_dir / "decode" / "start_loads-p1"
+    fault.touch()
+    with cf.ThreadPoolExecutor(3) as ex:
+        answers = list(ex.map(lambda p: _complete(cluster, p), prompts))
+    assert not fault.exists(), "the fault was never taken"
+    for r, w in zip(answers, want, strict=True):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == w
+    assert wait_until(lambda: _no_kv_held(cluster), 20)
 
 
 def _kill_and_wait(c: PPPoolCluster, name: str, health: str) -> None:

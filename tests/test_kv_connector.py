@@ -20,6 +20,7 @@ from engine.kv_connector import (
     StepKV,
     WorkerPlace,
 )
+from engine.kv_connector_guard import KVConnectorGuard
 from engine.llm_engine import LLMEngine
 from engine.request import Request
 from protocol.hashing import chunk_keys
@@ -186,8 +187,9 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def _worker(e: LLMEngine) -> DictWorker:
-    assert isinstance(e.kv_worker, DictWorker)
-    return e.kv_worker
+    assert isinstance(e.kv_worker, KVConnectorGuard)  # engine/kv_connector_guard.py
+    assert isinstance(e.kv_worker.inner, DictWorker)
+    return e.kv_worker.inner
 
 
 def _reset(e: LLMEngine) -> None:

@@ -157,6 +157,40 @@ def test_requests_bound_to_a_decode_process_fail_when_it_goes() -> None:
             if how == "restarted":  # bindings of the new process survive further polls
                 assert decode[0].incarnation == "bbbb"
 
+        # no task of its own: 50 waiting requests are 50 tasks (theirs), not 100
+        before = len(asyncio.all_tasks())
+        waiting_tasks = [
+            asyncio.ensure_future(drain(b.bind(decode[0], decode[0].incarnation, f"m{i}")))
+            for i in range(50)
+        ]
+        await asyncio.sleep(0.01)
+        assert len(asyncio.all_tasks()) == before + 50
+        registry.mark_unhealthy(decode[0], "ConnectError: refused")
+        results = await asyncio.gather(*waiting_tasks, return_exceptions=True)
+        assert all(isinstance(r, DecodeLost) for r in results), results
+        registry.mark_healthy(decode[0], decode[0].incarnation)
+
+        # the request's own cancellation (its client left) stays a cancellation, also
+        # when the decode is lost in the same turn of the loop
+        for also_lost in (False, True):
+            task = asyncio.ensure_future(drain(b.bind(decode[0], decode[0].incarnation, "c")))
+            await asyncio.sleep(0.01)
+            task.cancel()
+            if also_lost:
+                registry.mark_unhealthy(decode[0], "ConnectError: refused")
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert b.num_bound(decode[0]) == 0
+            registry.mark_healthy(decode[0], decode[0].incarnation)
+
+        # lost before the guard is entered: DecodeLost at once, prefill never read
+        early = b.bind(decode[0], decode[0].incarnation, "early")
+        registry.mark_unhealthy(decode[0], "ConnectError: refused")
+        unwound.clear()
+        with pytest.raises(DecodeLost):
+            await drain(early)
+        assert b.num_bound(decode[0]) == 0
+
     asyncio.run(main())
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnectorScheduler, KVConnectorWorker
+from engine.kv_connector_guard import guarded
 from engine.llm_engine import LOAD_POLL_S, LLMEngine
 from engine.outputs import RequestOutput
 from engine.parallel.comm import ParallelContext
@@ -69,6 +70,7 @@ class PipelinedEngine(LLMEngine):
         self.connector = scheduler
         self.scheduler.connector = scheduler
         scheduler.bind_block_pool(self.pool)
+        worker = guarded(worker)  # its calls fail requests, not the step
         self.kv_worker = worker
         self.pipeline.set_kv_worker(worker)
 
@@ -123,8 +125,11 @@ class PipelinedEngine(LLMEngine):
     def _complete(self, flight: _InFlight) -> list[RequestOutput]:
         result = self.pipeline.collect()
         assert result.step_id == flight.step_id, "the ring returns steps in order"
-        outputs = self._fail_culprits(flight, result.culprits) if result.culprits else []
-        self.apply_reports(result.reports)
+        reports, failing = self.split_reports(result.reports)  # engine/kv_connector_guard.py
+        culprits = [(rid, f"forward failed: {err}") for rid, err in result.culprits]
+        culprits += failing.items()
+        outputs = self._fail_culprits(flight, culprits) if culprits else []
+        self.apply_reports(reports)
         tops = result.top_logprobs or [None] * len(result.token_ids)
         failed = dict(result.failed)
         for i, ((req, epoch), token, logprob, top) in enumerate(
@@ -144,7 +149,8 @@ class PipelinedEngine(LLMEngine):
         self, flight: _InFlight, culprits: list[tuple[str, str]]
     ) -> list[RequestOutput]:
         """Requests whose forward failed on a stage of this step fail alone
-        (engine/parallel/pp_isolation.py), and so does a request that took a prefix hit
+        (engine/parallel/pp_isolation.py), as do those a failed KV connector call of the
+        step named (engine/kv_connector_guard.py), and so does a request that took a prefix hit
         on the blocks the step was computing for them (their KV is not valid on the
         stage that failed and those after it, which skip such a request too). Before the
         step's reports are applied: the connector stops expecting their saves, of this
@@ -159,8 +165,8 @@ class PipelinedEngine(LLMEngine):
             blocks = self.kv.block_table(req.request_id)[start // self.config.block_size :]
             self.pool.uncache(blocks)
             invalid.update(blocks)
-            failing[req.request_id] = (req, f"forward failed: {err}")
-        why = "its prompt prefix was being computed by a request whose forward failed"
+            failing[req.request_id] = (req, err)
+        why = "its prompt prefix was being computed by a request whose step failed"
         for req in self._requests.values():
             if req.request_id not in failing and invalid.intersection(
                 self.kv.block_table(req.request_id)

@@ -40,6 +40,7 @@ from engine.faults import EngineFaults
 from engine.grammar import GrammarCompiler
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnectorWorker, NoConnectorWorker, WorkerPlace
+from engine.kv_connector_guard import guarded
 from engine.kv_identity import torch_dtype
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import build_model
@@ -291,7 +292,7 @@ def serve_stage(
     """The loop of stage >= 1: run each step that arrives until Shutdown. `worker`: this
     stage's KV connector worker (None: off); closed on return."""
     assert not ctx.is_driver
-    worker = worker or NoConnectorWorker()
+    worker = guarded(worker or NoConnectorWorker())  # a failed call fails requests only
     worker.register_kv_caches(stage.kv_caches, stage.place)
     try:
         _serve(stage, ctx, worker, depth)

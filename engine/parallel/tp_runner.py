@@ -36,6 +36,7 @@ from engine.config import EngineConfig
 from engine.faults import EngineFaults, InjectedFault
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnectorWorker, NoConnectorWorker, WorkerPlace
+from engine.kv_connector_guard import guarded
 from engine.kv_identity import torch_dtype
 from engine.llm_engine import LLMEngine
 from engine.parallel.comm import ParallelContext, broadcast_bytes, recv_bytes, send_bytes
@@ -275,7 +276,7 @@ def serve_rank(
     """The loop of rank >= 1: run what rank 0 broadcasts until Shutdown. `worker`: this
     rank's KV connector worker (None: off); closed on return."""
     assert not ctx.is_driver
-    worker = worker or NoConnectorWorker()
+    worker = guarded(worker or NoConnectorWorker())  # a failed call fails requests only
     worker.register_kv_caches(rank.kv_caches, rank.place)
     try:
         _serve(rank, ctx, command_hook, worker)
