@@ -241,7 +241,10 @@ def test_pool_loads_call_failed_on_one_stage_recompute(cluster: PPPoolCluster, r
     sessions = [Session(40 + i, reference, 220) for i in range(2)]
     lens = [len(s.turn(cluster, 0)[1]) for s in sessions]
     assert wait_until(
-        lambda: cluster.metric("kvserve_pool_save_chunks_total") >= sum(n // CHUNK for n in lens),
+        lambda: (
+            cluster.prefill_metric("kvserve_pool_save_chunks_total")
+            >= sum(n // CHUNK for n in lens)
+        ),
         timeout_s=10,
         interval_s=0.2,
     )
