@@ -17,6 +17,8 @@ it reads into contiguous K/V, since the engine has to do it too):
 - cudnn_split: gather the prefix only; cuDNN over the prefix (no mask) and cuDNN causal
   over the chunk's own k/v (square: both alignments agree), merged by their LSEs;
 - flash_split: the same split through the flash kernel (its LSE);
+- engine: engine/attention/flex_prefill.py, what the flex backend runs for long rows
+  (cudnn_split with shapes bucketed and a Triton merge);
 - flex (--flex): FlexAttention's compiled prefill kernel over the gathered K/V with a
   lower-right causal mask.
 
@@ -30,10 +32,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine.attention import flex_prefill
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 SCALE = 1 / math.sqrt(D)
@@ -170,6 +177,12 @@ def variants(c: Case, gqa: str, use_flex: bool) -> dict[str, Any]:
         return run
 
     out["cudnn_split"] = split(lambda q, k, v, causal: cudnn(q, k, v, causal, gqa))
+
+    def engine() -> Any:  # the flex backend's long-row path: bucketed shapes, Triton merge
+        o = flex_prefill.prefill(c.q, c.k, c.v, c.cache, c.table, c.prefix, SCALE)
+        return o, None
+
+    out["engine"] = engine
     out["flash_split"] = split(flash)
     if use_flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -241,7 +254,7 @@ def main() -> None:
             for name, fn in variants(c, gqa, args.flex).items():
                 note = ""
                 try:
-                    if name.startswith("cudnn"):
+                    if name.startswith("cudnn") or name == "engine":
                         torch.cuda.synchronize()
                         t0 = torch.cuda.Event(enable_timing=True)
                         t1 = torch.cuda.Event(enable_timing=True)

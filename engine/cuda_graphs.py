@@ -30,6 +30,7 @@ import torch
 from engine.attention.base import AttentionMetadata
 from engine.attention.flex import padded_batch
 from engine.device_tables import DeviceBlockTables
+from engine.models import layer_ops
 from engine.models.llama import LlamaForCausalLM
 
 CPU_EMULATION = False
@@ -122,6 +123,8 @@ class DecodeGraphs:
                 self._logits[size] = out
                 self._graphs[size] = _EagerReplay(functools.partial(self._forward, size), out)
             return
+        for size in self.sizes:
+            layer_ops.tune(size)  # compiled (and tuned) by the warm-up below, if listed
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

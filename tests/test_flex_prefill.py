@@ -132,7 +132,7 @@ def test_long_rows_equal_dense_attention_cpu(
     meta, q, ks, vs, cache = _step(seqs, 6, 2, 16, torch.float32, "cpu")
     scale = 16**-0.5
     out = backend.forward(q, _new(seqs, ks), _new(seqs, vs), cache, meta, scale)
-    for b, (cached, new) in enumerate(seqs):
+    for b in range(len(seqs)):
         want = _dense(q[meta.query_start_loc[b] : meta.query_start_loc[b + 1]], ks[b], vs[b], scale)
         got = out[meta.query_start_loc[b] : meta.query_start_loc[b + 1]].double()
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)

@@ -132,7 +132,7 @@ def prefill(
     dense: Dense = cudnn_dense,
 ) -> torch.Tensor:  # [N, Hq, D]
     """Causal attention of N new tokens over `prefix` cached tokens + themselves."""
-    new, num_heads, head_dim = q.shape
+    new, _, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     split = plan(prefix, new)
     kv = None
