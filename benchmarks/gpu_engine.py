@@ -127,7 +127,7 @@ def time_prefill(runner: ModelRunner, ctx: int, new: int) -> tuple[float, torch.
         assert logits is not None
         out[:] = [logits]
 
-    return sync_time(run, 3, warmup=1), out[0][-1].float()
+    return sync_time(run, 3, warmup=1), out[0][-1].float().clone()
 
 
 def long_prefill_paths(model: Any, pairs: float) -> None:
@@ -204,8 +204,9 @@ def main() -> None:
         "batch 1, 32, 128), 'gemv=OPS' (compiled, a GEMV kernel for one-row steps of "
         "the comma-separated ops only, cuBLAS for the others; batch 1), "
         "'one_row=inductor' (inductor's GEMV for one-row steps instead of "
-        "engine/models/gemv.py's; batch 1) or 'untuned' (no bucket through "
-        "max-autotune: layer_ops.TUNE_ROWS empty; batch 32, 128); repeatable",
+        "engine/models/gemv.py's; batch 1), 'tuned' (the 128 bucket through inductor's "
+        "max-autotune: layer_ops.TUNE_ROWS; batch 32, 128) or 'blas=cublaslt' (cuBLASLt "
+        "as torch's preferred BLAS; batch 32, 128); repeatable",
     )
     ap.add_argument(
         "--gemv-ops",
@@ -303,9 +304,11 @@ def main() -> None:
         # buys) or compiled ones with inductor's GEMV for one-row steps of the listed ops
         # only ("gemv=": cuBLAS for all; "gemv=attn_in,mlp": ...).
         tuned_rows = layer_ops.TUNE_ROWS
-        if compare == "untuned":
-            layer_ops.TUNE_ROWS = frozenset()
-            layer_ops.untune()
+        if compare == "tuned":
+            layer_ops.TUNE_ROWS = frozenset({128})
+            other = compiled_layer_ops(gemv=gemv_ops)
+        elif compare.startswith("blas="):
+            torch.backends.cuda.preferred_blas_library(compare.removeprefix("blas="))
             other = compiled_layer_ops(gemv=gemv_ops)
         elif compare == "unfused":
             other = EAGER
@@ -317,13 +320,17 @@ def main() -> None:
         set_layer_ops(model, other)
         graphs.capture()
         alt = {}
-        batches = {"unfused": (1, 32, 128), "untuned": (32, 128)}.get(compare, (1,))
+        batches = (1, 32, 128) if compare == "unfused" else (1,)
+        if compare == "tuned" or compare.startswith("blas="):
+            batches = (32, 128)
         for batch in batches:
             ms, _ = time_decode(runner, batch, 1024, num_blocks, seed=batch + 1024)
             alt[f"b{batch}"] = ms
             print(f"decode b{batch} ctx1024, graphs of {compare}: {ms:.2f} ms/step", flush=True)
         report[f"decode_ctx1k_{compare}_ms"] = alt
         layer_ops.TUNE_ROWS = tuned_rows
+        layer_ops.untune()
+        torch.backends.cuda.preferred_blas_library("cublas")
     if args.compare and not args.skip_prefill:
         set_layer_ops(model, compiled_layer_ops(gemv=gemv_ops))
         graphs.capture()

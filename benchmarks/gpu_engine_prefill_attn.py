@@ -237,6 +237,25 @@ def main() -> None:
     except Exception as e:
         print(f"cuDNN native GQA failed ({e!r:.200}); expanding K/V", flush=True)
         gqa = "expand"
+    # Which kernel SDPA runs for short rows inside the flex backend's _flash_first.
+    from engine.attention.flex import _flash_first
+
+    c0 = Case(0, 1024, seed=2)
+    with _flash_first(c0.q.device):
+        sdpa = F.scaled_dot_product_attention(
+            bhsd(c0.q), bhsd(c0.k), bhsd(c0.v), is_causal=True, scale=SCALE, enable_gqa=True
+        )[0].transpose(0, 1)
+    default = F.scaled_dot_product_attention(
+        bhsd(c0.q), bhsd(c0.k), bhsd(c0.v), is_causal=True, scale=SCALE, enable_gqa=True
+    )[0].transpose(0, 1)
+    fa = flash(c0.q, c0.k, c0.v, True)[0]
+    dnn = cudnn(c0.q, c0.k, c0.v, True, gqa)[0]
+    print(
+        f"SDPA under _flash_first == flash op: {torch.equal(sdpa, fa)}, == cuDNN: "
+        f"{torch.equal(sdpa, dnn)}; SDPA default == cuDNN: {torch.equal(default, dnn)}, "
+        f"== flash: {torch.equal(default, fa)}",
+        flush=True,
+    )
     print(
         "\n| prefix | new | variant | ms | TFLOP/s | out rel err | lse max err | note |\n"
         "|---:|---:|---|---:|---:|---:|---:|---|",

@@ -155,13 +155,13 @@ down with the residual add: 4 kernels and no glue kernel per layer; inductor's G
 those kernels do not apply) or "inductor" (inductor's GEMV with its fusions)."""
 
 
-TUNE_ROWS: frozenset[int] = frozenset({128})
-"""Decode batch buckets whose steps compile with inductor's max-autotune (TUNED_OPTIONS):
-at 128 rows a matmul reads as many weight bytes as at one but does 128x the work, and
-cuBLAS' kernels for those shapes read the weights well below the copy bandwidth; inductor
-times its Triton matmul templates against cuBLAS per shape and keeps the faster, and can
-fuse the glue into a template's epilogue. Tuning takes tens of seconds per bucket, so
-only the buckets listed here are tuned, at graph capture (`tune`), never mid-serving."""
+TUNE_ROWS: frozenset[int] = frozenset()
+"""Decode batch buckets whose steps compile with inductor's max-autotune (TUNED_OPTIONS),
+which times its Triton matmul templates against cuBLAS per shape and keeps the faster.
+Empty by default: at 128 rows the templates it chose (5-10% faster than cuBLAS in its own
+timing, which reuses one weight from L2) made the 8B model's decode step no faster
+(10.15 against 9.96 ms, docs/benchmarks.md) and tuning costs ~40 s at start-up. Tuning
+happens at graph capture (`tune`), never mid-serving."""
 
 TUNED_OPTIONS: dict[str, Any] = {"max_autotune": True}
 
