@@ -16,7 +16,8 @@ touch no live sequence, and read (never write) whatever blocks table row 0 names
 graphs read the block tables' device tensor in place: if DeviceBlockTables reallocates it
 (more rows or wider tables than it was sized for), steps run eagerly. Only backends with
 `graph_safe_decode` are captured (the decode step reads device tensors only). Mixed and
-prefill steps, and decode batches larger than the largest bucket, run eagerly.
+prefill steps, and decode batches larger than the largest bucket, run eagerly. Buckets in
+layer_ops.TUNE_ROWS are compiled with max-autotune by their warm-up step, before capture.
 """
 
 from __future__ import annotations
