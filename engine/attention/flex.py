@@ -275,7 +275,7 @@ class FlexAttentionBackend(LSEAttentionBackend):
         dense = self._dense
         if dense is None and flex_prefill.usable(q, kv_cache):
             dense = flex_prefill.cudnn_dense
-        if dense is not None and q_len * (prefix + q_len / 2) >= self.long_prefill_pairs:
+        if dense is not None and flex_prefill.wanted(prefix, q_len, self.long_prefill_pairs):
             return flex_prefill.prefill(
                 q[q_start:q_end],
                 k[q_start:q_end],

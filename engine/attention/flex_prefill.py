@@ -72,9 +72,10 @@ def plan(prefix: int, new: int) -> Split:
     return Split(bulk, tail, bucket(new), bucket(tail + new))
 
 
-def wanted(prefix: int, new: int) -> bool:
-    """True when a row of `new` tokens behind `prefix` cached ones is long enough."""
-    return new * (prefix + new / 2) >= MIN_PAIRS
+def wanted(prefix: int, new: int, min_pairs: float = MIN_PAIRS) -> bool:
+    """True when a row of `new` tokens behind `prefix` cached ones has at least
+    `min_pairs` query-key pairs (about new * (prefix + new / 2))."""
+    return new * (prefix + new / 2) >= min_pairs
 
 
 def usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
