@@ -39,6 +39,7 @@ from engine.kv_identity import kv_namespace, torch_dtype
 from engine.model_runner import ModelExecutor, ModelRunner
 from engine.models.registry import build_model
 from engine.outputs import Completion, RequestOutput
+from engine.prefill_order import PrefillOrder
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, SamplingState, TopLogprobs
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerCounters, SchedulerOutput
@@ -123,7 +124,15 @@ class LLMEngine:
         num_blocks = self.runner.num_blocks
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            order=PrefillOrder(
+                kind=config.prefill_order,
+                bound_steps=config.prefill_bound_steps,
+            ),
+        )
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(info.tokenizer, mc.vocab_size, info.eos_token_ids)
         """Compiles requests' grammars (structured output) on its own thread, cached."""
