@@ -179,4 +179,3 @@ class Pool:
                 self.objs.pop(k, None)
                 evicted += 1
         self.evicted += evicted
-

@@ -342,7 +342,8 @@ def simulate(trace: Trace, policy: Policy, m: Model, seed: int = 0) -> Result:
         save_from = base // CHUNK_TOKENS
         full = req.input_length // CHUNK_TOKENS
         at = [
-            start + ((c + 1) * CHUNK_TOKENS - base) / m.compute_tok_s for c in range(save_from, full)
+            start + ((c + 1) * CHUNK_TOKENS - base) / m.compute_tok_s
+            for c in range(save_from, full)
         ]
         reuse.store(s, start, end, at)
         first_token = max(end, start + reuse.restore_s(s))
