@@ -51,7 +51,7 @@ def _sched(
 def _apply(sched: Scheduler, out: SchedulerOutput, finish_sampled: bool = True) -> list[str]:
     """What a prefill instance does after the model ran: advance progress; a request that
     sampled its first token leaves (finish_sampled) or decodes on. Returns those sampled."""
-    sampled = []
+    sampled: list[str] = []
     for s in out.scheduled:
         samples = s.samples
         s.request.num_computed_tokens += s.num_new_tokens
