@@ -149,7 +149,7 @@ def queue_model(m: Model, spec: str) -> Model:
     m = replace(m, queue=name, step_tokens=int(budget) if budget else m.step_tokens)
     if name == "srpf" and param:
         m = replace(m, aging_tokens=float(param))
-    elif name == "bound" and param:
+    elif name == "shortest" and param:
         m = replace(m, bound_steps=int(param))
     elif name == "cap" and param:
         m = replace(m, chunk_cap=int(param))

@@ -1,8 +1,8 @@
 """The prefill instance as the engine runs it, for the pool simulator
 (benchmarks/pool_policy_sim.py): steps of a token budget, chunked prefill, admission
 that matches the prefix first, pool restores that take no budget, and a step's cost from
-its tokens and their context. Disciplines (`Model.queue`), as engine/prefill_order.py
-builds them:
+its tokens and their context. Disciplines (`Model.queue`); fcfs and shortest are what
+engine/prefill_order.py builds:
 
     fcfs    running prefills in admission order, each taking what the budget leaves;
             waiting requests admitted front first while budget is left (what the engine
@@ -13,6 +13,8 @@ builds them:
             step since the request arrived; a waiting request is admitted when its turn
             comes with budget left. The bound: a request that arrived k steps after
             another overtakes it only with aging_tokens x k fewer tokens left.
+    shortest  srpf with no aging and a hard bound instead: a request `bound_steps` steps
+            after its arrival goes before every request under the bound (oldest first)
     cap     fcfs, but a request takes at most `chunk_cap` tokens of a step while another
             wants tokens; what is left goes back in admission order
 
@@ -35,7 +37,7 @@ from benchmarks.agentic.trace import CeilingCounter, Trace
 from benchmarks.pool_sim_cache import CHUNK_TOKENS
 from benchmarks.pool_sim_replay import Model, Policy, Result, Reuse, Served, Threads
 
-DISCIPLINES = ("fcfs", "srpf", "bound", "cap")
+DISCIPLINES = ("fcfs", "srpf", "shortest", "cap")
 
 
 @dataclass
@@ -97,9 +99,9 @@ class StepQueue:
         budget = m.step_tokens
         take: dict[int, int] = {}
         order: list[Job]
-        if m.queue in ("srpf", "bound"):
+        if m.queue in ("srpf", "shortest"):
             age = m.aging_tokens if m.queue == "srpf" else 0.0
-            bound = m.bound_steps if m.queue == "bound" else None
+            bound = m.bound_steps if m.queue == "shortest" else None
             running = set(id(j) for j in self.running)
 
             def key(j: Job) -> tuple[int, float, int]:

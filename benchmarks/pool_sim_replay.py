@@ -60,7 +60,7 @@ class Model:
     aging_tokens: float = 2048.0
     """srpf: priority tokens a request gains per step since its arrival."""
     bound_steps: int = 64
-    """bound: steps after its arrival from which a request goes first (by arrival)."""
+    """shortest: steps after its arrival from which a request goes first (by arrival)."""
     step_token_s: float = 18.6e-6
     """Step cost per token (weights, MLP, projections): 8K tokens with no prefix at
     ~39.6K tok/s on one H200, less the attention term below."""
