@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ranks = start_ranks(ctx.config_path, cluster, inst, info, arena)
     engine = ranks.engine
-    host = EngineHost(engine)
+    host = EngineHost(engine, stall_timeout_s=cluster.engine_stall_timeout_s)
     if ranks.children is not None:  # a rank / stage that dies fails the instance at once
         ranks.children.on_lost = host.instance_lost
         host.probe_lost = ranks.children.probe

@@ -143,6 +143,7 @@ def engine_config(
             stage=faults.stage,
             rank=faults.rank,
             layer=faults.layer,
+            hang_s=faults.hang_s,
         ),
     )
 

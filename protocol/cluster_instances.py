@@ -53,6 +53,9 @@ class EngineFaultsConfig(Section, frozen=True, kw_only=True):
     forward before layer `layer` (the others do not: a failure of that rank's device or
     memory); None: every rank alike, before the forward (what a request's input does)."""
     layer: int = 0
+    hang_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    """> 0: the poisoned step sleeps this long instead of raising (a step that does not
+    return), at "sample" or at a single-process "forward"; the stall watchdog's tests."""
 
 
 class PrefillConfig(Section, frozen=True, kw_only=True):
