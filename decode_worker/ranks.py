@@ -78,7 +78,7 @@ def landing_bytes(inst: DecodeConfig) -> int:
     return int(inst.landing_memory) // 4096 * 4096
 
 
-def landing_arena(inst: DecodeConfig, rank: int, transport: Transport) -> LandingArena:
+def landing_arena(inst: DecodeConfig, rank: int, transport: Transport | None) -> LandingArena:
     """Rank `rank`'s landing arena: landing_memory on landing_device, regions capped at
     landing_region (a quarter of the arena by default)."""
     nbytes = landing_bytes(inst)

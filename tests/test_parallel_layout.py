@@ -179,3 +179,16 @@ def test_kvserve_check_reports_how_the_context_lands() -> None:
     assert check(str(EXAMPLE), out=out) == 0
     text = out.getvalue()
     assert "a 8192-token context is 180MiB per rank; region 32MiB: streams through it" in text
+
+
+def test_decode_arena_takes_the_configured_region_cap() -> None:
+    """The decode worker builds its arena from cluster.yaml: landing_region caps regions,
+    and without it a region is a quarter of landing_memory."""
+    from decode_worker.ranks import landing_arena
+
+    capped = _cluster(decode__landing_memory="1MiB", decode__landing_region="128KiB")
+    arena = landing_arena(capped.decode[0], 0, None)
+    assert arena.max_region_bytes == 128 << 10
+    assert arena.allocate("r", 1 << 20, timeout_s=0).nbytes == 128 << 10
+    default = landing_arena(_cluster(decode__landing_memory="1MiB").decode[0], 0, None)
+    assert default.max_region_bytes == 256 << 10
