@@ -19,6 +19,7 @@ from protocol.parallel import (
     decode_rank_shards,
     even_layer_split,
     head_layout_error,
+    landing_region_max,
     layer_split_error,
     split_range,
     stage_layer_ranges,
@@ -156,8 +157,38 @@ def test_landing_must_stream_the_full_context() -> None:
     assert "8192-token context" in e.value.message and "raise it" in e.value.message
 
 
+def test_landing_region_sets_the_cap_and_is_checked() -> None:
+    """`landing_region` replaces the quarter: more, smaller regions (more requests between
+    /decode and their prompt landed at once), each still two tokens of every layer."""
+    assert landing_region_max(1 << 20) == 256 << 10  # default: a quarter
+    assert landing_region_max(1 << 20, 128 << 10) == 128 << 10
+    assert landing_region_max(1 << 20, 4 << 20) == 1 << 20  # never more than the buffer
+    check_model_layouts(
+        _cluster(decode__landing_memory="1MiB", decode__landing_region="128KiB"), FullShape()
+    )
+    with pytest.raises(ConfigError) as e:
+        check_model_layouts(
+            _cluster(decode__landing_memory="1MiB", decode__landing_region="16KiB"), FullShape()
+        )
+    assert e.value.path == "decode[0].landing_region"
+    assert "raise landing_region" in e.value.message
+
+
 def test_kvserve_check_reports_how_the_context_lands() -> None:
     out = io.StringIO()
     assert check(str(EXAMPLE), out=out) == 0
     text = out.getvalue()
     assert "a 8192-token context is 180MiB per rank; region 32MiB: streams through it" in text
+
+
+def test_decode_arena_takes_the_configured_region_cap() -> None:
+    """The decode worker builds its arena from cluster.yaml: landing_region caps regions,
+    and without it a region is a quarter of landing_memory."""
+    from decode_worker.ranks import landing_arena
+
+    capped = _cluster(decode__landing_memory="1MiB", decode__landing_region="128KiB")
+    arena = landing_arena(capped.decode[0], 0, None)
+    assert arena.max_region_bytes == 128 << 10
+    assert arena.allocate("r", 1 << 20, timeout_s=0).nbytes == 128 << 10
+    default = landing_arena(_cluster(decode__landing_memory="1MiB").decode[0], 0, None)
+    assert default.max_region_bytes == 256 << 10
