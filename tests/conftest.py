@@ -26,6 +26,20 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
+    """transformers' tokenizer and float32 model of the builtin SmolLM2 GGUF, loaded once
+    for the session (dequantizing the GGUF is the slow part: tens of seconds per load on
+    two cores). Read-only: tests run it under torch.no_grad and never change it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, name = str(smollm2_gguf.parent), smollm2_gguf.name
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    return tok, model.eval()
+
+
+@pytest.fixture(scope="session")
 def weights_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """One converted-weights cache for the whole test session (conversion happens once)."""
     return str(tmp_path_factory.mktemp("kvserve-cache"))

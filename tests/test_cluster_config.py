@@ -153,6 +153,14 @@ BAD = [
     ("order", _set("cache.prefill_order", "lifo"), "cache.prefill_order", "shortest, fcfs"),
     ("bound", _set("cache.prefill_bound_steps", 0), "cache.prefill_bound_steps", ">= 1"),
     ("fcfs", _set("cache.prefill_order", "fcfs"), None, None),  # valid
+    ("stall", _set("engine_stall_timeout_s", 0), "engine_stall_timeout_s", "> 0"),
+    ("no-stall", _set("engine_stall_timeout_s", None), None, None),  # valid: watchdog off
+    (
+        "hang",
+        _set("decode.0.engine_faults", {"fail_seed": 1, "hang_s": -1}),
+        "decode[0].engine_faults.hang_s",
+        ">= 0",
+    ),
     ("wildcard", _set("nodes.0.host", "0.0.0.0"), "nodes[0].host", "wildcard"),
     ("auth", _set("router.api_key_env", "K"), None, None),  # valid alone
     ("open-router", _set("router.host", "0.0.0.0"), "router.host", "needs router.api_key"),

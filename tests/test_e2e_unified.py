@@ -125,6 +125,15 @@ def _ref_out(ref: LLMEngine, ids: list[int], max_tokens: int) -> tuple[list[int]
     return out.token_ids, out.text
 
 
+def _ref_outs(
+    ref: LLMEngine, prompts: list[list[int]], max_tokens: int
+) -> list[tuple[list[int], str]]:
+    """The reference's greedy outputs of several prompts in one continuous batch (the
+    engine's greedy tokens do not depend on the batch: tests/test_step_isolation.py)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [(o.token_ids, o.text) for o in ref.generate(prompts, params)]
+
+
 def _ref_text(ref: LLMEngine, ids: list[int], max_tokens: int) -> str:
     return _ref_out(ref, ids, max_tokens)[1]
 
@@ -145,19 +154,17 @@ def _complete(client: openai.OpenAI, ids: list[int], max_tokens: int) -> tuple[s
     return got.choices[0].text, details
 
 
-def test_greedy_matches_engine_and_transformers(cluster, client, reference, smollm2_gguf: Path):
+def test_greedy_matches_engine_and_transformers(cluster, client, reference, smollm2_hf):
     """Four requests at once (prefill chunks and decodes share steps): each one's tokens
     equal the single-process engine's, which are transformers' float32 greedy choice."""
-    prompts = [_prompt(reference, s, n) for s, n in ((1, 40), (2, 600), (3, 90), (4, 300))]
+    # 400 tokens: two chunks of the 256-token step budget, the second beside decodes
+    prompts = [_prompt(reference, s, n) for s, n in ((1, 40), (2, 400), (3, 90), (4, 300))]
     with cf.ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(lambda ids: _complete(client, ids, 24)[0], prompts))
-    want = [_ref_out(reference, ids, 24) for ids in prompts]
+        got = list(pool.map(lambda ids: _complete(client, ids, 16)[0], prompts))
+    want = _ref_outs(reference, prompts, 16)
     assert got == [text for _, text in want]
 
-    from transformers import AutoModelForCausalLM
-
-    d = str(smollm2_gguf.parent)
-    hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=SMOLLM2_GGUF_NAME, dtype=torch.float32)
+    hf = smollm2_hf[1]
     for ids, (out, _) in zip(prompts[:2], want[:2], strict=True):
         with torch.no_grad():
             logits = hf(torch.tensor([ids + out])).logits[0]
@@ -166,16 +173,16 @@ def test_greedy_matches_engine_and_transformers(cluster, client, reference, smol
 
 
 def test_history_restored_from_the_pool_after_a_reset(cluster, client, reference):
-    ids = _prompt(reference, 11, 700)
-    want = _ref_text(reference, ids, 12)
-    got, first = _complete(client, ids, 12)
+    ids = _prompt(reference, 11, 530)  # two whole chunks and a rest
+    want = _ref_text(reference, ids, 8)
+    got, first = _complete(client, ids, 8)
     assert got == want and first["computed_tokens"] == len(ids)
     cluster.reset()  # the instance's own cache is empty: the pool has the whole chunks
     longer = ids + _prompt(reference, 12, 40)
-    got, details = _complete(client, longer, 12)
+    got, details = _complete(client, longer, 8)
     assert details["gpu_tokens"] == 0
     assert details["pool_tokens"] == len(ids) // CHUNK * CHUNK
-    assert got == _ref_text(reference, longer, 12)
+    assert got == _ref_text(reference, longer, 8)
     url = cluster.unified_url
     assert cluster.metric(url, "kvserve_prompt_tokens_total", source="pool") >= 512
     assert cluster.metric(url, "kvserve_pool_hit_chunks_total") >= 2
@@ -231,8 +238,8 @@ def _wait_restarted(c: UnifiedCluster, name: str, old_pid: int, health: str) -> 
 
 
 def test_restarted_instance_restores_from_the_pool(cluster, client, reference):
-    ids = _prompt(reference, 21, 560)
-    _complete(client, ids, 4)
+    ids = _prompt(reference, 21, 530)
+    _complete(client, ids, 2)
     old = _kill(cluster, "unified-0")
     _wait_restarted(cluster, "unified-0", old, cluster.unified_url + "/health")
 
@@ -241,16 +248,16 @@ def test_restarted_instance_restores_from_the_pool(cluster, client, reference):
         return body["unified"]["healthy"] == 1
 
     assert wait_until(routable, timeout_s=30, interval_s=0.2)
-    got, details = _complete(client, ids, 16)
+    got, details = _complete(client, ids, 8)
     assert details["pool_tokens"] == len(ids) // CHUNK * CHUNK and details["gpu_tokens"] == 0
-    assert got == _ref_text(reference, ids, 16)
+    assert got == _ref_text(reference, ids, 8)
 
 
 def test_store_killed_mid_run_fails_no_request(cluster, client, reference):
     prompts = [_prompt(reference, 30 + i, 300 + 40 * i) for i in range(4)]
-    want = [_ref_text(reference, ids, 32) for ids in prompts]
+    want = [text for _, text in _ref_outs(reference, prompts, 16)]
     with cf.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(_complete, client, ids, 32) for ids in prompts]
+        futures = [pool.submit(_complete, client, ids, 16) for ids in prompts]
         old = _kill(cluster, "pool-store-0")
         got = [f.result()[0] for f in futures]
     assert got == want
@@ -292,7 +299,7 @@ def test_a_failing_request_fails_alone(cluster, client, reference):
     """A request whose forward fails (injected) gets a 5xx naming the instance; the
     requests sharing its steps finish with exact tokens."""
     prompts = [_prompt(reference, 60 + i, 120) for i in range(3)]
-    want = [_ref_text(reference, ids, 16) for ids in prompts]
+    want = [text for _, text in _ref_outs(reference, prompts, 16)]
     failed = cluster.metric(cluster.unified_url, "kvserve_unified_requests_total", outcome="failed")
 
     def poisoned() -> int:
@@ -343,7 +350,7 @@ def test_step_trace_shows_each_request_s_path_to_its_first_token(cluster, client
     """KVSERVE_STEP_TRACE in the instance's env: the worker records each request's arrival,
     admission and first token, the engine every step; the request's prefill steps (chunks of
     at most max_batched_tokens) lie between its arrival and its first token."""
-    ids = _prompt(reference, 91, 600)
+    ids = _prompt(reference, 91, 400)
     _complete(client, ids, 3)
     steps: list[StepRecord] = []
     events: dict[str, dict[str, float]] = {}
@@ -353,7 +360,7 @@ def test_step_trace_shows_each_request_s_path_to_its_first_token(cluster, client
                 steps.append(line)
             elif isinstance(line, RequestEvent):
                 events.setdefault(line.rid, {})[line.ev] = line.t
-    # the last request that reached its first token is this one (600 prompt tokens)
+    # the last request that reached its first token is this one (400 prompt tokens)
     rid, ev = max(
         ((r, e) for r, e in events.items() if "first_token" in e), key=lambda x: x[1]["arrival"]
     )

@@ -3,8 +3,6 @@ in float32, plus the OpenAI stop semantics on real text."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -30,13 +28,10 @@ def engine(weights_cache_dir: str) -> LLMEngine:
 
 
 @pytest.fixture(scope="module")
-def hf(smollm2_gguf: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    d, name = str(smollm2_gguf.parent), SMOLLM2_GGUF_NAME
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    return tok, model.eval()
+def hf(smollm2_hf):  # type: ignore[no-untyped-def]
+    """transformers' tokenizer and float32 model of the same GGUF (conftest.py: once per
+    session)."""
+    return smollm2_hf
 
 
 def _prompt_ids(engine: LLMEngine, hf) -> list[list[int]]:

@@ -288,19 +288,14 @@ SMOL_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory):
-    from transformers import AutoModelForCausalLM
-
+def smol(smollm2_gguf: Path, smollm2_hf, tmp_path_factory: pytest.TempPathFactory):
     config = model_config_from_gguf(smollm2_gguf)
     cache = tmp_path_factory.mktemp("weights")
     weights = load_weights("gguf", smollm2_gguf, config, cache)
     ours = build_model(
         config, dtype=torch.float32, device="cpu", backend=get_backend("torch"), weights=weights
     )
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
-    return ours, hf
+    return ours, smollm2_hf[1]
 
 
 def test_smollm2_gguf_logits_match_transformers(smol) -> None:
@@ -315,11 +310,17 @@ def test_smollm2_gguf_logits_match_transformers(smol) -> None:
         assert_logits_close(logits[end - 1], ref)
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_greedy_32_tokens_match_transformers(smol) -> None:
     """Our batched greedy decode against transformers, teacher-forced: one HF forward over
     prompt + our continuation must pick each of our tokens at every position. By induction
     that is the same as HF's greedy loop producing our sequence (at 1/32 of the cost), and
-    it also lets us compare every decode step's logits, not only the tokens."""
+    it also lets us compare every decode step's logits, not only the tokens.
+
+    Slow (-m slow): the default run checks the same 32 greedy tokens of the same GGUF
+    against transformers through the whole engine (test_engine_smollm2.py, which runs this
+    model code) and the logits here at the prompts' ends (the test above); this one adds
+    the logits of every decode step."""
     ours, hf = smol
     tokens, logits = PagedRunner(ours).greedy(SMOL_PROMPTS, 32)
     for p, toks, lg in zip(SMOL_PROMPTS, tokens, logits, strict=True):

@@ -18,8 +18,9 @@ PROMPTS = [list(range(100, 160)), list(range(300, 337)), list(range(900, 1000))]
 
 
 def _run(engine: LLMEngine, seen: list[tuple[int, int]]) -> list[list[int]]:
-    """Greedy 12 tokens per prompt, the third prompt added mid-decode (a mixed step)."""
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    """Greedy 8 tokens per prompt, the third prompt added mid-decode (a mixed step: the
+    first two still decode there)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(PROMPTS[:2]):
         engine.add_request(ids, params, f"r{i}")
     outs: dict[str, list[int]] = {}
