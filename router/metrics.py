@@ -189,8 +189,7 @@ class RequestRecord:
         m.requests_of(self.endpoint, status).inc()
         if t.first_token is not None:
             m.ttft.observe(t.first_token - t.arrival)
-        for gap in t.token_gaps:
-            m.itl.observe(gap)
+        m.itl.observe_all(t.token_gaps)
         if status == 200:
             m.e2e.observe((t.last_token or time.monotonic()) - t.arrival)
         if usage is not None:
