@@ -49,7 +49,8 @@ metric_lines() { # URL PATTERN: the /metrics lines of a component matching PATTE
 import re, sys, httpx
 text = httpx.get(sys.argv[1] + "/metrics", timeout=10, trust_env=False).text
 for line in text.splitlines():
-    if re.match(sys.argv[2], line) and not line.endswith(" 0.0") and "_created" not in line:
+    # Zeros are printed too: a counter at 0 (no save waited, none lost) is a finding.
+    if re.match(sys.argv[2], line) and "_created" not in line:
         print("   ", line)
 EOF
 }
@@ -87,6 +88,8 @@ EOF
 
   echo "== report"
   cat "$out/agentic/report.json"
+  echo "== prefill queue (prefill-0: prompt tokens by source, time to first token, preemptions)"
+  metric_lines http://127.0.0.1:8100 'kvserve_(prompt_tokens_total|prefill_first_token_seconds_(sum|count)|engine_preemptions_total|engine_recomputed_tokens_total)'
   echo "== handoff (prefill-0 sends, decode-0 scatters; cuda_ipc)"
   metric_lines http://127.0.0.1:8100 'kvserve_handoff_(bytes|ops|seconds_(sum|count))'
   metric_lines http://127.0.0.1:8200 'kvserve_(handoff_flows_total|decode_scatter_seconds_(sum|count)|landing_wait_seconds_(sum|count))'
