@@ -52,6 +52,7 @@ from benchmarks.gpu_engine_setup import (
     sync_time,
     weight_bytes,
 )
+from engine.attention import flex_prefill
 from engine.model_runner import ModelRunner
 from engine.models import gemv as row_gemv
 from engine.models import layer_ops
@@ -113,11 +114,27 @@ def time_decode(
     return sorted(times)[rounds // 2] * 1e3, kv_bytes
 
 
-def time_prefill(runner: ModelRunner, ctx: int, new: int) -> float:
+def time_prefill(runner: ModelRunner, ctx: int, new: int) -> tuple[float, torch.Tensor]:
+    """Median seconds of one prefill step of `new` tokens behind `ctx` cached ones (the
+    cache's random values stand for the prefix), and its last row's logits."""
     kv = FakeKV({"p": list(range(-(-(ctx + new) // setup.BLOCK)))[::-1]})
     req = FakeRequest("p", [11] * (ctx + new), ctx)
     sched = step_of([req], [new])
-    return sync_time(lambda: runner.execute(sched, cast(Any, kv)), 3, warmup=1)
+    out: list[torch.Tensor] = []
+
+    def run() -> None:
+        logits = runner.execute(sched, cast(Any, kv))
+        assert logits is not None
+        out[:] = [logits]
+
+    return sync_time(run, 3, warmup=1), out[0][-1].float().clone()
+
+
+def long_prefill_paths(model: Any, pairs: float) -> None:
+    """Set the query-key pairs from which the flex backend's prefill rows run cuDNN's
+    attention (engine/attention/flex_prefill.py); inf = every row on the flash path."""
+    for layer in model.layers:
+        layer.backend.long_prefill_pairs = pairs
 
 
 def prefill_flops(cfg: dict[str, Any], n_params: int, ctx: int, new: int) -> float:
@@ -185,9 +202,11 @@ def main() -> None:
         default=[],
         help="also time 1K decode with graphs of other layer ops: 'unfused' (eager ops; "
         "batch 1, 32, 128), 'gemv=OPS' (compiled, a GEMV kernel for one-row steps of "
-        "the comma-separated ops only, cuBLAS for the others; batch 1) or "
+        "the comma-separated ops only, cuBLAS for the others; batch 1), "
         "'one_row=inductor' (inductor's GEMV for one-row steps instead of "
-        "engine/models/gemv.py's; batch 1); repeatable",
+        "engine/models/gemv.py's; batch 1), 'tuned' (the 128 bucket through inductor's "
+        "max-autotune: layer_ops.TUNE_ROWS; batch 32, 128) or 'blas=cublaslt' (cuBLASLt "
+        "as torch's preferred BLAS; batch 32, 128); repeatable",
     )
     ap.add_argument(
         "--gemv-ops",
@@ -284,7 +303,14 @@ def main() -> None:
         # The same graphs over other layer ops: the eager ones ("unfused": what compiling
         # buys) or compiled ones with inductor's GEMV for one-row steps of the listed ops
         # only ("gemv=": cuBLAS for all; "gemv=attn_in,mlp": ...).
-        if compare == "unfused":
+        tuned_rows = layer_ops.TUNE_ROWS
+        if compare == "tuned":
+            layer_ops.TUNE_ROWS = frozenset({128})
+            other = compiled_layer_ops(gemv=gemv_ops)
+        elif compare.startswith("blas="):
+            torch.backends.cuda.preferred_blas_library(compare.removeprefix("blas="))
+            other = compiled_layer_ops(gemv=gemv_ops)
+        elif compare == "unfused":
             other = EAGER
         elif compare.startswith("one_row="):
             other = compiled_layer_ops(gemv=gemv_ops, one_row=compare.removeprefix("one_row="))
@@ -294,21 +320,42 @@ def main() -> None:
         set_layer_ops(model, other)
         graphs.capture()
         alt = {}
-        for batch in (1, 32, 128) if compare == "unfused" else (1,):
+        batches = (1, 32, 128) if compare == "unfused" else (1,)
+        if compare == "tuned" or compare.startswith("blas="):
+            batches = (32, 128)
+        for batch in batches:
             ms, _ = time_decode(runner, batch, 1024, num_blocks, seed=batch + 1024)
             alt[f"b{batch}"] = ms
             print(f"decode b{batch} ctx1024, graphs of {compare}: {ms:.2f} ms/step", flush=True)
         report[f"decode_ctx1k_{compare}_ms"] = alt
+        layer_ops.TUNE_ROWS = tuned_rows
+        layer_ops.untune()
+        torch.backends.cuda.preferred_blas_library("cublas")
     if args.compare and not args.skip_prefill:
         set_layer_ops(model, compiled_layer_ops(gemv=gemv_ops))
         graphs.capture()
+    flash_rows = {}
     for ctx in () if args.skip_prefill else (0, 57344):
-        s = time_prefill(runner, ctx, 8192)
+        # the flash path first (what every row ran before cuDNN's), then the default
+        long_prefill_paths(model, float("inf"))
+        s_flash, logits_flash = time_prefill(runner, ctx, 8192)
+        long_prefill_paths(model, flex_prefill.MIN_PAIRS)
+        s, logits = time_prefill(runner, ctx, 8192)
+        diff = ((logits - logits_flash).norm() / logits_flash.norm()).item()
+        same = bool(logits.argmax() == logits_flash.argmax())
         flops = prefill_flops(LLAMA3_8B, n_params, ctx, 8192)
         mfu = flops / s / 1e12
         hf_s = hf_rows.get(f"prefill ctx{ctx}")
         rows.append(("prefill", 1, ctx, s * 1e3, mfu, None if hf_s is None else hf_s * 1e3))
-        print(f"prefill 8K over {ctx}: {8192 / s:.0f} tok/s, {mfu:.0f} TFLOP/s", flush=True)
+        flash_rows[f"ctx{ctx}"] = {"tok_s": 8192 / s_flash, "tflops": flops / s_flash / 1e12}
+        report[f"prefill_ctx{ctx}_logits_vs_flash"] = {"rel": diff, "same_argmax": same}
+        print(
+            f"prefill 8K over {ctx}: {8192 / s:.0f} tok/s, {mfu:.0f} TFLOP/s "
+            f"(flash path: {8192 / s_flash:.0f} tok/s, {flops / s_flash / 1e12:.0f} TFLOP/s; "
+            f"last-row logits vs flash path {diff:.1e} relative, same argmax {same})",
+            flush=True,
+        )
+    report["prefill_flash_path"] = flash_rows
     report["rows"] = rows
 
     print("\n| what | batch | context | kvserve flex | of ceiling | transformers |")

@@ -98,6 +98,9 @@ EOF
   echo "== pool saves and retention (prefill-0; the master's evictions)"
   metric_lines http://127.0.0.1:8100 'kvserve_pool_(save_chunks_total|save_dropped_total|save_deferred_total|save_lost_total|save_waiting|save_phase_seconds_total|save_bytes_total|retention_removed_total|retained_chunks|hit_chunks_total|miss_chunks_total|failures_total)'
   metric_lines http://127.0.0.1:9003 'master_(key_count|allocated_bytes|total_capacity_bytes|evicted_key_count|successful_evictions_total|put_start_alloc_failures_total)'
+  echo "== the router's admission gate (decode KV headroom) and decode's landing room"
+  metric_lines http://127.0.0.1:8000 'kvserve_router_admission_(wait_seconds_(sum|count)|rejections_total)' || true
+  metric_lines http://127.0.0.1:8200 'kvserve_(landing_capacity_bytes|num_requests_(running|waiting|loading_kv))' || true
 }
 
 case "${1:-}" in

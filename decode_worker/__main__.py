@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from decode_worker.ranks import landing_bytes, landing_device
+from decode_worker.ranks import landing_arena
 from decode_worker.service import DecodeService
 from decode_worker.startup import start_ranks
 from enginehost.host import EngineHost
 from enginehost.metrics import serve_metrics_port
 from enginehost.startup import load_instance, serve
-from transfer import LandingArena, create_transport, handoff_transport_config
+from transfer import create_transport, handoff_transport_config
 
 QUARANTINE_MARGIN_S = 5.0
 """Beyond the transport's write timeout: a write still in flight has failed by then."""
@@ -24,14 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     cluster, node, info = ctx.cluster, ctx.node, ctx.info
     inst = cluster.decode_instance(ctx.instance.name)
     transport_config = handoff_transport_config(inst.transfer.protocol, node.host)
-    arena = LandingArena(
-        landing_bytes(inst),
-        create_transport(transport_config),
-        device=landing_device(inst, 0),
-    )
+    arena = landing_arena(inst, 0, create_transport(transport_config))
     ranks = start_ranks(ctx.config_path, cluster, inst, info, arena)
     engine = ranks.engine
-    host = EngineHost(engine)
+    host = EngineHost(engine, stall_timeout_s=cluster.engine_stall_timeout_s)
     if ranks.children is not None:  # a rank / stage that dies fails the instance at once
         ranks.children.on_lost = host.instance_lost
         host.probe_lost = ranks.children.probe

@@ -24,9 +24,9 @@ import sys
 from protocol.cluster import DecodeConfig
 from protocol.kv_layout import KVLayout
 from protocol.messages import LandingInfo
-from protocol.parallel import DecodeRankShard
+from protocol.parallel import DecodeRankShard, landing_region_max
 from protocol.rank_messages import RankLanding, encode
-from transfer import LandingArena, LandingRegion, rank_landing_bytes
+from transfer import LandingArena, LandingRegion, Transport, rank_landing_bytes
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,19 @@ class RankLandings:
 def landing_bytes(inst: DecodeConfig) -> int:
     """Every rank's landing buffer: landing_memory, in whole 4 KiB pages."""
     return int(inst.landing_memory) // 4096 * 4096
+
+
+def landing_arena(inst: DecodeConfig, rank: int, transport: Transport) -> LandingArena:
+    """Rank `rank`'s landing arena: landing_memory on landing_device, regions capped at
+    landing_region (a quarter of the arena by default)."""
+    nbytes = landing_bytes(inst)
+    region = None if inst.landing_region is None else int(inst.landing_region)
+    return LandingArena(
+        nbytes,
+        transport,
+        device=landing_device(inst, rank),
+        max_region_bytes=landing_region_max(nbytes, region),
+    )
 
 
 def landing_device(inst: DecodeConfig, rank: int) -> str:
@@ -164,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             inst.decode_context_parallel,
         )
         transport = create_transport(handoff_transport_config(inst.transfer.protocol, node.host))
-        arena = LandingArena(landing_bytes(inst), transport, device=landing_device(inst, args.rank))
+        arena = landing_arena(inst, args.rank, transport)
         send_bytes(encode(rank_landing(args.rank, arena)), 0, ctx.cpu_group)
         log.info("rank %d ready: %s", args.rank, rank.shard)
         worker = LandingWorker(arena, rank.layout, args.rank)

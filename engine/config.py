@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from engine.faults import EngineFaults
+from engine.prefill_order import PrefillOrder
 from protocol.kv_layout import KV_CACHE_DTYPES
 
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -25,6 +26,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Token budget of one step, prefill chunks and decodes together."""
     max_num_seqs: int = 64
     """Most requests running at once."""
+    prefill_order: str = "shortest"
+    """Which prefills get a step's budget first (engine/prefill_order.py): "shortest"
+    (fewest tokens left first, within a bound) or "fcfs" (admission order)."""
+    prefill_bound_steps: int = 64
+    """shortest: steps after its arrival from which a request goes first."""
     max_model_len: int | None = None
     """Context limit (prompt + output); defaults to the model's max_position_embeddings."""
     dtype: str = "float32"
@@ -72,6 +78,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        PrefillOrder(kind=self.prefill_order, bound_steps=self.prefill_bound_steps)
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -16,7 +16,8 @@ touch no live sequence, and read (never write) whatever blocks table row 0 names
 graphs read the block tables' device tensor in place: if DeviceBlockTables reallocates it
 (more rows or wider tables than it was sized for), steps run eagerly. Only backends with
 `graph_safe_decode` are captured (the decode step reads device tensors only). Mixed and
-prefill steps, and decode batches larger than the largest bucket, run eagerly.
+prefill steps, and decode batches larger than the largest bucket, run eagerly. Buckets in
+layer_ops.TUNE_ROWS are compiled with max-autotune by their warm-up step, before capture.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from engine.attention.base import AttentionMetadata
 from engine.attention.flex import padded_batch
 from engine.device_tables import DeviceBlockTables
+from engine.models import layer_ops
 from engine.models.llama import LlamaForCausalLM
 
 CPU_EMULATION = False
@@ -122,6 +124,8 @@ class DecodeGraphs:
                 self._logits[size] = out
                 self._graphs[size] = _EagerReplay(functools.partial(self._forward, size), out)
             return
+        for size in self.sizes:
+            layer_ops.tune(size)  # compiled (and tuned) by the warm-up below, if listed
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

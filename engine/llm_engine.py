@@ -9,20 +9,20 @@ step():  schedule   scheduler.schedule(): the batch and the KV connector's step 
                     appended, finished requests leave -> RequestOutput per request
 
 KV moves in and out only through the KV connector (engine/kv_connector.py), set with
-`set_kv_connector`; with none the engine runs the "off" connector.
+`set_kv_connector`; with none the engine runs the "off" connector. The execute part is
+engine/step_execution.py (`StepExecution`, this class's base); the model of a
+one-process engine is built by engine/local_runner.py.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from itertools import count
-from typing import Protocol, runtime_checkable
 
 import torch
 
-from engine.attention.base import get_backend
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.grammar import GrammarCompiler
@@ -34,18 +34,18 @@ from engine.kv_connector import (
     WorkerPlace,
 )
 from engine.kv_connector_guard import guarded
-from engine.kv_connector_guard import split_reports as split_failures
 from engine.kv_identity import kv_namespace, torch_dtype
-from engine.model_runner import ModelExecutor, ModelRunner
-from engine.models.registry import build_model
+from engine.local_runner import local_runner
+from engine.model_runner import ModelExecutor
 from engine.outputs import Completion, RequestOutput
+from engine.prefill_order import PrefillOrder
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, SamplingState, TopLogprobs
-from engine.scheduler import ScheduledRequest, Scheduler, SchedulerCounters, SchedulerOutput
-from engine.step_isolation import ForwardFailed, describe, find_culprits, sample_isolating
+from engine.scheduler import Scheduler, SchedulerCounters
+from engine.step_execution import ConnectorExecutor, StepExecution
+from engine.step_isolation import describe, sample_isolating
 from engine.step_threads import StepThreads
 from engine.step_trace import Row, StepTrace
-from engine.weights.cache import load_weights
 from modelinfo.detokenizer import RequestOutputText
 from modelinfo.info import ModelInfo, load_model_info
 from protocol.errors import InvalidRequestError, PromptTooLongError
@@ -56,43 +56,8 @@ from protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-LOAD_POLL_S = 0.02
-"""Longest the engine thread waits for a transfer when nothing else can run (it then goes
-back to its inbox: new requests and aborts are not held up longer than this)."""
 
-
-@runtime_checkable
-class ConnectorExecutor(Protocol):
-    """A runner whose KV connector workers live in several processes (the ranks of a
-    TP x DCP instance): it carries the step's connector metadata to every one of them and
-    brings their reports back. Engine thread only."""
-
-    def set_kv_worker(self, worker: KVConnectorWorker) -> None:
-        """The driver process's own worker side (the other processes build theirs)."""
-        ...
-
-    def execute_step(
-        self,
-        scheduled: list[ScheduledRequest],
-        kv: KVCacheManager,
-        kv_meta: bytes,
-        *,
-        load: bool = True,
-        probe: bool = False,
-    ) -> tuple[torch.Tensor | None, list[bytes]]:
-        """Run one step everywhere: (logits as ModelExecutor.execute, one connector
-        report per process in rank order). ForwardFailed when every process's forward
-        failed (then nothing was saved and the reports wait for the next run). `load`:
-        start the connector's loads of kv_meta (False when a failed run did); `probe`:
-        the forward only, for bisection (no connector, no reports)."""
-        ...
-
-    def poll_kv(self, kv_meta: bytes) -> list[bytes]:
-        """A step with nothing to compute: every worker gets `kv_meta` and reports."""
-        ...
-
-
-class LLMEngine:
+class LLMEngine(StepExecution):
     """Owns one model instance with its KV cache, scheduler, sampler and live requests."""
 
     def __init__(
@@ -117,13 +82,32 @@ class LLMEngine:
             kind=mc.kv_kind,
             cache_dtype=config.kv_cache_dtype,
         )
-        self.runner: ModelExecutor = runner if runner is not None else self._local_runner()
+        self.runner: ModelExecutor = (
+            runner
+            if runner is not None
+            else local_runner(
+                info,
+                config,
+                self.layout,
+                device=self.device,
+                dtype=self.dtype,
+                max_model_len=self.max_model_len,
+            )
+        )
         self.namespace = kv_namespace(info, config, self.runner.layer_split)
         self._hash_root = namespace_seed(self.namespace.key())
         num_blocks = self.runner.num_blocks
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            order=PrefillOrder(
+                kind=config.prefill_order,
+                bound_steps=config.prefill_bound_steps,
+            ),
+        )
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(info.tokenizer, mc.vocab_size, info.eos_token_ids)
         """Compiles requests' grammars (structured output) on its own thread, cached."""
@@ -139,30 +123,6 @@ class LLMEngine:
         self.step_threads: StepThreads | None = None
         """Torch threads per kind of step on the CPU (engine/step_threads.py); None:
         torch's count for every step."""
-
-    def _local_runner(self) -> ModelRunner:
-        """The whole model and its cache in this process."""
-        mc, config = self.info.config, self.config
-        weights = load_weights(self.info.source.kind, self.info.source.path, mc, config.cache_dir)
-        backend = get_backend(config.attention_backend)
-        model = build_model(
-            mc, dtype=self.dtype, device=self.device, backend=backend, weights=weights
-        )
-        num_blocks = config.num_blocks or max(
-            1, config.kv_cache_bytes // self.layout.bytes_per_block
-        )
-        return ModelRunner(
-            model,
-            self.layout,
-            num_blocks,
-            device=self.device,
-            dtype=self.dtype,
-            backend=backend,
-            cuda_graphs=config.cuda_graphs,
-            compile_layers=config.compile_layers,
-            max_batch=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-        )
 
     @classmethod
     def from_spec(cls, model: str, config: EngineConfig | None = None) -> LLMEngine:
@@ -366,106 +326,6 @@ class LLMEngine:
             trace.step(t0, t_sched, t_exec, rows)
         return outputs
 
-    def _decode_ahead(
-        self,
-        plan: SchedulerOutput,
-        scheduled: list[ScheduledRequest],
-        culprits: dict[RequestId, str],
-    ) -> Callable[[torch.Tensor], None] | None:
-        """The sampler's hook that launches the next decode step while this step's tokens
-        travel to the host (engine/decode_ahead.py), or None when that step would likely
-        be dropped or cannot run ahead: this step is not pure decode, something else
-        could join the next step (waiting or loading requests, connector work), or every
-        request ends at this token by length."""
-        runner = self.runner
-        sched = self.scheduler
-        if (
-            not self.config.decode_ahead
-            or not isinstance(runner, ModelRunner)
-            or runner.graphs is None
-            or culprits
-            or plan.kv_meta
-            or self.config.faults is not None
-            or self.connector.saves_on_eviction()  # allocates only while scheduling
-            or sched.waiting
-            or sched.loading
-            or len(scheduled) != len(sched.running)
-            or any(s.num_new_tokens != 1 or not s.samples for s in scheduled)
-            or all(
-                s.request.num_output_tokens + 1 >= s.request.params.max_tokens for s in scheduled
-            )
-        ):
-            return None
-        kv, bs = self.kv, self.config.block_size
-
-        def launch(tokens: torch.Tensor) -> None:
-            try:
-                for s in scheduled:  # the KV block of the next position, one step early
-                    r = s.request
-                    short = (r.num_computed_tokens + 1) // bs >= len(kv.block_table(r.request_id))
-                    if short and not kv.allocate_slots(r, 2):
-                        return
-                runner.launch_ahead(scheduled, kv, tokens)
-            except Exception:  # the step itself is done: only the head start is lost
-                log.exception("launching the next decode step early failed")
-                runner.drop_ahead()
-
-        return launch
-
-    def _execute(
-        self, plan: SchedulerOutput
-    ) -> tuple[torch.Tensor | None, list[bytes], dict[RequestId, str]]:
-        """The execute part of a step: the model and the connector's workers; (logits of
-        the sampling rows of the requests that did not fail, the workers' reports, the
-        requests whose forward failed with why)."""
-        if isinstance(self.runner, ConnectorExecutor):
-            return self._execute_ranks(self.runner, plan)
-        worker = self.kv_worker
-        worker.start_loads(plan.kv_meta)
-        meta, culprits = plan.kv_meta, {}
-        try:
-            logits = self._forward(plan.scheduled)
-        except Exception as e:
-            found = find_culprits(plan.scheduled, self._forward, e)
-            culprits = {
-                plan.scheduled[i].request.request_id: f"forward failed: {err}"
-                for i, err in found.items()
-            }
-            rest = [s for i, s in enumerate(plan.scheduled) if i not in found]
-            logits = self._forward(rest) if rest else None
-            meta = self.connector.without_requests(plan.kv_meta, set(culprits))
-        worker.start_saves(meta)
-        return logits, [worker.get_finished()], culprits
-
-    def _execute_ranks(
-        self, runner: ConnectorExecutor, plan: SchedulerOutput
-    ) -> tuple[torch.Tensor | None, list[bytes], dict[RequestId, str]]:
-        """_execute over a TP x DCP instance: its ranks re-run the bisection in lockstep."""
-        try:
-            logits, reports = runner.execute_step(plan.scheduled, self.kv, plan.kv_meta)
-            return logits, reports, {}
-        except ForwardFailed as e:
-
-            def probe(sub: Sequence[ScheduledRequest]) -> object:
-                return runner.execute_step(list(sub), self.kv, b"", load=False, probe=True)
-
-            found = find_culprits(plan.scheduled, probe, e)
-        culprits = {
-            plan.scheduled[i].request.request_id: f"forward failed: {err}"
-            for i, err in found.items()
-        }
-        rest = [s for i, s in enumerate(plan.scheduled) if i not in found]
-        meta = self.connector.without_requests(plan.kv_meta, set(culprits))
-        logits, reports = runner.execute_step(rest, self.kv, meta, load=False)
-        return logits, reports, culprits
-
-    def _forward(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor | None:
-        """This process's model over `scheduled` (safe to repeat: the same KV slots are
-        written with the same values)."""
-        if self.config.faults is not None:
-            self.config.faults.check("forward", (s.request.params for s in scheduled))
-        return self.runner.execute(list(scheduled), self.kv)
-
     def fail_request(self, req: Request, error: str) -> RequestOutput:
         """End `req` alone with `error` (its step failed because of it) and free its KV
         (a forward culprit's blocks of the step were never cached: their KV is invalid)."""
@@ -494,52 +354,6 @@ class LLMEngine:
             return self._append_token(req, token, logprob, top)
         except Exception as e:
             return self.fail_request(req, f"detokenization failed: {describe(e)}")
-
-    def _poll_connector(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        """Nothing to compute: deliver the step's connector metadata (a load to start) or,
-        while transfers are outstanding, wait a little and collect the workers' reports.
-        Returns the requests a failed connector call ended."""
-        if not plan.kv_meta:
-            if not self.connector.has_pending():
-                return []
-            self.kv_worker.wait(LOAD_POLL_S)
-        if isinstance(self.runner, ConnectorExecutor):
-            reports = self.runner.poll_kv(plan.kv_meta)
-        else:
-            self.kv_worker.start_loads(plan.kv_meta)
-            self.kv_worker.start_saves(plan.kv_meta)
-            reports = [self.kv_worker.get_finished()]
-        reports, failing = self.split_reports(reports)
-        self.apply_reports(reports)
-        return [
-            self.fail_request(self._requests[rid], why)
-            for rid, why in failing.items()
-            if rid in self._requests
-        ]
-
-    def apply_reports(self, reports: list[bytes]) -> None:
-        """The workers' connector reports of a step (one per process, after
-        split_reports) into the scheduler."""
-        self.scheduler.update_from_connector(self.connector.update_from_workers(reports))
-
-    def split_reports(self, reports: list[bytes]) -> tuple[list[bytes], dict[RequestId, str]]:
-        """The workers' own reports, and the live requests that connector calls which
-        failed in some process end (engine/kv_connector_guard.py), with why. The
-        connector's scheduler side learns of the failures here, before the reports are
-        applied. A connector that cannot say which requests a failure concerns fails
-        the step (RuntimeError)."""
-        inner, failures = split_failures(reports)
-        failing: dict[RequestId, str] = {}
-        for f in failures:
-            why = f"the KV connector's {f.call} failed in process {f.process}: {f.error}"
-            try:
-                named = self.connector.workers_failed(f.meta, why, f.process)
-            except NotImplementedError as e:
-                raise RuntimeError(f"{why} ({e})") from None
-            for rid in named:
-                if rid in self._requests:
-                    failing.setdefault(rid, why)
-        return inner, failing
 
     def _append_token(
         self, req: Request, token: int, logprob: float | None, top: TopLogprobs | None = None

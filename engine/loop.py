@@ -9,6 +9,11 @@ The engine is not thread-safe: every touch of it (add, abort, admit, status) goe
 `submit`, which runs the function in the engine thread between steps and returns a
 concurrent Future. A function that raises fails only its Future; a step that raises is
 reported through `on_step_error` with the requests it affected, and the loop goes on.
+
+Heartbeat: `busy_for()` is how long the thread has been inside one step or one submitted
+function (0 while it waits for work). A step that never returns (a kernel that does not
+finish, a collective whose peers are wedged) shows as a growing busy time, which
+enginehost/host.py turns into an unhealthy /health; the engine itself needs no hook.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.num_steps = 0
         self.busy_s = 0.0
+        self._busy_since: float | None = None
+        """time.monotonic() when the thread entered its current step or function; None
+        while it waits for work. Written by the engine thread only, read by any."""
 
     def start(self) -> None:
         self._thread.start()
@@ -63,6 +71,12 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def busy_for(self) -> float:
+        """Seconds the engine thread has spent in its current step or submitted function
+        (0.0 while idle): the loop's heartbeat, readable from any thread."""
+        since = self._busy_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
     def submit(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         """Run fn(engine) in the engine thread before the next step."""
         fut: Future[T] = Future()
@@ -75,10 +89,13 @@ class EngineLoop:
             fn, fut = self._inbox.popleft()
             if not fut.set_running_or_notify_cancel():
                 continue
+            self._busy_since = time.monotonic()
             try:
                 fut.set_result(fn(self.engine))
             except BaseException as e:
                 fut.set_exception(e)
+            finally:
+                self._busy_since = None
 
     def _run(self) -> None:
         while not self._stop:
@@ -88,6 +105,7 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             t0 = time.perf_counter()
+            self._busy_since = time.monotonic()
             try:
                 outputs = self.engine.step()
             except BaseException as e:  # a step fault must not kill the worker silently
@@ -96,6 +114,7 @@ class EngineLoop:
                     self._on_step_error(e)
                 continue
             finally:
+                self._busy_since = None
                 self.busy_s += time.perf_counter() - t0
                 self.num_steps += 1
             for out in outputs:

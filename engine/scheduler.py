@@ -2,12 +2,16 @@
 
 Contract of `schedule()`: every request has num_computed_tokens catching up to num_tokens;
 a step gives each chosen request some new tokens to compute, within a token budget of
-max_num_batched_tokens. Running requests go first, in admission order (decodes take one
-token, unfinished prefills take what the budget leaves); waiting requests are admitted
-after, front first, each starting from its longest cached prefix. When blocks run short
-the most recently admitted running request is preempted: its blocks are freed, its
-progress reset to 0 (recompute; its output tokens are kept), and it goes back to the front
-of the waiting queue. Nothing else is mutated; `update` applies a step's results.
+max_num_batched_tokens, in the prefill order (engine/prefill_order.py). `fcfs`: running
+requests go first, in admission order (decodes take one token, unfinished prefills take
+what the budget leaves); waiting requests are admitted after, front first, each starting
+from its longest cached prefix. `shortest`: decodes first, then running prefills and
+waiting requests by the tokens they have left (a waiting request's estimated before
+admission), a request past the bound first. When blocks run short the most recently
+admitted running request not yet given tokens this step is preempted: its blocks are
+freed, its progress reset to 0 (recompute; its output tokens are kept), and it goes back
+to the front of the waiting queue. Nothing else is mutated; `update` applies a step's
+results.
 
 With a KV connector (engine/kv_connector.py, the scheduler side), admission also asks
 how many tokens after the GPU prefix the connector provides; for an asynchronous load the
@@ -22,6 +26,7 @@ until it reports them released: a transfer may still read or write them.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -32,8 +37,18 @@ from engine.kv_connector import (
     NoConnectorScheduler,
     StepKV,
 )
+from engine.prefill_order import PrefillOrder
 from engine.request import Request, RequestStatus
 from protocol.ids import BlockId, RequestId
+
+
+class _Admitted(enum.Enum):
+    UNDECIDED = "undecided"
+    """The connector is still looking: stays waiting, asked again next step."""
+    NO_BLOCKS = "no_blocks"
+    """Blocks are short: stays waiting, nothing more admitted this step."""
+    LOADING = "loading"
+    SCHEDULED = "scheduled"
 
 
 @dataclass
@@ -86,8 +101,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         connector: KVConnectorScheduler | None = None,
+        order: PrefillOrder | None = None,
     ):
         self.kv = kv
+        self.order = order or PrefillOrder()
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.connector: KVConnectorScheduler = connector or NoConnectorScheduler()
@@ -103,14 +120,21 @@ class Scheduler:
         """Running requests not to schedule now: a pipelined engine's requests whose
         sampled token is still on its way back (engine/parallel/pp_engine.py)."""
         self.counters = SchedulerCounters()
+        self.steps = 0
+        """schedule() calls so far: the clock of the prefill order's bound."""
+        self._arrived: dict[RequestId, int] = {}
+        self._estimate: dict[RequestId, int] = {}
+        """shortest: a waiting request's tokens left, estimated before admission."""
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self._arrived[request.request_id] = self.steps
 
     def add_running(self, request: Request) -> None:
         """Adopt a request whose KV is already in place (decode after a handoff)."""
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        self._arrived[request.request_id] = self.steps
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading or self.held)
@@ -131,57 +155,141 @@ class Scheduler:
         return out
 
     def _schedule(self) -> SchedulerOutput:
+        self.steps += 1
+        if self.order.kind == "shortest":
+            return self._schedule_shortest()
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        given: set[RequestId] = set()
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING or req.request_id in self.paused:
                 continue  # preempted earlier in this loop, or waiting for its token
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            if req.status is RequestStatus.RUNNING:
-                out.scheduled.append(ScheduledRequest(req, n))
-                budget -= n
+            budget -= self._give(req, budget, given, out)
         if out.preempted:
             return out  # memory is tight: admit nothing new this step
         undecided: list[Request] = []
         while self.waiting and budget > 0 and self._num_seqs() < self.max_num_seqs:
             req = self.waiting.popleft()
-            prefix = self.kv.find_prefix(req)
-            num_external, is_async = self.connector.get_num_new_matched_tokens(
-                req, prefix.num_tokens
-            )
-            if num_external is None:  # the connector is still looking: the next one
+            admitted, n = self._admit(req, budget, given, out)
+            if admitted is _Admitted.UNDECIDED:  # the connector is still looking: the next one
                 undecided.append(req)
-                continue
-            if num_external > 0 and is_async:
-                if not self.kv.allocate_slots(req, num_external, prefix):
-                    self.waiting.appendleft(req)
-                    break
-                self._start_load(req, prefix.num_tokens, num_external)
-                continue
-            start = prefix.num_tokens + num_external
-            n = min(req.num_tokens - start, budget)
-            if not self.kv.allocate_slots(req, num_external + n, prefix):
+            elif admitted is _Admitted.NO_BLOCKS:
                 self.waiting.appendleft(req)
                 break
-            req.num_computed_tokens = prefix.num_tokens
-            self.connector.update_state_after_alloc(
-                req, list(self.kv.block_table(req.request_id)), num_external
-            )
-            req.num_computed_tokens = start  # external tokens land before this forward
-            self._run(req, prefix.num_tokens, num_external)
-            if num_external:
-                self.counters.loads_started += 1
-            out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
         self.waiting.extendleft(reversed(undecided))  # back in front, in their order
         return out
+
+    def _schedule_shortest(self) -> SchedulerOutput:
+        """Decodes first, then prefills and waiting requests by the tokens they have left
+        (engine/prefill_order.py); waiting ones are admitted when their turn comes."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        given: set[RequestId] = set()
+        runnable = [
+            r
+            for r in self.running
+            if r.status is RequestStatus.RUNNING and r.request_id not in self.paused
+        ]
+        decodes = [r for r in runnable if r.num_tokens - r.num_computed_tokens <= 1]
+        prefills = [r for r in runnable if r.num_tokens - r.num_computed_tokens > 1]
+        running_ids = {r.request_id for r in runnable}
+        ranked = sorted(prefills + list(self.waiting), key=self._rank)
+        admitting = True
+        for req in decodes + ranked:
+            if budget == 0:
+                break
+            if req.request_id in running_ids:
+                if req.status is RequestStatus.RUNNING:  # else preempted earlier this step
+                    budget -= self._give(req, budget, given, out)
+                continue
+            if not admitting or out.preempted or self._num_seqs() >= self.max_num_seqs:
+                continue  # memory or sequences are short: admit nothing more this step
+            if req.status is not RequestStatus.WAITING or req not in self.waiting:
+                continue
+            admitted, n = self._admit(req, budget, given, out)
+            if admitted is _Admitted.NO_BLOCKS:
+                admitting = False
+            elif admitted is not _Admitted.UNDECIDED:
+                self.waiting.remove(req)
+                budget -= n
+        return out
+
+    def _rank(self, req: Request) -> tuple[int, int, int]:
+        """shortest's order: past the bound first (oldest first), then the fewest tokens
+        left (ties: the oldest)."""
+        arrived = self._arrived.get(req.request_id, self.steps)
+        if self.steps - arrived >= self.order.bound_steps:
+            return (0, arrived, 0)
+        if req.status is RequestStatus.RUNNING:
+            left = req.num_tokens - req.num_computed_tokens
+        else:
+            left = self._estimate_left(req)
+        return (1, left, arrived)
+
+    def _estimate_left(self, req: Request) -> int:
+        """A waiting request's tokens left to compute after its GPU prefix and what the
+        connector provides, asked once (again while the connector is still looking)."""
+        known = self._estimate.get(req.request_id)
+        if known is not None:
+            return known
+        prefix = self.kv.find_prefix(req)
+        # Asking before admission is what a request waiting for blocks does every step:
+        # the connectors answer from their lookup and change nothing until
+        # update_state_after_alloc.
+        num_external, _ = self.connector.get_num_new_matched_tokens(req, prefix.num_tokens)
+        left = req.num_tokens - prefix.num_tokens - (num_external or 0)
+        if num_external is not None:
+            self._estimate[req.request_id] = left
+        return left
+
+    def _give(self, req: Request, budget: int, given: set[RequestId], out: SchedulerOutput) -> int:
+        """Schedule running `req` for what the budget allows, preempting the most recently
+        admitted running request not given tokens this step while blocks are short (`req`
+        itself last). Returns the tokens given (0 when `req` was preempted)."""
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        while not self.kv.allocate_slots(req, n):
+            victim = next(r for r in reversed(self.running) if r.request_id not in given)
+            self._preempt(victim, out)
+            if victim is req:
+                return 0
+        out.scheduled.append(ScheduledRequest(req, n))
+        given.add(req.request_id)
+        return n
+
+    def _admit(
+        self, req: Request, budget: int, given: set[RequestId], out: SchedulerOutput
+    ) -> tuple[_Admitted, int]:
+        """Admit waiting `req` (the caller takes it out of the queue unless UNDECIDED or
+        NO_BLOCKS): match its prefix, ask the connector, allocate. Returns what happened
+        and the tokens scheduled."""
+        prefix = self.kv.find_prefix(req)
+        num_external, is_async = self.connector.get_num_new_matched_tokens(req, prefix.num_tokens)
+        if num_external is None:
+            return _Admitted.UNDECIDED, 0
+        self._estimate.pop(req.request_id, None)
+        if num_external > 0 and is_async:
+            if not self.kv.allocate_slots(req, num_external, prefix):
+                return _Admitted.NO_BLOCKS, 0
+            self._start_load(req, prefix.num_tokens, num_external)
+            return _Admitted.LOADING, 0
+        start = prefix.num_tokens + num_external
+        n = min(req.num_tokens - start, budget)
+        if not self.kv.allocate_slots(req, num_external + n, prefix):
+            return _Admitted.NO_BLOCKS, 0
+        req.num_computed_tokens = prefix.num_tokens
+        self.connector.update_state_after_alloc(
+            req, list(self.kv.block_table(req.request_id)), num_external
+        )
+        req.num_computed_tokens = start  # external tokens land before this forward
+        self._run(req, prefix.num_tokens, num_external)
+        if num_external:
+            self.counters.loads_started += 1
+        out.scheduled.append(ScheduledRequest(req, n))
+        given.add(req.request_id)
+        return _Admitted.SCHEDULED, n
 
     def _num_seqs(self) -> int:
         return len(self.running) + len(self.loading)
@@ -247,6 +355,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.counters.preemptions += 1
         self.waiting.appendleft(req)
+        self._estimate.pop(req.request_id, None)
         out.preempted.append(req)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
@@ -261,6 +370,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
+        self._arrived.pop(req.request_id, None)
+        self._estimate.pop(req.request_id, None)
         self._release(req)
 
     def find(self, request_id: RequestId) -> Request | None:

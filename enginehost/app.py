@@ -1,9 +1,10 @@
 """The HTTP surface every worker shares: /health, /status, /abort, /metrics, error replies.
 
 A worker builds its FastAPI app with `base_app(...)` and adds its own routes. /health
-names the process's incarnation in a header (protocol/incarnation.py) and answers 503
-once the engine thread stopped or the instance lost a process (InstanceLost, which any
-other route answers with a 503 too). Error
+names the process's incarnation in a header (protocol/incarnation.py) and answers 503,
+with the reason as its body, once the engine thread stopped, the instance lost a process
+(InstanceLost) or the engine loop stalled (EngineStalled: one step running longer than
+the stall timeout); any other route answers those two with a 503 too. Error
 answers carry an ErrorEvent body (protocol/messages.py), which the router turns into the
 client's status and message. Every route but /health and /metrics needs the cluster
 secret (enginehost/auth.py).
@@ -20,7 +21,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from enginehost.auth import InternalAuth
-from enginehost.host import EngineHost, InstanceLost, RequestIdInUse
+from enginehost.host import EngineHost, EngineStalled, InstanceLost, RequestIdInUse
 from protocol.incarnation import HEADER as INCARNATION_HEADER
 from protocol.incarnation import new_incarnation
 from protocol.messages import PROTOCOL_VERSION, AbortRequest, ErrorEvent, InstanceStatus
@@ -101,14 +102,17 @@ def base_app(
     async def instance_lost(request: Request, exc: InstanceLost) -> Response:
         return error_response(503, str(exc))
 
+    @app.exception_handler(EngineStalled)
+    async def engine_stalled(request: Request, exc: EngineStalled) -> Response:
+        return error_response(503, str(exc))
+
     @app.exception_handler(RequestIdInUse)
     async def request_id_in_use(request: Request, exc: RequestIdInUse) -> Response:
         return error_response(409, str(exc))
 
     @app.get("/health")
     async def health() -> Response:
-        alive = host.loop.is_alive()
-        why = host.lost or ("" if alive else "engine thread stopped")
+        why = host.unhealthy() or ""
         return Response(
             why.encode() or b"ok",
             status_code=503 if why else 200,

@@ -5,6 +5,12 @@
 
 Each request with an open stream has one asyncio.Queue; outputs for requests without a
 stream are dropped (they were aborted). Runs on the event loop unless said otherwise.
+
+Stall watchdog: a worker whose engine thread is stuck in one step (or one submitted
+function) for `stall_timeout_s` is stalled: /health answers 503 with the reason (the
+router stops routing to it), every open stream fails with a 503 and later calls fail at
+once instead of queuing behind the stuck step. When the step returns the worker serves
+again (a slow step is not a dead process; a lost process is `instance_lost`).
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TypeVar
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineLoop
@@ -35,6 +42,14 @@ class InstanceLost(StepFailed):
     status = 503
 
 
+class EngineStalled(StepFailed):
+    """The engine thread has made no progress for the stall timeout while it had work:
+    every open request fails with a 503 (retry elsewhere), new calls too, until a step
+    completes again."""
+
+    status = 503
+
+
 class RequestIdInUse(Exception):
     """A request arrived with the id of one that still has an open stream here (a 409:
     opening a second stream would silently take the first one's outputs)."""
@@ -43,7 +58,9 @@ class RequestIdInUse(Exception):
 class EngineHost:
     """Owns the engine loop and the per-request output queues of one worker process."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, stall_timeout_s: float | None = None) -> None:
+        """`stall_timeout_s`: how long one step may run before the worker reports itself
+        stalled (None: never)."""
         self.engine = engine
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
@@ -52,14 +69,35 @@ class EngineHost:
         """Why the instance is lost (a process of it died), or None."""
         self.probe_lost: Callable[[], str | None] | None = None
         """Asked when a step failed: is a process of the instance gone (the reason)?"""
+        self.stall_timeout_s = stall_timeout_s
+        self.stalled: str | None = None
+        """Why the engine loop counts as stalled (no progress for stall_timeout_s), or None."""
+        self._watchdog: asyncio.Task[None] | None = None
+        self._calls: set[Future[Any]] = set()
+        """Functions `call` submitted that have not finished: a stall cancels them."""
+        self._stall_seen = asyncio.Event()
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will read the streams."""
         self._aloop = asyncio.get_running_loop()
         self.loop.start()
+        if self.stall_timeout_s is not None:
+            self._watchdog = self._aloop.create_task(self._watch(self.stall_timeout_s))
 
     def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         self.loop.stop()
+
+    def unhealthy(self) -> str | None:
+        """Why /health must answer 503 (a lost process, a stopped or stalled engine
+        thread), or None when the worker serves."""
+        if self.lost is not None:
+            return self.lost
+        if not self.loop.is_alive():
+            return "engine thread stopped"
+        return self.stalled
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run fn(engine) in the engine thread; its result or exception comes back here.
@@ -67,7 +105,20 @@ class EngineHost:
         collective with the dead process)."""
         if self.lost is not None:
             raise InstanceLost(self.lost)
-        return await asyncio.wrap_future(self.loop.submit(fn))
+        if self.stalled is not None:
+            raise EngineStalled(self.stalled)
+        fut = self.loop.submit(fn)
+        self._calls.add(fut)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            # cancelled by the stall watchdog (check_stall), not by our own caller: a 503
+            task = asyncio.current_task()
+            if fut.cancelled() and self.stalled is not None and not (task and task.cancelling()):
+                raise EngineStalled(self.stalled) from None
+            raise
+        finally:
+            self._calls.discard(fut)
 
     def instance_lost(self, reason: str) -> None:
         """A process of the instance died (any thread): fail every open stream with a
@@ -100,9 +151,57 @@ class EngineHost:
         self._deliver(out)
 
     async def abort(self, request_id: str) -> bool:
-        """Free the request in the engine and end its stream. True if it was live."""
+        """Free the request in the engine and end its stream. True if it was live. While
+        the engine loop is stalled the abort is queued behind the stuck step (it runs if
+        that step returns) and False comes back at once."""
         self.close_stream(request_id)
-        return await self.call(lambda e: e.abort(request_id))
+        if self.lost is not None:
+            raise InstanceLost(self.lost)
+        # Not through `call`: a stall must not cancel an abort, only stop waiting for it.
+        fut = self.loop.submit(lambda e: e.abort(request_id))
+        if self.stalled is not None:
+            return False
+        done = asyncio.wrap_future(fut)
+        stall = asyncio.ensure_future(self._stall_seen.wait())
+        try:
+            await asyncio.wait((done, stall), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stall.cancel()
+        return done.result() if done.done() else False
+
+    def check_stall(self, timeout_s: float) -> None:
+        """Mark the worker stalled once its engine thread has been busy in one step or
+        function for `timeout_s` (failing every open stream with a 503), and serving
+        again once the thread moved on."""
+        busy = self.loop.busy_for()
+        if busy >= timeout_s and self.lost is None:
+            if self.stalled is None:
+                self.stalled = (
+                    f"engine loop stalled: no progress for {busy:.1f} s "
+                    f"(stall timeout {timeout_s:g} s, step {self.loop.num_steps + 1}, "
+                    f"{len(self._streams)} open streams)"
+                )
+                log.error("%s: failing every open request", self.stalled)
+                self._stall_seen.set()
+                # Calls queued behind the stuck step (adding a request, a status) fail
+                # now with a 503 and never run; every open request fails too, and is
+                # aborted should the step return (its client was told).
+                for fut in list(self._calls):
+                    fut.cancel()
+                rids = list(self._streams)
+                self._fail_all(EngineStalled(self.stalled))
+                self.loop.submit(lambda e: [e.abort(rid) for rid in rids])
+        elif busy < timeout_s and self.stalled is not None:
+            log.warning("engine loop progressing again after a stall; serving")
+            self.stalled = None
+            self._stall_seen.clear()
+
+    async def _watch(self, timeout_s: float) -> None:
+        # A check a few times per timeout: the stall shows within ~1.25x the timeout.
+        period = min(1.0, max(0.05, timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            self.check_stall(timeout_s)
 
     # -- engine thread side --------------------------------------------------------------
     def _deliver(self, out: RequestOutput) -> None:

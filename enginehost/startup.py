@@ -129,6 +129,8 @@ def engine_config(
         kv_cache_bytes=kv_cache_bytes,
         max_num_batched_tokens=max_batched_tokens,
         max_num_seqs=max_num_seqs,
+        prefill_order=cluster.cache.prefill_order,
+        prefill_bound_steps=cluster.cache.prefill_bound_steps,
         dtype=cluster.dtype,
         kv_cache_dtype=cluster.kv_cache_dtype,
         device=name,
@@ -141,6 +143,7 @@ def engine_config(
             stage=faults.stage,
             rank=faults.rank,
             layer=faults.layer,
+            hang_s=faults.hang_s,
         ),
     )
 

@@ -375,7 +375,9 @@ def check_model(cluster: ClusterConfig, source: str) -> str:
             " tokens"
         )
         need = -(-context // d.decode_context_parallel) * per_token
-        region = landing_region_max(int(d.landing_memory))
+        region = landing_region_max(
+            int(d.landing_memory), None if d.landing_region is None else int(d.landing_region)
+        )
         how = (
             "lands whole" if need <= region else f"streams through it ({-(-need // region)} passes)"
         )

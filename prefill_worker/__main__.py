@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     transport = create_transport(handoff_transport_config(protocol, node.host))
     stages = start_stages(ctx.config_path, cluster, inst, info, transport, ctx.secret)
     engine = stages.engine
-    host = EngineHost(engine)
+    host = EngineHost(engine, stall_timeout_s=cluster.engine_stall_timeout_s)
     if stages.children is not None:  # a rank / stage that dies fails the instance at once
         stages.children.on_lost = host.instance_lost
         host.probe_lost = stages.children.probe

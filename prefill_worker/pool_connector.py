@@ -19,12 +19,14 @@ chunk is a hit only when every stage holds its object (PoolClient.lookup), and a
 uses only the chunks every stage loaded and verified: never partial data. A request that
 finishes while its load is in flight keeps its blocks (request_finished -> True) until
 every stage reported the load (cancelled early), then they are released.
+
+Beside it: pool_lookups.py (the lookup thread: lookups and retention's removals),
+pool_save_queue.py (chunks waiting for a save slot), pool_build.py (the client and the
+retention policy from cluster.yaml), pool_worker.py (each process's worker side).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,17 +40,12 @@ from engine.config import EngineConfig
 from engine.kv_connector import ConnectorUpdate, KVConnectorScheduler, StepKV
 from engine.request import Request, RequestStatus
 from enginehost.kv_events import KVReporter
-from kvpool.backend import BackendConfig, create_backend
 from kvpool.client import PoolClient
 from kvpool.metrics import PoolMetrics
-from kvpool.retention import LruChainRetention, Retention
+from kvpool.retention import Retention
 from kvpool.stats import StageCounters
-from kvpool.topology import (
-    master_address,
-    master_http_address,
-    prefill_segment,
-    retention_share_bytes,
-)
+from prefill_worker.pool_build import build_pool_client, build_retention
+from prefill_worker.pool_lookups import PoolLookups
 from prefill_worker.pool_pack import pack_blocks, unpack_blocks
 from prefill_worker.pool_save_queue import QueuedChunk, ResidentChunks, SaveQueue
 from prefill_worker.pool_worker import PoolWorker
@@ -70,16 +67,13 @@ __all__ = [
     "PoolWorker",
     "build_pool_client",
     "build_pool_connector",
+    "build_retention",
     "pack_blocks",
     "unpack_blocks",
 ]
 
 _report_decoder = msgspec.msgpack.Decoder(PoolWorkerReport)
 _meta_decoder = msgspec.msgpack.Decoder(PoolStepMeta)
-
-LOOKUP_FRESH_S = 1.0
-"""How long a lookup's answer is reused for a request still waiting (for blocks or a
-running slot), well inside the read lease the lookup took (lease_ttl_s, 10 s)."""
 
 
 @dataclass
@@ -89,19 +83,6 @@ class _LoadState:
     reported: dict[int, int] = field(default_factory=dict)
     """Worker (stage process) index -> valid tokens it reported."""
     cancelled: bool = False
-
-
-@dataclass
-class _Lookup:
-    first: int
-    last: int
-    """Chunks [first, last) asked about."""
-    keys: list[ChunkKey]
-    hit: int | None = None
-    """Leading chunks every stage holds; None while the lookup is in flight."""
-    done_at: float = 0.0
-    seen: bool = False
-    """Its answer was handed to the retention policy (a chunk found missing)."""
 
 
 @dataclass
@@ -173,23 +154,11 @@ class PoolScheduler(KVConnectorScheduler):
         self._loads: dict[str, _LoadState] = {}
         self._saving: dict[bytes, _SaveState] = {}
         self._depth: dict[int, int] = {}
-        self._wake = wake
         self.retention = retention if retention is not None else Retention()
         self._stamps: dict[RequestId, float] = {}
         """Use stamp of each request (retention): its first lookup's time."""
-        self._lookups: dict[RequestId, _Lookup] = {}
-        """Lookups by request (guarded by _lock: the lookup thread fills in `hit`)."""
-        self._removals = 0
-        """Removal batches queued for the lookup thread and not done (guarded by _lock)."""
-        self._lock = threading.Lock()
-        self._lookup_queue: queue.Queue[tuple[RequestId, _Lookup] | list[ChunkKey] | None] = (
-            queue.Queue()
-        )
-        """Lookups, and chunks to remove (retention), for the lookup thread."""
-        self._lookup_thread = threading.Thread(
-            target=self._lookup_loop, name="pool-lookup", daemon=True
-        )
-        self._lookup_thread.start()
+        self.lookups = PoolLookups(client, self.retention, on_removed, wake)
+        """Lookups and retention's removals, on their own thread (pool_lookups.py)."""
 
     def _keys(self, request: Request, first: int, end: int) -> list[ChunkKey]:
         bpc = self.blocks_per_chunk
@@ -208,77 +177,20 @@ class PoolScheduler(KVConnectorScheduler):
         if rid not in self._stamps:  # its whole chain is in use from now on
             self._stamps[rid] = time.monotonic()
             self.retention.used(self._keys(request, 0, last), 0, self._stamps[rid])
-        if first >= last:
-            with self._lock:
-                self._lookups.pop(rid, None)
-            return 0, True
-        now = time.monotonic()
-        with self._lock:
-            look = self._lookups.get(rid)
-            answer = None if look is None or look.seen else look.hit
-            if answer is not None and look is not None:
-                look.seen = True
-        if answer is not None and look is not None:  # first time this answer is read
-            self._lookup_answered(look, self._stamps[rid])
-        with self._lock:
-            look = self._lookups.get(rid)
-            # An answer covering these chunks is reused while fresh (a request that waits
-            # for blocks asks every step; its GPU prefix may grow meanwhile).
-            if look is not None and look.first <= first and look.last == last:
-                if look.hit is None:
-                    return None, True  # still in flight
-                if now - look.done_at < LOOKUP_FRESH_S:
-                    end = look.first + look.hit  # chunks [look.first, end) on every stage
-                    return (max(0, end * cs - num_computed_tokens) if end > first else 0), True
-            # A new question (or a stale answer): ask the pool on the lookup thread; the
-            # request stays waiting until it is back.
-            look = _Lookup(first, last, self._keys(request, first, last))
-            self._lookups[rid] = look
-        self._lookup_queue.put((rid, look))
-        return None, True
-
-    def _lookup_answered(self, look: _Lookup, stamp: float) -> None:
-        """Retention hears what the lookup found: its hits are about to be read (kept),
-        the first chunk missing on some stage is gone (the objects its other stages may
-        still hold are removed: they can never be a hit)."""
-        assert look.hit is not None
-        self.retention.used(look.keys[: look.hit], look.first, stamp)
-        if look.hit < len(look.keys) and self.retention.missing(look.keys[look.hit]):
-            self._remove_later([look.keys[look.hit]])
-            if self._on_removed is not None:  # no longer a hit: routing must not count it
-                self._on_removed([look.keys[look.hit]])
-
-    def _remove_later(self, keys: list[ChunkKey]) -> None:
-        with self._lock:
-            self._removals += 1
-        self._lookup_queue.put(keys)
-
-    def _lookup_loop(self) -> None:
-        while True:
-            item = self._lookup_queue.get()
-            if item is None:
-                return
-            if isinstance(item, list):  # retention: chunks this instance removes
-                self.client.remove_chunks(item)
-                with self._lock:
-                    self._removals -= 1
-                continue
-            rid, look = item
-            with self._lock:
-                if self._lookups.get(rid) is not look:
-                    continue  # finished or asked again meanwhile
-            hit = self.client.lookup(look.keys)  # never raises: 0 when the pool is away
-            with self._lock:
-                look.hit = hit
-                look.done_at = time.monotonic()
-            if self._wake is not None:
-                self._wake()
+        answer = self.lookups.matched(
+            rid,
+            first,
+            last,
+            num_computed_tokens,
+            lambda f, e: self._keys(request, f, e),
+            self._stamps[rid],
+        )
+        return answer, True
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[BlockId], num_external_tokens: int
     ) -> None:
-        with self._lock:
-            self._lookups.pop(request.request_id, None)  # admitted: its answer is used
+        self.lookups.forget(request.request_id)  # admitted: its answer is used
         if num_external_tokens == 0:
             return
         cs = self.chunk_size
@@ -472,7 +384,7 @@ class PoolScheduler(KVConnectorScheduler):
             victims = self.retention.victims()
             if victims:  # removed on the lookup thread (a network call)
                 self.metrics.retention_removed.inc(len(victims))
-                self._remove_later(victims)
+                self.lookups.remove_later(victims)
                 if self._on_removed is not None:
                     self._on_removed(victims)
             self.metrics.retained_chunks.set(self.retention.num_chunks)
@@ -507,8 +419,7 @@ class PoolScheduler(KVConnectorScheduler):
         if finished:
             self._next_save.pop(rid, None)
             self._stamps.pop(rid, None)
-            with self._lock:
-                self._lookups.pop(rid, None)
+            self.lookups.forget(rid)
         st = self._loads.get(rid)
         if st is None:
             return False
@@ -518,56 +429,11 @@ class PoolScheduler(KVConnectorScheduler):
         return True
 
     def has_pending(self) -> bool:
-        with self._lock:
-            looking = self._removals > 0 or any(look.hit is None for look in self._lookups.values())
+        looking = self.lookups.in_flight()
         return bool(looking or self._loads or self._saving or self._cancels or len(self.save_queue))
 
     def close(self) -> None:
-        self._lookup_queue.put(None)
-        self._lookup_thread.join(timeout=5)
-
-
-def build_pool_client(
-    cluster: ClusterConfig,
-    inst: PoolInstance,
-    namespace: KVNamespace,
-    layout: KVLayout,
-    counters: StageCounters,
-    stage: int | None,
-    device: torch.device,
-) -> PoolClient:
-    """A prefill process's client: the "mooncake" backend on its node's master (shared
-    or split pool), or the "none" backend when the pool is off. `stage`: the one pool
-    stage this process holds (PP > 1), None for every stage (PP = 1)."""
-    pool = cluster.pool
-    node = cluster.node(inst.node)
-    if pool is not None and pool.enabled:
-        segment, hugepages = prefill_segment(cluster, inst.name)  # pool.stores[].prefill
-        config = BackendConfig(
-            node.host,
-            master_address(cluster, inst.node),
-            pool.protocol,
-            segment_bytes=segment,
-            hugepages=hugepages,
-            master_http=master_http_address(cluster, inst.node),  # for in-place reads
-            lease_ttl_s=pool.master.lease_ttl_s,
-        )
-        backend = create_backend("mooncake", config)
-        buffer_bytes: int | None = int(inst.pool_buffer_memory)
-        depth = pool.save_queue_depth
-    else:
-        backend = create_backend("none", BackendConfig(node.host, ""))
-        buffer_bytes, depth = None, 1
-    return PoolClient(
-        backend,
-        namespace,
-        layout,
-        buffer_bytes=buffer_bytes,
-        max_save_chunks=depth,
-        metrics=counters,
-        local_stages=None if stage is None else [stage],
-        pin_memory=device.type == "cuda",
-    )
+        self.lookups.close()
 
 
 def build_pool_connector(
@@ -606,14 +472,3 @@ def build_pool_connector(
         save_mode=cluster.pool.save if cluster.pool is not None else "through",
     )
     return scheduler, worker
-
-
-def build_retention(cluster: ClusterConfig, inst: PoolInstance, client: PoolClient) -> Retention:
-    """The instance's retention policy (pool.retention): "client" keeps its saved chunks
-    within its share of the pool (kvpool/retention.py), "mooncake" leaves it to the
-    master."""
-    pool = cluster.pool
-    if pool is None or not pool.enabled or pool.retention != "client":
-        return Retention()
-    chunk_bytes = sum(spec.object_bytes for spec in client.specs.values())
-    return LruChainRetention(max(1, retention_share_bytes(cluster, inst.name) // chunk_bytes))

@@ -45,7 +45,7 @@ from protocol.cluster_sections import (
     RoutingPolicy,
     ToolParserName,
 )
-from protocol.cluster_types import Name, Section, dec_hook
+from protocol.cluster_types import Name, Seconds, Section, dec_hook
 from protocol.config_errors import ConfigError
 from protocol.config_paths import translate_validation_error
 
@@ -117,6 +117,12 @@ class ClusterConfig(Section, frozen=True, kw_only=True):
     one torch thread per CPU of the slice (enginehost/cpu_plan.py); false: not pinned,
     cpus // processes threads each."""
     log_level: LogLevel = "info"
+    engine_stall_timeout_s: Seconds | None = 120.0
+    """How long one engine step (or one call into the engine) may run before its worker
+    reports itself unhealthy on /health ("engine loop stalled"), fails its open requests
+    with a 503 and the router routes around it, until a step completes again
+    (enginehost/host.py). Above the slowest legitimate step (a first step that compiles
+    kernels, a long prefill chunk on a CPU); None: never."""
     cache: CacheConfig = CacheConfig()
     nodes: tuple[NodeConfig, ...]
     pool: PoolConfig | None = None

@@ -53,6 +53,9 @@ class EngineFaultsConfig(Section, frozen=True, kw_only=True):
     forward before layer `layer` (the others do not: a failure of that rank's device or
     memory); None: every rank alike, before the forward (what a request's input does)."""
     layer: int = 0
+    hang_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    """> 0: the poisoned step sleeps this long instead of raising (a step that does not
+    return), at "sample" or at a single-process "forward"; the stall watchdog's tests."""
 
 
 class PrefillConfig(Section, frozen=True, kw_only=True):
@@ -127,8 +130,15 @@ class DecodeConfig(Section, frozen=True, kw_only=True):
     """Paged KV cache per device."""
     landing_memory: ByteSize = ByteSize(256 * MiB)
     """Registered buffer per device that handoff writes land in before the scatter. A
-    request's region is at most a quarter of it (transfer/landing.py): longer prompts
+    request's region is at most `landing_region` (transfer/landing.py): longer prompts
     stream through the region as a ring, so any context length is served."""
+    landing_region: ByteSize | None = None
+    """The largest landing region one request holds; None: a quarter of landing_memory.
+    A request holds its region from /decode until its prompt has landed (its prefill
+    included), and a /decode that finds no room waits before prefill is called, so
+    landing_memory / landing_region is how many requests can be between admission and
+    decoding at once; a smaller region streams a long prompt in more passes (one decode
+    round trip each)."""
     transfer: TransferConfig = TransferConfig()
     gpu_memory_budget: ByteSize | None = None
     """GPU memory one rank process may use; None: derived (weights + kv_cache_memory +

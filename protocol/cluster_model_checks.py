@@ -66,9 +66,11 @@ def check_model_layouts(c: ClusterConfig, model: ModelShape, only: str | None = 
             ),
             max((p.pipeline_parallel for p in c.prefill), default=1),
             int(getattr(model, "max_position_embeddings", 0)),
+            None if d.landing_region is None else int(d.landing_region),
         )
         if problem is not None:
-            raise ConfigError(f"decode[{i}].landing_memory", problem)
+            field = "landing_region" if d.landing_region is not None else "landing_memory"
+            raise ConfigError(f"decode[{i}].{field}", problem)
 
 
 def rank_kv_bytes_per_token(

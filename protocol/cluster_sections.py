@@ -33,6 +33,14 @@ class CacheConfig(Section, frozen=True, kw_only=True):
     """Tokens per pool chunk; a multiple of block_size."""
     weights_cache_dir: str | None = None
     """Where converted weights are cached on every node; None: ~/.cache/kvserve."""
+    prefill_order: Literal["shortest", "fcfs"] = "shortest"
+    """Which prefills get an engine step's token budget first (engine/prefill_order.py):
+    "shortest": the fewest tokens left to compute first (a short turn does not wait
+    behind a long prompt's whole prefill), a request past prefill_bound_steps first;
+    "fcfs": admission order. Every engine of the cluster (prefill, decode, unified)."""
+    prefill_bound_steps: PositiveInt = 64
+    """shortest: engine steps after its arrival from which a request goes before every
+    other (oldest first): the longest a prompt is passed over."""
 
 
 class NodeConfig(Section, frozen=True, kw_only=True):

@@ -166,21 +166,33 @@ LANDING_REGION_SHARE = 4
 buffer (transfer/landing.py): that many long prompts stream at once."""
 
 
-def landing_region_max(landing_bytes: int) -> int:
-    """The largest landing region a request gets (4 KiB pages)."""
-    return max(4096, landing_bytes // LANDING_REGION_SHARE // 4096 * 4096)
+def landing_region_max(landing_bytes: int, region_bytes: int | None = None) -> int:
+    """The largest landing region a request gets (4 KiB pages): `region_bytes` (a decode
+    instance's `landing_region`) within the buffer, else 1/LANDING_REGION_SHARE of it."""
+    cap = landing_bytes // LANDING_REGION_SHARE if region_bytes is None else region_bytes
+    return max(4096, min(cap, landing_bytes) // 4096 * 4096)
 
 
 def landing_error(
-    landing_bytes: int, rank_bytes_per_token: int, num_stages: int, max_context: int
+    landing_bytes: int,
+    rank_bytes_per_token: int,
+    num_stages: int,
+    max_context: int,
+    region_bytes: int | None = None,
 ) -> str | None:
     """Why a decode rank's landing buffer cannot stream prompts up to `max_context`
     tokens, or None: every prefill stage's share of a region must hold two tokens of its
     layers (transfer/ring.py), whatever the context length."""
-    region = landing_region_max(landing_bytes)
+    region = landing_region_max(landing_bytes, region_bytes)
     need = 2 * rank_bytes_per_token + 256 * (num_stages + 1)
     if region >= need:
         return None
+    if region_bytes is not None:
+        return (
+            f"landing_region gives a request a landing region of {region} bytes; streaming "
+            f"a {max_context}-token context to this rank needs at least {need} (two tokens "
+            f"of KV of every layer): raise landing_region (and landing_memory) to at least that"
+        )
     return (
         f"{landing_bytes} bytes give a request a landing region of {region} bytes; "
         f"streaming a {max_context}-token context to this rank needs at least {need} "

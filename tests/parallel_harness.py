@@ -58,9 +58,11 @@ def start_parallel_cluster(
     decode: dict[str, dict],
     dtype: str = "float32",
     max_batched_tokens: int = 32,
+    extra: dict | None = None,
 ) -> ParallelCluster:
     """prefill: name -> {pipeline_parallel, layer_split?}; decode: name -> {tensor_parallel,
-    decode_context_parallel}. Every instance runs on cpu devices with small memories."""
+    decode_context_parallel}. Every instance runs on cpu devices with small memories.
+    `extra`: top-level cluster.yaml keys to add or replace."""
     ports = free_ports(1 + len(prefill) + len(decode))
     urls, layouts = {}, {}
     prefills, decodes = [], []
@@ -104,6 +106,7 @@ def start_parallel_cluster(
         "prefill": prefills,
         "decode": decodes,
         "router": router_section(ports[0], "parallel-model", timeout_s=120),
+        **(extra or {}),
     }
     config, state = launch(tmp, cfg, timeout=600)
     return ParallelCluster(config, state, f"http://127.0.0.1:{ports[0]}", urls, layouts)

@@ -60,6 +60,9 @@ class StandinWorker:
     crash_decode_after: int | None = None
     """Drop the decode connection after this many batches."""
     healthy: bool = True
+    health_delay_s: float = 0.0
+    """GET /health answers only after this long (past the router's control timeout: a
+    process that keeps its port open but never answers)."""
     received: list[tuple[str, Any]] = field(default_factory=list)
     aborts: list[tuple[float, AbortRequest]] = field(default_factory=list)
     resets: int = 0
@@ -204,6 +207,8 @@ class StandinWorker:
         return Response(status_code=204)
 
     async def _health(self, request: Request) -> Response:
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
         return Response(
             b"ok" if self.healthy else b"down", status_code=200 if self.healthy else 503
         )

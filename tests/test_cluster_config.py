@@ -150,6 +150,9 @@ BAD = [
     ("missing", _del("decode.0.port"), "decode[0].port", "required key is missing"),
     ("no-decode", _set("decode", []), "decode", "at least one decode instance"),
     ("chunk", _set("cache.chunk_size", 100), "cache.chunk_size", "multiple of block_size 16"),
+    ("order", _set("cache.prefill_order", "lifo"), "cache.prefill_order", "shortest, fcfs"),
+    ("bound", _set("cache.prefill_bound_steps", 0), "cache.prefill_bound_steps", ">= 1"),
+    ("fcfs", _set("cache.prefill_order", "fcfs"), None, None),  # valid
     ("wildcard", _set("nodes.0.host", "0.0.0.0"), "nodes[0].host", "wildcard"),
     ("auth", _set("router.api_key_env", "K"), None, None),  # valid alone
     ("open-router", _set("router.host", "0.0.0.0"), "router.host", "needs router.api_key"),

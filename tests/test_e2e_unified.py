@@ -18,6 +18,7 @@ import concurrent.futures as cf
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -54,7 +55,12 @@ def cluster(tmp_path_factory, weights_cache_dir: str):
         "name": "e2e-unified",
         "model": MODEL,
         "dtype": "float32",
-        "cache": {"block_size": 16, "chunk_size": CHUNK, "weights_cache_dir": weights_cache_dir},
+        "cache": {
+            "block_size": 16,
+            "chunk_size": CHUNK,
+            "weights_cache_dir": weights_cache_dir,
+            "prefill_order": "shortest",
+        },
         "nodes": [{"name": "local", "host": "127.0.0.1"}],
         "pool": {
             "master": {"node": "local", "port": p[0], "metrics_port": p[1], "client_ttl_s": 3},
@@ -173,6 +179,39 @@ def test_history_restored_from_the_pool_after_a_reset(cluster, client, reference
     url = cluster.unified_url
     assert cluster.metric(url, "kvserve_prompt_tokens_total", source="pool") >= 512
     assert cluster.metric(url, "kvserve_pool_hit_chunks_total") >= 2
+
+
+def test_a_short_prompt_is_not_stuck_behind_a_long_prefill(cluster, client, reference):
+    """cache.prefill_order shortest: a 1,800-token prompt prefills in 8 chunks of 256; a
+    30-token prompt sent once it is running gets its first token before the long one does
+    (in admission order it would wait for the whole prefill); both are greedy-exact."""
+    long_ids, short_ids = _prompt(reference, 31, 1800), _prompt(reference, 32, 30)
+    first: dict[str, float] = {}
+
+    def stream(name: str, ids: list[int]) -> str:
+        chunks = client.completions.create(
+            model="e2e-model",
+            prompt=ids,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        text = ""
+        for c in chunks:
+            if c.choices and c.choices[0].text:
+                first.setdefault(name, time.monotonic())
+                text += c.choices[0].text
+        return text
+
+    url = cluster.unified_url
+    with cf.ThreadPoolExecutor(2) as pool:
+        long_text = pool.submit(stream, "long", long_ids)
+        assert wait_until(lambda: cluster.status(url)["num_running"] >= 1, 60, 0.02)
+        short_text = pool.submit(stream, "short", short_ids)
+        got = (long_text.result(), short_text.result())
+    assert first["short"] < first["long"]
+    assert got == (_ref_text(reference, long_ids, 6), _ref_text(reference, short_ids, 6))
 
 
 def _kill(c: UnifiedCluster, name: str) -> int:

@@ -19,6 +19,7 @@ from protocol.parallel import (
     decode_rank_shards,
     even_layer_split,
     head_layout_error,
+    landing_region_max,
     layer_split_error,
     split_range,
     stage_layer_ranges,
@@ -154,6 +155,23 @@ def test_landing_must_stream_the_full_context() -> None:
         check_model_layouts(_cluster(decode__landing_memory="64KiB"), FullShape())
     assert e.value.path == "decode[0].landing_memory"
     assert "8192-token context" in e.value.message and "raise it" in e.value.message
+
+
+def test_landing_region_sets_the_cap_and_is_checked() -> None:
+    """`landing_region` replaces the quarter: more, smaller regions (more requests between
+    /decode and their prompt landed at once), each still two tokens of every layer."""
+    assert landing_region_max(1 << 20) == 256 << 10  # default: a quarter
+    assert landing_region_max(1 << 20, 128 << 10) == 128 << 10
+    assert landing_region_max(1 << 20, 4 << 20) == 1 << 20  # never more than the buffer
+    check_model_layouts(
+        _cluster(decode__landing_memory="1MiB", decode__landing_region="128KiB"), FullShape()
+    )
+    with pytest.raises(ConfigError) as e:
+        check_model_layouts(
+            _cluster(decode__landing_memory="1MiB", decode__landing_region="16KiB"), FullShape()
+        )
+    assert e.value.path == "decode[0].landing_region"
+    assert "raise landing_region" in e.value.message
 
 
 def test_kvserve_check_reports_how_the_context_lands() -> None:

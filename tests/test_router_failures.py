@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -112,6 +113,47 @@ def test_dead_prefill_is_routed_around_and_restored() -> None:
         for _ in range(2):
             h.openai().completions.create(model=h.served_name, prompt="x", max_tokens=3)
         assert len(h.prefill[0].received) == 1
+    finally:
+        h.close()
+
+
+def test_health_poll_that_never_answers_marks_the_instance_down() -> None:
+    """A worker whose port stays open but whose /health never answers (timed-out polls):
+    the first timeout stops routing to it, three in a row mark it down, so a request
+    bound to that decode while it waits for prefill fails with a 503 instead of waiting
+    out its deadline; a prefill that stops answering is routed around."""
+    h = RouterHarness(num_prefill=2, health_interval_s=0.2)
+    try:
+        registry = h.app.state.registry
+        silent_prefill, decode = registry.instances("prefill")[0], registry.instances("decode")[0]
+        h.prefill[1].prefill_delay_s = 30.0  # the request waits at prefill, bound to decode
+        h.prefill[0].health_delay_s = 5.0
+        _wait_for(lambda: not silent_prefill.healthy, 5.0)
+        assert "Timeout" in (silent_prefill.last_error or "")
+        results: list[httpx.Response] = []
+        t0 = time.monotonic()
+
+        def send() -> None:
+            results.append(httpx.post(h.url + "/v1/completions", json=PROMPT, timeout=60))
+
+        waiter = threading.Thread(target=send)
+        waiter.start()
+        _wait_for(lambda: len(h.prefill[1].received) == 1, 5.0)  # the healthy prefill
+        assert h.prefill[0].received == []
+        h.decode[0].health_delay_s = 5.0
+        waiter.join(20)
+        assert results, "the request bound to the silent decode still waits"
+        r = results[0]
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "decode_instance_lost"
+        assert time.monotonic() - t0 < 15  # 3 polls of 1 s timeout, not the 30 s prefill
+        assert not decode.healthy and "3 timed-out health polls in a row" in (
+            decode.last_error or ""
+        )
+        body = httpx.get(h.url + "/health", trust_env=False, timeout=5).json()
+        assert body["decode"]["healthy"] == 0 and body["prefill"]["healthy"] == 1
+        h.prefill[0].health_delay_s = h.decode[0].health_delay_s = 0.0
+        _wait_for(lambda: silent_prefill.healthy and decode.healthy, 10.0)
     finally:
         h.close()
 

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if slot is not None and slot.decode_threads not in (None, slot.threads):
         # pure-decode steps on fewer threads, the rest of the slice left to the request path
         engine.step_threads = StepThreads(slot.threads, slot.decode_threads)
-    host = EngineHost(engine)
+    host = EngineHost(engine, stall_timeout_s=cluster.engine_stall_timeout_s)
     service = UnifiedService(inst.name, host, ctx.secret, num_devices=1, trace=engine.trace)
     pool, pool_worker = build_pool_connector(
         cluster,

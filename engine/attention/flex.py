@@ -24,16 +24,21 @@ replays it (engine/cuda_graphs.py).
 The new tokens' K and V go into the cache in one Triton launch on CUDA
 (flex_kv_write.py; two index_copy_ calls elsewhere).
 
-Prefill. A sequence with no cached prefix attends over its new k/v directly (causal
-flash). Behind a cached prefix, its blocks are gathered into one contiguous K/V (one
-row copy per block, ~1% of the attention time of an 8K-token chunk over a 56K prefix)
-and SDPA runs with a lower-right causal bias, which dispatches to the flash kernel with
-no materialized mask. LSE is not needed there outside DCP; a DCP step with prefill rows
-runs the reference LSE backend (torch_lse) whole.
+Prefill. Long rows (at least flex_prefill.MIN_PAIRS query-key pairs) run cuDNN's fused
+attention, about 1.7x FlashAttention-2's rate on an H200: the prefix blocks gathered into
+one contiguous K/V, the work split into a maskless part over the prefix and a causal
+square over the row's own keys, merged by their LSEs, shapes bucketed so that cuDNN's
+per-shape plans stay few (flex_prefill.py). Shorter rows run SDPA's flash kernel: with
+no cached prefix causal over the new k/v directly; behind a prefix over the gathered
+blocks with a lower-right causal bias (no materialized mask). The flash kernel is named
+explicitly there: SDPA would otherwise pick cuDNN for the no-prefix rows and build a plan
+for every new prompt length (45-80 ms each). LSE is not needed there outside DCP; a DCP
+step with prefill rows runs the reference LSE backend (torch_lse) whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.attention import flex_kv_write
+from engine.attention import flex_kv_write, flex_prefill
 from engine.attention.base import AttentionMetadata, LSEAttentionBackend, register_backend
 from engine.attention.kv_quant import is_fp8_cache
 from engine.attention.torch_lse import TorchLSEAttentionBackend
@@ -77,6 +82,19 @@ def _flex() -> Callable[..., Any]:
     return _FLEX
 
 
+def _flash_first(device: torch.device) -> Any:
+    """SDPA restricted to the flash kernel (then memory-efficient, then math) on CUDA:
+    short prefill rows of every length would otherwise build a cuDNN plan each."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+        set_priority=True,
+    )
+
+
 def padded_batch(n: int) -> int:
     """The batch size decode rows are padded to: powers of two up to 8, then multiples of
     8 up to 32, of 16 up to 128, of 32 beyond (the CUDA graph buckets use the same sizes)."""
@@ -107,10 +125,20 @@ class FlexAttentionBackend(LSEAttentionBackend):
     name = "flex"
     graph_safe_decode = True
 
-    def __init__(self, kernel: Callable[..., Any] | None = None) -> None:
+    def __init__(
+        self,
+        kernel: Callable[..., Any] | None = None,
+        dense: flex_prefill.Dense | None = None,
+    ) -> None:
         self._kernel = kernel if kernel is not None else DEFAULT_KERNEL
         """flex_attention's signature; None = the compiled kernel (CUDA). Tests on CPU pass
         a simulator of the kernel's tile semantics."""
+        self._dense = dense
+        """The dense attention long prefill rows run (flex_prefill.Dense); None = cuDNN's
+        where flex_prefill.usable holds, else the flash path. Tests on CPU pass
+        flex_prefill.math_dense."""
+        self.long_prefill_pairs = flex_prefill.MIN_PAIRS
+        """Rows with fewer query-key pairs take the flash path (tests lower it)."""
         self._reference = TorchLSEAttentionBackend()
 
     def forward(
@@ -243,29 +271,45 @@ class FlexAttentionBackend(LSEAttentionBackend):
     ) -> torch.Tensor:  # [q_len, Hq, D]
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         q_len, seq_len = q_end - q_start, meta.seq_lens[b]
+        prefix = seq_len - q_len
+        dense = self._dense
+        if dense is None and flex_prefill.usable(q, kv_cache):
+            dense = flex_prefill.cudnn_dense
+        if dense is not None and flex_prefill.wanted(prefix, q_len, self.long_prefill_pairs):
+            return flex_prefill.prefill(
+                q[q_start:q_end],
+                k[q_start:q_end],
+                v[q_start:q_end],
+                kv_cache,
+                meta.block_tables[b],
+                prefix,
+                scale,
+                dense,
+            )
         q_s = q[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
         gqa = q.shape[1] != num_kv_heads
-        if q_len == seq_len and kv_cache.dtype == q.dtype:  # no prefix: the new k/v are all
-            k_s = k[q_start:q_end].transpose(0, 1).unsqueeze(0)
-            v_s = v[q_start:q_end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                q_s, k_s, v_s, is_causal=True, scale=scale, enable_gqa=gqa
-            )
-        else:
-            from torch.nn.attention.bias import causal_lower_right
+        with _flash_first(q.device):
+            if not prefix and kv_cache.dtype == q.dtype:  # no prefix: the new k/v are all
+                k_s = k[q_start:q_end].transpose(0, 1).unsqueeze(0)
+                v_s = v[q_start:q_end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(
+                    q_s, k_s, v_s, is_causal=True, scale=scale, enable_gqa=gqa
+                )
+            else:
+                from torch.nn.attention.bias import causal_lower_right
 
-            blocks = meta.block_tables[b, : -(-seq_len // block_size)]
-            kv = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, blocks)
-            kv = kv.view(2, -1, num_kv_heads, head_dim)[:, :seq_len].to(q.dtype)
-            kv = kv.transpose(1, 2).unsqueeze(1)  # [2, 1, Hkv, seq_len, D]
-            o = F.scaled_dot_product_attention(
-                q_s,
-                kv[0],
-                kv[1],
-                attn_mask=causal_lower_right(q_len, seq_len),
-                scale=scale,
-                enable_gqa=gqa,
-            )
+                blocks = meta.block_tables[b, : -(-seq_len // block_size)]
+                kv = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, blocks)
+                kv = kv.view(2, -1, num_kv_heads, head_dim)[:, :seq_len].to(q.dtype)
+                kv = kv.transpose(1, 2).unsqueeze(1)  # [2, 1, Hkv, seq_len, D]
+                o = F.scaled_dot_product_attention(
+                    q_s,
+                    kv[0],
+                    kv[1],
+                    attn_mask=causal_lower_right(q_len, seq_len),
+                    scale=scale,
+                    enable_gqa=gqa,
+                )
         return o[0].transpose(0, 1)
 
     # -- per-step plan (built on the first layer, shared by all) -------------------------

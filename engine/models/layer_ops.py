@@ -155,6 +155,33 @@ down with the residual add: 4 kernels and no glue kernel per layer; inductor's G
 those kernels do not apply) or "inductor" (inductor's GEMV with its fusions)."""
 
 
+TUNE_ROWS: frozenset[int] = frozenset()
+"""Decode batch buckets whose steps compile with inductor's max-autotune (TUNED_OPTIONS),
+which times its Triton matmul templates against cuBLAS per shape and keeps the faster.
+Empty by default: at 128 rows the templates it chose (5-10% faster than cuBLAS in its own
+timing, which reuses one weight from L2) made the 8B model's decode step no faster
+(10.15 against 9.96 ms, docs/benchmarks.md) and tuning costs ~40 s at start-up. Tuning
+happens at graph capture (`tune`), never mid-serving."""
+
+TUNED_OPTIONS: dict[str, Any] = {"max_autotune": True}
+
+_tuned_rows: set[int] = set()
+"""Row counts whose 16-bit steps run the autotuned compilation (filled by `tune`)."""
+
+
+def tune(rows: int) -> None:
+    """From now on steps of `rows` rows (16-bit activations) run the autotuned
+    compilation, if `rows` is in TUNE_ROWS. DecodeGraphs calls this for each bucket before
+    its warm-up step, which compiles (and tunes) that shape before the graph is captured."""
+    if rows in TUNE_ROWS:
+        _tuned_rows.add(rows)
+
+
+def untune() -> None:
+    """Back to the general compilation for every row count (benchmarks compare)."""
+    _tuned_rows.clear()
+
+
 def triton_one_row(attn_in: Any, attn_out: Any, mlp: Any) -> tuple[Any, Any]:
     """attn_in and post_attn for one-row steps through engine/models/gemv.py; the given
     (inductor) functions run where it does not apply (q|k RMSNorm, partial rotary, a
@@ -235,12 +262,19 @@ def compiled(gemv: Collection[str] | None = None, one_row: str | None = None) ->
 
         def fuse(fn: Any) -> Any:
             general = torch.compile(fn, fullgraph=True)
-            if fn.__name__ not in names:
-                return general
-            one_row_fn = torch.compile(fn, fullgraph=True, options=GEMV_OPTIONS)
+            one_row_fn = None
+            if fn.__name__ in names:
+                one_row_fn = torch.compile(fn, fullgraph=True, options=GEMV_OPTIONS)
+            # static shapes: each tuned bucket gets the kernels tuned for its row count
+            tuned = torch.compile(fn, fullgraph=True, dynamic=False, options=TUNED_OPTIONS)
 
             def call(x: torch.Tensor, *args: Any) -> Any:
-                return (one_row_fn if x.shape[0] == 1 else general)(x, *args)
+                rows = x.shape[0]
+                if rows == 1 and one_row_fn is not None:
+                    return one_row_fn(x, *args)
+                if rows in _tuned_rows and x.dtype in (torch.bfloat16, torch.float16):
+                    return tuned(x, *args)
+                return general(x, *args)
 
             return call
 

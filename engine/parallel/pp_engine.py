@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnectorScheduler, KVConnectorWorker
 from engine.kv_connector_guard import guarded
-from engine.llm_engine import LOAD_POLL_S, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.parallel.comm import ParallelContext
 from engine.parallel.pp_runner import PipelineExecutor, build_stage
 from engine.parallel.step_inputs import build_batch
 from engine.request import Request
+from engine.step_execution import LOAD_POLL_S
 from modelinfo.info import ModelInfo
 from protocol.ids import BlockId, RequestId
 from protocol.rank_messages import SampleRow, StepBatch
