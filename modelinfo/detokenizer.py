@@ -119,6 +119,12 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._tokens)
         return new_text[len(prefix_text) :]
 
+    def extend(self, token_ids: Sequence[int]) -> str:
+        """`append` of each output token, the texts joined (by table: one decode)."""
+        if self._bytes is not None:
+            return self._bytes.extend(token_ids)
+        return "".join([self.append(token_id) for token_id in token_ids])
+
     def flush(self) -> str:
         """At finish: the text still held back (an unfinished character shows as U+FFFD,
         as a full decode of the output would show it)."""
@@ -262,6 +268,48 @@ class RequestOutputText:
             return self._finish("stop")
         held = _held_back_len(self.output_text, self.params.stop, self._num_emitted_chars)
         return TextDelta(self._take_text(len(self.output_text) - held), None)
+
+    def extend(self, token_ids: Sequence[int]) -> tuple[str, FinishReason | None, int]:
+        """`append` of each token in turn until one finishes the request: the deltas'
+        texts joined, the finish reason (None if none finished it) and how many tokens
+        were taken (those after a finish are not). Without stop strings nothing is held
+        back, so a run of tokens is checked against the token rules and detokenized as
+        one (IncrementalDetokenizer.extend); with stop strings, token by token."""
+        if self.params.stop or self.finish_reason is not None:
+            return self._extend_each(token_ids)
+        num_before = len(self.token_ids)
+        take = len(token_ids)
+        finish: FinishReason | None = None
+        room = max(1, self.params.max_tokens - num_before)  # a token is always taken
+        if room <= take:
+            take, finish = room, "length"
+        stop_ids = self.stop_checker._stop_ids
+        if stop_ids:
+            min_tokens = self.params.min_tokens
+            for i in range(take):  # a stop id wins over "length" on the same token
+                token_id = token_ids[i]
+                if token_id in stop_ids and num_before + i + 1 >= min_tokens:
+                    take, finish = i + 1, "stop"
+                    self.stop_checker.stop_reason = token_id
+                    break
+        taken = token_ids[:take] if take < len(token_ids) else token_ids
+        self.token_ids.extend(taken)
+        # the stop id itself is never text
+        text = self.detokenizer.extend(taken[:-1] if finish == "stop" else taken)
+        self.output_text += text
+        self._num_emitted_chars = len(self.output_text)
+        if finish is not None:
+            text += self.finish(finish).text
+        return text, finish, take
+
+    def _extend_each(self, token_ids: Sequence[int]) -> tuple[str, FinishReason | None, int]:
+        parts: list[str] = []
+        for taken, token_id in enumerate(token_ids, 1):
+            delta = self.append(token_id)
+            parts.append(delta.text)
+            if delta.finish_reason is not None:
+                return "".join(parts), delta.finish_reason, taken
+        return "".join(parts), None, len(token_ids)
 
     def finish(self, reason: FinishReason) -> TextDelta:
         """Ends the request and returns the rest of its text: what the detokenizer and the

@@ -28,6 +28,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -186,6 +187,25 @@ class ByteStream:
             self._run_tokens += 1
             return ""
         return self._out(self._end_run() + data.decode("utf-8", "replace"))
+
+    def extend(self, token_ids: Sequence[int]) -> str:
+        """`append` of each id, the texts joined. Byte-level: the ids' bytes joined and
+        decoded at once (UTF-8 decoding in pieces, holding an unfinished character, gives
+        what decoding the whole does), one C call for a read's tokens."""
+        if not self._byte_level:
+            return "".join([self.append(token_id) for token_id in token_ids])
+        get = self._bytes_of.get
+        data = b"".join([get(token_id, b"") for token_id in token_ids])
+        if self._held:
+            data = self._held + data
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            text, consumed = codecs.utf_8_decode(data, "replace", False)
+            self._held = data[consumed:]
+            return text
+        self._held = b""
+        return text
 
     @property
     def pending(self) -> bool:

@@ -31,11 +31,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import Gauge
-
 from router.cluster_view import ClusterView
 from router.errors import APIError, InvalidRequest
 from router.instances import Instance
+from router.lean_counter import LeanGauge
 from router.metrics import RouterMetrics
 
 RECHECK_S = 0.25
@@ -89,11 +88,11 @@ class AdmissionGate:
         self._waiters: deque[object] = deque()
         self._changed = asyncio.Event()
         self.metrics = metrics or RouterMetrics()
-        self.reserved = Gauge(
+        self.reserved = LeanGauge(  # set twice per request: no lock (router/lean_counter.py)
             "kvserve_router_admission_reserved_tokens",
             "Decode KV tokens reserved by the admission gate",
-            ["instance"],
-            registry=self.metrics.registry,
+            ("instance",),
+            self.metrics.registry,
         )
 
     def budget(self, inst: Instance) -> int | None:
@@ -216,5 +215,7 @@ class AdmissionGate:
 
     def _notify(self) -> None:
         """Wake every waiter (each re-checks whether it is first in line and fits)."""
+        if not self._waiters:
+            return  # nobody waits on the event (a waiter is in line while it waits)
         self._changed.set()
         self._changed = asyncio.Event()

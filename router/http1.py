@@ -174,7 +174,9 @@ class _Connection(asyncio.Protocol):
                 self._paused = True
                 assert self.transport is not None
                 self.transport.pause_reading()
-            resp._wake()
+            waiter = resp._waiter  # resp._wake(), inline: once per body chunk
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
     def on_message_complete(self) -> None:
         resp = self._response

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from protocol.messages import PromptUsage
 from router.instances import Instance, InstanceRegistry
+from router.lean_counter import LeanCounter, LeanGauge, LeanValue
 from router.lean_histogram import LeanHistogram
 from router.output import RequestTiming
 
@@ -90,9 +91,9 @@ class RouterMetrics:
         """Name of the routing policy, the `policy` label of routing decisions."""
         r = self.registry
         p = "kvserve_router_"
-        self.requests = Counter(
-            p + "requests", "Finished requests", ["endpoint", "status"], registry=r
-        )
+        # What a request moves is lean (router/lean_counter.py, lean_histogram.py): one
+        # addition each, no lock; the rest stays prometheus_client's.
+        self.requests = LeanCounter(p + "requests", "Finished requests", ("endpoint", "status"), r)
         self.ttft = LeanHistogram(
             p + "time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS, r
         )
@@ -102,13 +103,13 @@ class RouterMetrics:
         self.e2e = LeanHistogram(
             p + "e2e_request_latency_seconds", "End-to-end latency", _E2E_BUCKETS, r
         )
-        self.prompt_tokens = Counter(
-            p + "prompt_tokens", "Prompt tokens by source", ["source"], registry=r
+        self.prompt_tokens = LeanCounter(
+            p + "prompt_tokens", "Prompt tokens by source", ("source",), r
         )
-        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens", registry=r)
-        self.in_flight = Gauge(p + "requests_in_flight", "Requests being served", registry=r)
-        self.routed = Counter(
-            p + "routed", "Routing decisions", ["policy", "role", "instance"], registry=r
+        self.generation_tokens = LeanCounter(p + "generation_tokens", "Generated tokens", (), r)
+        self.in_flight = LeanGauge(p + "requests_in_flight", "Requests being served", (), r)
+        self.routed = LeanCounter(
+            p + "routed", "Routing decisions", ("policy", "role", "instance"), r
         )
         self.healthy = Gauge(
             p + "instance_healthy", "Instance health (1 healthy)", ["role", "instance"], registry=r
@@ -121,21 +122,21 @@ class RouterMetrics:
         )
         for reason in ADMISSION_REJECTION_REASONS:
             self.admission_rejections.labels(reason)
-        # Labelled children resolved once: `labels()` takes a lock and builds a key tuple
-        # on every call, several times per request otherwise.
-        self._routed: dict[tuple[str, str], Counter] = {}
-        self._requests: dict[tuple[str, int], Counter] = {}
+        # Labelled children resolved once: `labels()` builds a key tuple on every call,
+        # several times per request otherwise.
+        self._routed: dict[tuple[str, str], LeanValue] = {}
+        self._requests: dict[tuple[str, int], LeanValue] = {}
         self.prompt_gpu = self.prompt_tokens.labels("gpu")
         self.prompt_pool = self.prompt_tokens.labels("pool")
         self.prompt_computed = self.prompt_tokens.labels("computed")
         self.admission_waiting = Gauge(
             p + "admission_waiting", "Requests queued by the admission gate", registry=r
         )
-        self.admission_wait = Histogram(
+        self.admission_wait = LeanHistogram(  # observed by every admitted request
             p + "admission_wait_seconds",
             "Time a request queued at the admission gate before it was admitted or rejected",
-            buckets=_ADMISSION_WAIT_BUCKETS,
-            registry=r,
+            _ADMISSION_WAIT_BUCKETS,
+            r,
         )
 
     def watch_instances(self, instances: InstanceRegistry) -> None:
@@ -154,7 +155,7 @@ class RouterMetrics:
             child = self._routed[key] = self.routed.labels(self.policy, inst.role, inst.name)
         child.inc()
 
-    def requests_of(self, endpoint: str, status: int) -> Counter:
+    def requests_of(self, endpoint: str, status: int) -> LeanValue:
         """The finished-requests counter of (endpoint, status)."""
         key = (endpoint, status)
         child = self._requests.get(key)
@@ -188,8 +189,7 @@ class RequestRecord:
         m.requests_of(self.endpoint, status).inc()
         if t.first_token is not None:
             m.ttft.observe(t.first_token - t.arrival)
-        for gap in t.token_gaps:
-            m.itl.observe(gap)
+        m.itl.observe_all(t.token_gaps)
         if status == 200:
             m.e2e.observe((t.last_token or time.monotonic()) - t.arrival)
         if usage is not None:

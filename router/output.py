@@ -109,17 +109,9 @@ class OutputStream:
     def _convert(self, batch: WorkerTokens) -> OutputDelta:
         token_ids = batch.token_ids
         self.timing.on_tokens(len(token_ids))
-        append = self.text.append
-        parts: list[str] = []
-        finish: str | None = None
-        taken = 0
-        for token_id in token_ids:
-            delta = append(token_id)
-            parts.append(delta.text)
-            taken += 1
-            if delta.finish_reason is not None:
-                finish = delta.finish_reason
-                break
+        # the batch's tokens in one call (RequestOutputText.extend), up to a finish
+        text, by_rules, taken = self.text.extend(token_ids)
+        finish: str | None = by_rules
         if taken < len(token_ids):
             token_ids = token_ids[:taken]
         logprobs = _fit(batch.logprobs, taken)
@@ -131,11 +123,10 @@ class OutputStream:
             # The worker finished for a reason the router's rules did not see (yet).
             worker = batch.finish_reason
             rest = self.text.finish("length" if worker == "length" else "stop")
-            parts.append(rest.text)
+            text += rest.text
             finish = rest.finish_reason if worker in ("stop", "length") else worker
         elif finish is not None and batch.finish_reason is None:
             self.run.finish_early()
-        text = parts[0] if len(parts) == 1 else "".join(parts)
         return OutputDelta(text, list(token_ids), logprobs, finish, tops)
 
 

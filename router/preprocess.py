@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -253,7 +253,9 @@ class Preprocessor:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         options = req.stream_options
         return PreparedRequest(
-            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            # 128 random bits as 32 hex digits, like uuid4().hex without UUID's Python
+            # constructor (version bits, int conversions) per request
+            request_id=f"{prefix}-{os.urandom(16).hex()}",
             kind=kind,
             model=self.served_name,
             created=int(time.time()),

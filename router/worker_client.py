@@ -230,7 +230,11 @@ class WorkerClient:
                     if lines[0].strip():
                         yield _decode_event(inst, decoder, lines[0])
                     continue
-                events = [_decode_event(inst, decoder, line) for line in lines if line.strip()]
+                try:  # one comprehension over the read's lines, no call per line
+                    decode = decoder.decode
+                    events = [decode(line) for line in lines if line.strip()]
+                except msgspec.DecodeError:  # again line by line, to name the bad one
+                    events = [_decode_event(inst, decoder, line) for line in lines if line.strip()]
                 for event in merge_batches(events):
                     yield event
             if pending.strip():
