@@ -169,7 +169,11 @@ class WorkerClient:
             return f"{type(e).__name__}: {e}", ""
         incarnation = resp.headers.get(INCARNATION_HEADER, "")
         if resp.status_code != 200:
-            return f"GET /health answered {resp.status_code}", incarnation
+            # A worker says why (enginehost/app.py: "engine loop stalled: ...", a lost
+            # rank): the router's own /health and logs carry it on.
+            why = resp.text.strip()[:200]
+            error = f"GET /health answered {resp.status_code}"
+            return (f"{error}: {why}" if why else error), incarnation
         return None, incarnation
 
     async def reset_prefix_cache(self, inst: Instance, timeout_s: float) -> tuple[int, Any]:

@@ -103,7 +103,8 @@ def test_hung_prefill_is_unhealthy_and_routed_around(
     status = httpx.get(pp2 + "/status", headers=cluster.headers, timeout=5)
     assert status.status_code == 503 and time.monotonic() - t1 < 2
     assert wait_until(lambda: not _router_prefill(cluster, "pp2")["healthy"], 5)
-    assert "503" in _router_prefill(cluster, "pp2")["error"]
+    error = _router_prefill(cluster, "pp2")["error"]
+    assert "503" in error and "engine loop stalled" in error, error  # the worker's reason
     for i in range(2, 6):  # all to p1, exact, while pp2 is still stuck
         r = _complete(cluster, prompts[i])
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want[i], r.text
