@@ -46,7 +46,7 @@ def check_cluster(c: ClusterConfig) -> None:
         seen[inst.name] = path
         _check_ref(c, f"{path}.node", inst.node)
         _check_env(f"{path}.env", inst.env)
-        for field in ("kv_cache_memory", "landing_memory", "pool_buffer_memory"):
+        for field in ("kv_cache_memory", "landing_memory", "landing_region", "pool_buffer_memory"):
             if getattr(inst, field, 1) == 0:
                 raise ConfigError(f"{path}.{field}", "must be larger than 0")
     for i, p in enumerate(c.prefill):
@@ -178,6 +178,12 @@ def _check_decode_layout(path: str, d: DecodeConfig) -> None:
             f"{path}.decode_context_parallel",
             f"{dcp} is not a power of two: the scheduler's blocks hold block_size x "
             "decode_context_parallel tokens, a power of two",
+        )
+    if d.landing_region is not None and d.landing_region > d.landing_memory:
+        raise ConfigError(
+            f"{path}.landing_region",
+            f"{d.landing_region} bytes is more than landing_memory ({d.landing_memory} "
+            "bytes): a region is carved out of the landing buffer",
         )
 
 

@@ -168,7 +168,8 @@ buffer (transfer/landing.py): that many long prompts stream at once."""
 
 def landing_region_max(landing_bytes: int, region_bytes: int | None = None) -> int:
     """The largest landing region a request gets (4 KiB pages): `region_bytes` (a decode
-    instance's `landing_region`) within the buffer, else 1/LANDING_REGION_SHARE of it."""
+    instance's `landing_region`, checked to fit the buffer), else 1/LANDING_REGION_SHARE
+    of the buffer."""
     cap = landing_bytes // LANDING_REGION_SHARE if region_bytes is None else region_bytes
     return max(4096, min(cap, landing_bytes) // 4096 * 4096)
 

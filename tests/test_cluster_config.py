@@ -145,6 +145,9 @@ BAD = [
     ("port0", _set("prefill.0.port", 0), "prefill[0].port", "1-65535"),
     ("size", _set("prefill.0.kv_cache_memory", "lots"), "prefill[0].kv_cache_memory", "512MiB"),
     ("size0", _set("decode.0.landing_memory", 0), "decode[0].landing_memory", "larger than 0"),
+    ("region", _set("decode.0.landing_region", "1GiB"), "decode[0].landing_region", "more than"),
+    ("region0", _set("decode.0.landing_region", 0), "decode[0].landing_region", "larger than 0"),
+    ("region-ok", _set("decode.0.landing_region", "64MiB"), None, None),  # valid
     ("ratio", _set("router.admission.headroom", 1.5), "router.admission.headroom", "(0, 1]"),
     ("name", _set("prefill.0.name", "my prefill"), "prefill[0].name", "letters, digits"),
     ("missing", _del("decode.0.port"), "decode[0].port", "required key is missing"),
