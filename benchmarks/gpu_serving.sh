@@ -81,6 +81,12 @@ EOF
   "$PY" -m kvserve.cli up -c "$config" --detach --state-dir "$state"
   # Expanded now: the trap runs after run() returned, when its locals are gone.
   trap "\"$PY\" -m kvserve.cli down -c \"$config\" --state-dir \"$state\" || true" EXIT
+  # The device's memory in use, once a second for the whole load (the budget kvserve check
+  # printed is an estimate; this is what the processes really hold, graphs and cuDNN
+  # workspaces included).
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader,nounits -lms 1000 \
+    >"$out/gpu_memory.csv" 2>/dev/null &
+  local smi=$!
 
   "$PY" -m kvserve.cli bench agentic --url http://127.0.0.1:8000 --synthetic --sessions 32 \
     --turns 10 --max-context 60000 --seed 0 --duration 180 --time-scale 0.1 \
@@ -101,6 +107,10 @@ EOF
   echo "== the router's admission gate (decode KV headroom) and decode's landing room"
   metric_lines http://127.0.0.1:8000 'kvserve_router_admission_(wait_seconds_(sum|count)|rejections_total)' || true
   metric_lines http://127.0.0.1:8200 'kvserve_(landing_capacity_bytes|num_requests_(running|waiting|loading_kv))' || true
+  kill "$smi" 2>/dev/null || true
+  echo "== device memory (MiB): peak in use during the run, per process at the end"
+  sort -t, -k1 -n "$out/gpu_memory.csv" | tail -n 1 | sed 's/^/    peak used, total: /'
+  nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader | sed 's/^/    /'
 }
 
 case "${1:-}" in
