@@ -80,7 +80,7 @@ def test_larger_than_any_budget_is_400_and_output_limit(harness: RouterHarness) 
 @pytest.fixture(scope="module")
 def fits_first():
     h = RouterHarness(
-        admission_wait_timeout_s=0.8,
+        admission_wait_timeout_s=1.2,
         admission_order="fits_first",
         admission_pass_bound_s=10.0,
         kv_poll_interval_s=0.05,
@@ -97,7 +97,7 @@ def test_fits_first_lets_a_small_request_pass_a_large_head(fits_first: RouterHar
     h = fits_first
     h.reset()
     h.decode[0].kv_capacity_tokens = 100  # budget 90 tokens of prompt + max_tokens
-    h.set_output(list(range(100, 160)), token_delay_s=0.05)  # a 60-token request ~1.5 s
+    h.set_output(list(range(100, 160)), token_delay_s=0.05)  # a 60-token request ~3 s
     h.app.state.view.states.clear()
     _wait_capacity_known(h)
     done: dict[str, tuple[float, int]] = {}
