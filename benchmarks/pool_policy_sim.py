@@ -102,6 +102,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-tokens", type=int, default=8192, help="max_batched_tokens")
     p.add_argument("--max-seqs", type=int, default=64, help="max_num_seqs")
     p.add_argument("--step-share", type=float, default=1.0, help="prefill slowdown (shared GPU)")
+    p.add_argument(
+        "--step-pair-ns",
+        type=float,
+        default=1.63,
+        help="a step's cost per (query, key) pair of attention (ns; 1.02 with cuDNN attention)",
+    )
+    p.add_argument(
+        "--gates",
+        default="",
+        help="admission gates to compare (the first --queues discipline, default shortest:64):"
+        " ORDER[:BOUND_S][@DECODE_KV_GIB], ORDER fifo | fits | smallest | late | off"
+        " (benchmarks/pool_sim_gates.py); empty: no gates",
+    )
+    p.add_argument("--decode-kv-gib", type=float, default=46.0, help="decode kv_cache_memory")
+    p.add_argument("--landing-gib", type=float, default=10.0, help="decode landing_memory")
+    p.add_argument("--landing-region-mib", type=float, default=512.0, help="landing_region")
+    p.add_argument(
+        "--handoff-s",
+        type=float,
+        default=0.04,
+        help="from the prefill's end to the prompt landed in decode (the region freed)",
+    )
     args = p.parse_args(argv)
     trace = generate(
         sessions=args.sessions, turns=args.turns, max_context=args.max_context, seed=args.seed
@@ -120,11 +142,20 @@ def main(argv: list[str] | None = None) -> int:
         step_tokens=args.step_tokens,
         max_seqs=args.max_seqs,
         step_share=args.step_share,
+        step_pair_s=args.step_pair_ns * 1e-9,
+        decode_kv_tokens=int(args.decode_kv_gib * 2**30) // TOKEN_BYTES,
+        landing_bytes=int(args.landing_gib * 2**30),
+        landing_region_bytes=int(args.landing_region_mib * 2**20),
+        handoff_s=args.handoff_s,
     )
     print(
         f"trace: {len(trace.sessions)} sessions, {trace.num_requests} requests; GPU cache "
         f"{args.gpu_tokens} tokens, pool {m.pool_objects} chunks ({m.pool_objects * 256} tokens)"
     )
+    if args.gates:
+        discipline = (args.queues or "shortest:64").split(",")[0]
+        m = queue_model(m, discipline)
+        return _gates(trace, args.policies.split(",")[0], m, args.gates.split(","))
     if args.queues:
         return _queues(trace, args.policies.split(",")[0], m, args.queues.split(","))
     print(
@@ -176,6 +207,50 @@ def _queues(trace: Trace, label: str, m: Model, specs: list[str]) -> int:
             f"| {spec} | {r.requests} | {100 * r.computed / r.prompt:.1f}% | "
             f"{100 * reuse / r.ceiling:.1f}% | {r.steps} | {r.busy_s:.0f} s | "
             f"{p50:.2f} / {p90:.2f} / {p99:.1f} / {t[-1]:.1f} s |"
+        )
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def gate_model(m: Model, spec: str) -> Model:
+    """The model with the admission gate of `spec` (ORDER[:BOUND_S][@DECODE_KV_GIB])."""
+    spec, _, gib = spec.partition("@")
+    order, _, bound = spec.partition(":")
+    m = replace(m, gate=order)
+    if gib:
+        m = replace(m, decode_kv_tokens=int(float(gib) * 2**30) // TOKEN_BYTES)
+    if bound:
+        if order not in ("fits", "smallest"):
+            raise ValueError(f"{order} takes no bound: {spec!r}")
+        m = replace(m, gate_bound_s=float(bound))
+    return m
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _gates(trace: Trace, label: str, m: Model, specs: list[str]) -> int:
+    write, evict = label.split("/")
+    print(
+        "| admission gate | requests | TTFT p50 / p90 / p99 / max | mean: admission "
+        "/ landing / prefill | end to end p50 | peak reserved |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    t0 = time.perf_counter()
+    for spec in specs:
+        gm = gate_model(m, spec)
+        r = simulate(trace, Policy(write, evict), gm)
+        g = r.gates
+        assert g is not None
+        t = sorted(r.ttfts)
+        p50, p90 = r.quantiles()
+        budget = int(gm.decode_kv_tokens * gm.gate_headroom)
+        print(
+            f"| {spec} | {r.requests} | {p50:.2f} / {p90:.2f} / {t[int(len(t) * 0.99)]:.1f} "
+            f"/ {t[-1]:.1f} s | {_mean(g.admission_s):.2f} / {_mean(g.landing_s):.2f} / "
+            f"{_mean(g.prefill_s):.2f} s | {sorted(g.e2e_s)[len(g.e2e_s) // 2]:.2f} s | "
+            f"{g.max_reserved // 1000}K of {budget // 1000}K |"
         )
     print(f"({time.perf_counter() - t0:.1f} s)")
     return 0

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from benchmarks.agentic.trace import CeilingCounter, Trace
 from benchmarks.pool_sim_cache import CHUNK_TOKENS
+from benchmarks.pool_sim_gates import GATE_ORDERS, Gates, GateTimes
 from benchmarks.pool_sim_replay import Model, Policy, Result, Reuse, Served, Threads
 
 DISCIPLINES = ("fcfs", "srpf", "shortest", "cap")
@@ -54,6 +55,7 @@ class Job:
     done: int = 0
     estimate: int = 0
     chunk_done: list[float] = field(default_factory=list)
+    gate: GateTimes = field(default_factory=lambda: GateTimes(0.0))
 
     @property
     def base(self) -> int:
@@ -67,8 +69,8 @@ class Job:
 class StepQueue:
     """Waiting, loading and running requests; `plan` picks a step's work."""
 
-    def __init__(self, m: Model, reuse: Reuse) -> None:
-        self.m, self.reuse = m, reuse
+    def __init__(self, m: Model, reuse: Reuse, gates: Gates | None = None) -> None:
+        self.m, self.reuse, self.gates = m, reuse, gates
         self.waiting: deque[Job] = deque()
         self.loading: list[Job] = []
         self.running: list[Job] = []
@@ -87,6 +89,9 @@ class StepQueue:
             return False
         self.running.append(job)
         return True
+
+    def _may_start(self, job: Job, now: float) -> bool:
+        return self.gates is None or self.gates.may_start(job, now)
 
     def _loaded(self, now: float) -> None:
         for job in [j for j in self.loading if j.ready_at <= now]:
@@ -118,6 +123,8 @@ class StepQueue:
                 if id(j) not in running:
                     if len(self.running) + len(self.loading) >= m.max_seqs:
                         continue
+                    if not self._may_start(j, now):
+                        continue
                     self.waiting.remove(j)
                     if not self._admit(j, now):
                         continue
@@ -135,6 +142,8 @@ class StepQueue:
                     budget -= n
             while self.waiting and budget > 0:
                 if len(self.running) + len(self.loading) >= m.max_seqs:
+                    break
+                if not self._may_start(self.waiting[0], now):
                     break
                 job = self.waiting.popleft()
                 if self._admit(job, now):
@@ -163,11 +172,14 @@ class StepQueue:
 def simulate_steps(trace: Trace, policy: Policy, m: Model, seed: int = 0) -> Result:
     if m.queue not in DISCIPLINES:
         raise ValueError(f"queue must be server or one of {DISCIPLINES}, got {m.queue!r}")
+    if m.gate is not None and m.gate not in GATE_ORDERS:
+        raise ValueError(f"gate must be None or one of {GATE_ORDERS}, got {m.gate!r}")
     res = Result()
     ceiling = CeilingCounter(trace.block_tokens)
     reuse = Reuse(trace, policy, m, seed, res)
     threads = Threads(trace, m, seed, ceiling)
-    q = StepQueue(m, reuse)
+    gates = Gates(m) if m.gate is not None else None
+    q = StepQueue(m, reuse, gates)
     arrivals: list[tuple[float, int, Job]] = []
     seq = 0
     now = 0.0
@@ -176,9 +188,15 @@ def simulate_steps(trace: Trace, policy: Policy, m: Model, seed: int = 0) -> Res
             got = threads.pop()
             if got is not None:
                 key, i, req, arrive = got
-                job = Job(reuse.served(req, arrive), key, i, 0, seq)
-                heapq.heappush(arrivals, (arrive, seq, job))
+                job = Job(reuse.served(req, arrive), key, i, 0, seq, gate=GateTimes(arrive))
+                if gates is not None:
+                    gates.arrive(job, arrive)
+                else:
+                    heapq.heappush(arrivals, (arrive, seq, job))
                 seq += 1
+        if gates is not None:
+            for t, job in gates.advance(now):
+                heapq.heappush(arrivals, (t, job.seq, job))
         while arrivals and arrivals[0][0] <= now:
             _, _, job = heapq.heappop(arrivals)
             job.arrive_step = q.steps
@@ -191,6 +209,8 @@ def simulate_steps(trace: Trace, policy: Policy, m: Model, seed: int = 0) -> Res
                 nxt.append(threads.ready[0][0])
             if arrivals:
                 nxt.append(arrivals[0][0])
+            if gates is not None and (t := gates.next_time()) is not None:
+                nxt.append(t)
             if not nxt:
                 break
             now = max(now, min(nxt))
@@ -209,7 +229,14 @@ def simulate_steps(trace: Trace, policy: Policy, m: Model, seed: int = 0) -> Res
                 q.running.remove(j)
                 reuse.store(j.s, j.start, end, j.chunk_done)
                 reuse.done(j.s, end)
-                threads.answered(j.key, j.index, end + j.s.req.output_length * m.itl_s)
+                decode_end = end + j.s.req.output_length * m.itl_s
+                if gates is not None:  # decode runs once the whole prompt has landed
+                    decode_end += m.handoff_s
+                    gates.prefilled(j, end, decode_end)
+                threads.answered(j.key, j.index, decode_end)
         now = end
     res.ceiling = ceiling.ceiling
+    if gates is not None:
+        res.gates = gates.stats
+        assert not gates.kv.waiting and gates.kv.reserved == 0, "the gate leaked"
     return res

@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from benchmarks.agentic.trace import CeilingCounter, Trace, TraceRequest
 from benchmarks.pool_sim_cache import (
@@ -19,6 +20,9 @@ from benchmarks.pool_sim_cache import (
     Pool,
 )
 from benchmarks.pool_sim_save import SaveItem, SavePath
+
+if TYPE_CHECKING:
+    from benchmarks.pool_sim_gates import GateStats
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,22 @@ class Model:
     """Fixed cost of a step (host scheduling, launches)."""
     step_share: float = 1.0
     """Slowdown of the prefill's steps on a GPU that decode shares (calibrated)."""
+    gate: str | None = None
+    """The gates in front of the prefill queue (benchmarks/pool_sim_gates.py): None: none
+    (requests reach prefill on arrival); else the admission gate's order (fifo, fits,
+    smallest, late, off) followed by decode's landing arena."""
+    gate_bound_s: float = 2.0
+    """fits / smallest: once the head of the line has waited this long nobody passes it."""
+    decode_kv_tokens: int = 46 * 2**30 // TOKEN_BYTES
+    """Decode's KV capacity (kv_cache_memory / 128 KiB a token)."""
+    gate_headroom: float = 0.9
+    """router.admission.headroom: the share of decode_kv_tokens the gate hands out."""
+    landing_bytes: int = 10 * 2**30
+    """decode's landing_memory."""
+    landing_region_bytes: int = 512 * 2**20
+    """decode's landing_region: the most one request holds."""
+    handoff_s: float = 0.04
+    """From the prefill's last step to the prompt landed (the region freed)."""
 
 
 @dataclass
@@ -88,6 +108,7 @@ class Result:
     save_lost: int = 0
     steps: int = 0
     busy_s: float = 0.0
+    gates: GateStats | None = None
 
     def quantiles(self) -> tuple[float, float]:
         t = sorted(self.ttfts)

@@ -147,6 +147,13 @@ class AdmissionConfig(Section, frozen=True, kw_only=True):
     """Fraction of each decode instance's KV token budget the gate hands out."""
     max_waiting: PositiveInt = 1024
     """Requests queued at once; beyond it new requests are rejected at once."""
+    order: Literal["fifo", "fits_first"] = "fifo"
+    """Who goes first when decode KV frees (router/admission_order.py): "fifo": arrival
+    order, a large request at the head holds back smaller ones that would fit; "fits_first":
+    the first waiter in arrival order that fits goes, passing the head until the head has
+    waited pass_bound_s (then arrival order until it is admitted)."""
+    pass_bound_s: Seconds = 1.0
+    """fits_first: the longest the head of the line is passed over."""
     max_output_tokens: PositiveInt | None = None
     """Longest completion a request may ask for (also caps the default max_tokens); None:
     what the context leaves. The input limit is router.max_input_tokens."""

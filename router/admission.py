@@ -5,10 +5,16 @@ A request reserves prompt + max_tokens tokens on the decode instance the policy 
 among those with room, and gives them back when it ends, however it ends.
 
     room now, nobody waiting     -> reserve, go
-    no room (or others waiting)  -> wait in FIFO order, up to wait_timeout_s
+    no room (or others waiting)  -> wait in line, up to wait_timeout_s
                                     -> 429 + Retry-After when it runs out
     max_waiting already waiting  -> 429 + Retry-After at once
     larger than every budget     -> 400 (it can never fit: shorten it)
+
+Who in the line goes when KV frees is `router.admission.order` (router/admission_order.py):
+"fifo" (arrival order, nobody passes the head) or "fits_first" (the first waiter that
+fits passes a head that does not, until the head has waited `pass_bound_s`). A request
+that arrives while others wait goes at once only when the order lets it pass them and
+none of them can go.
 
 An instance whose capacity is not known yet (its /info not read) has no budget limit: the
 gate never blocks serving on the watcher. Runs on the router's event loop only.
@@ -31,6 +37,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from router.admission_order import AdmissionOrder, Waiter, make_order
 from router.cluster_view import ClusterView
 from router.errors import APIError, InvalidRequest
 from router.instances import Instance
@@ -38,7 +45,11 @@ from router.lean_counter import LeanGauge
 from router.metrics import RouterMetrics
 
 RECHECK_S = 0.25
-"""Waiters also re-check this often (capacity learned, instances back to health)."""
+"""Waiters also re-check this often (capacity learned, instances back to health, the
+order's bound passed)."""
+CHOICE_TTL_S = 0.05
+"""The order's pick is reused this long while nothing was reserved, released, queued or
+dequeued: every waiter wakes on a change, and fits_first's pick reads the whole line."""
 
 
 class TooManyRequests(APIError):
@@ -55,6 +66,8 @@ class AdmissionSettings:
     wait_timeout_s: float = 30.0
     headroom: float = 0.9
     max_waiting: int = 1024
+    order: str = "fifo"
+    pass_bound_s: float = 1.0
 
 
 class Reservation:
@@ -74,8 +87,9 @@ class Reservation:
 
 
 class AdmissionGate:
-    """Owns the FIFO of waiting requests and the decode reservations (kept in the
-    ClusterView, where the decode policy sees them too)."""
+    """Owns the line of waiting requests (in arrival order; the order picks who goes) and
+    the decode reservations (kept in the ClusterView, where the decode policy sees them
+    too)."""
 
     def __init__(
         self,
@@ -85,8 +99,12 @@ class AdmissionGate:
     ) -> None:
         self.view = view
         self.settings = settings
-        self._waiters: deque[object] = deque()
+        self.order: AdmissionOrder = make_order(settings.order, settings.pass_bound_s)
+        self._waiters: deque[Waiter] = deque()
         self._changed = asyncio.Event()
+        self._generation = 0
+        """Bumped on every reservation, release, and change of the line."""
+        self._choice: tuple[int, float, Waiter | None] = (-1, 0.0, None)
         self.metrics = metrics or RouterMetrics()
         self.reserved = LeanGauge(  # set twice per request: no lock (router/lean_counter.py)
             "kvserve_router_admission_reserved_tokens",
@@ -143,12 +161,34 @@ class AdmissionGate:
                 "max_tokens",
                 code="kv_budget_exceeded",
             )
-        if not self._waiters:
+        if not self._waiters or self._may_pass(time.monotonic()):
             room = [i for i in cands if self.fits(i, tokens)]
             if room:
                 self.metrics.admission_wait.observe(0.0)
                 return self._reserve(choose(room), request_id, tokens)
         return None
+
+    def _may_pass(self, now: float) -> bool:
+        """A newcomer may go ahead of the line: the order allows it and nobody in line can
+        go now (else the one who can would lose its turn to the newcomer)."""
+        return self.order.lets_pass(self._waiters, now) and self._next_to_go(now) is None
+
+    def _next_to_go(self, now: float) -> Waiter | None:
+        generation, at, choice = self._choice
+        if generation == self._generation and now - at < CHOICE_TTL_S:
+            return choice
+        choice = self.order.next_to_go(self._waiters, now)
+        if choice is not None and choice is not self._choice[2]:
+            self._notify()  # picked on a re-check (capacity learned, the bound passed)
+        self._choice = (self._generation, now, choice)
+        return choice
+
+    def _has_room(self, tokens: int, candidates: Callable[[], Sequence[Instance]]) -> bool:
+        try:
+            cands = candidates()
+        except APIError:  # nothing routable for it now: that request itself will say so
+            return False
+        return any(self.fits(i, tokens) for i in cands)
 
     async def _wait(
         self,
@@ -158,17 +198,21 @@ class AdmissionGate:
         choose: Callable[[Sequence[Instance]], Instance],
         t0: float,
     ) -> Reservation:
-        """Wait in line (FIFO) until first and an instance has room, or time out."""
+        """Wait in line until the order picks this request and an instance has room, or
+        time out."""
         if len(self._waiters) >= self.settings.max_waiting:
             self.metrics.on_rejected("queue_full")
             raise self._busy(f"{len(self._waiters)} requests are already waiting")
-        ticket = object()
-        self._waiters.append(ticket)
+        waiter = Waiter(request_id, tokens, t0, lambda: self._has_room(tokens, candidates))
+        self._waiters.append(waiter)
+        self._generation += 1
         self.metrics.admission_waiting.inc()
         deadline = t0 + self.settings.wait_timeout_s
         try:
             while True:
-                if self._waiters[0] is ticket:
+                if self._waiters[0] is waiter:
+                    candidates()  # raises when no instance is routable at all
+                if self._next_to_go(time.monotonic()) is waiter:
                     room = [i for i in candidates() if self.fits(i, tokens)]
                     if room:
                         self.metrics.admission_wait.observe(time.monotonic() - t0)
@@ -185,7 +229,8 @@ class AdmissionGate:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), min(left, RECHECK_S))
         finally:
-            self._waiters.remove(ticket)
+            self._waiters.remove(waiter)
+            self._generation += 1
             self.metrics.admission_waiting.dec()
             self._notify()  # the next in line may go now
 
@@ -200,6 +245,7 @@ class AdmissionGate:
     def _reserve(self, inst: Instance, request_id: str, tokens: int) -> Reservation:
         st = self.view.state(inst)
         st.reserved[request_id] = st.reserved.get(request_id, 0) + tokens
+        self._generation += 1
         self.reserved.labels(inst.name).set(st.reserved_tokens)
         return Reservation(self, inst, request_id, tokens)
 
@@ -210,11 +256,12 @@ class AdmissionGate:
             st.reserved[res.request_id] = left
         else:
             st.reserved.pop(res.request_id, None)
+        self._generation += 1
         self.reserved.labels(res.instance.name).set(st.reserved_tokens)
         self._notify()
 
     def _notify(self) -> None:
-        """Wake every waiter (each re-checks whether it is first in line and fits)."""
+        """Wake every waiter (each re-checks whether the order picks it and it fits)."""
         if not self._waiters:
             return  # nobody waits on the event (a waiter is in line while it waits)
         self._changed.set()

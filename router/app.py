@@ -75,6 +75,8 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
                 wait_timeout_s=settings.admission_wait_timeout_s,
                 headroom=settings.admission_headroom,
                 max_waiting=settings.admission_max_waiting,
+                order=settings.admission_order,
+                pass_bound_s=settings.admission_pass_bound_s,
             ),
             metrics,
         )

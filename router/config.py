@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -73,6 +73,9 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True):
     admission_wait_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     admission_headroom: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     admission_max_waiting: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    admission_order: Literal["fifo", "fits_first"] = "fifo"
+    """fifo or fits_first (router/admission_order.py)."""
+    admission_pass_bound_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     """Longest completion accepted (and the default max_tokens cap); None: the context."""
     tool_parser: str | None = None
@@ -143,6 +146,8 @@ def settings_from_cluster(cluster: ClusterConfig) -> RouterSettings:
         admission_wait_timeout_s=adm.wait_timeout_s,
         admission_headroom=adm.headroom,
         admission_max_waiting=adm.max_waiting,
+        admission_order=adm.order,
+        admission_pass_bound_s=adm.pass_bound_s,
         max_output_tokens=adm.max_output_tokens,
         tool_parser=r.tool_parser,
     )

@@ -149,6 +149,9 @@ BAD = [
     ("region0", _set("decode.0.landing_region", 0), "decode[0].landing_region", "larger than 0"),
     ("region-ok", _set("decode.0.landing_region", "64MiB"), None, None),  # valid
     ("ratio", _set("router.admission.headroom", 1.5), "router.admission.headroom", "(0, 1]"),
+    ("adm-order", _set("router.admission.order", "lifo"), "router.admission.order", "fits_first"),
+    ("adm-bound", _set("router.admission.pass_bound_s", 0), "router.admission.pass_bound_s", "> 0"),
+    ("fits-first", _set("router.admission.order", "fits_first"), None, None),  # valid
     ("name", _set("prefill.0.name", "my prefill"), "prefill[0].name", "letters, digits"),
     ("missing", _del("decode.0.port"), "decode[0].port", "required key is missing"),
     ("no-decode", _set("decode", []), "decode", "at least one decode instance"),

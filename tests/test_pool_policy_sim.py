@@ -80,3 +80,64 @@ def test_step_queue_serves_every_request_and_shortest_cuts_the_queue() -> None:
     assert runs["shortest"].quantiles()[1] < 0.7 * runs["fcfs"].quantiles()[1]
     with pytest.raises(ValueError, match="queue must be"):
         simulate(trace, Policy("through", "client"), Model(queue="lifo", **big))
+
+
+def test_gates_serve_every_request_within_their_budgets() -> None:
+    """The router's admission gate and decode's landing arena in front of the step model
+    (benchmarks/pool_sim_gates.py): every request is served and every reservation given
+    back (simulate asserts it); a tight decode KV budget makes requests wait at the gate
+    and a larger one less; `late` reserves at the prefill's start, so nobody waits at the
+    gate itself; a two-region arena makes requests wait for landing room."""
+    trace = generate(sessions=8, turns=4, max_context=8000, seed=3)
+    big = {
+        "gpu_blocks": 10**6,
+        "pool_objects": 10**6,
+        "save_slots": None,
+        "step_tokens": 1024,
+        "queue": "shortest",
+        "step_share": 20.0,
+        "itl_s": 0.05,
+        "handoff_s": 0.2,
+        "landing_region_bytes": 64 * 2**20,
+    }
+    waits = {}
+    for gate, kv_tokens in (("off", 5000), ("fifo", 5000), ("fits", 5000), ("fifo", 8000)):
+        r = simulate(trace, Policy("through", "client"), Model(gate=gate, decode_kv_tokens=kv_tokens, **big))  # fmt: skip
+        assert r.requests == trace.num_requests and r.gates is not None
+        assert r.gates.max_reserved <= 0.9 * kv_tokens
+        waits[gate, kv_tokens] = sum(r.gates.admission_s) / r.requests
+    assert waits["off", 5000] == 0 < waits["fifo", 8000] < waits["fifo", 5000]
+    assert waits["fits", 5000] < waits["fifo", 5000]
+    late = simulate(trace, Policy("through", "client"), Model(gate="late", decode_kv_tokens=5000, **big))  # fmt: skip
+    assert late.gates is not None and max(late.gates.admission_s) == 0
+    assert 0 < late.gates.max_reserved <= 4500
+    small = Model(gate="off", landing_bytes=2 * 64 * 2**20, **big)
+    r = simulate(trace, Policy("through", "client"), small)
+    assert r.gates is not None and max(r.gates.landing_s) > 0
+    with pytest.raises(ValueError, match="gate must be"):
+        simulate(trace, Policy("through", "client"), Model(gate="lifo", **big))
+
+
+def test_gate_orders_pick_as_the_router_does() -> None:
+    """fifo never passes the head; fits passes it with the first waiter that fits until
+    the head has waited the bound; smallest takes the smallest that fits."""
+    from benchmarks.pool_sim_gates import GateTimes, KVGate
+    from benchmarks.pool_sim_queue import Job
+
+    def job(seq: int, need: int, arrive: float) -> Job:
+        j = Job(None, "k", 0, 0, seq, gate=GateTimes(arrive))  # type: ignore[arg-type]
+        j.gate.need_tokens = need
+        return j
+
+    line = [job(0, 900, 0.0), job(1, 300, 0.1), job(2, 100, 0.2)]
+    for order, now, want in (
+        ("fifo", 0.5, None),
+        ("fits", 0.5, 1),
+        ("smallest", 0.5, 2),
+        ("fits", 2.0, None),  # the head waited the bound: nobody passes it
+    ):
+        gate = KVGate(1000, order, bound_s=1.5)
+        gate.reserved = 600
+        gate.waiting = list(line)
+        got = gate.next_to_go(now)
+        assert (got.seq if got else None) == want, order

@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 from router_standin import ServerThread, StandinWorker
 
-from protocol.cluster import parse_cluster_yaml
+from protocol.cluster import AdmissionConfig, parse_cluster_yaml
 from protocol.hashing import hash_chain, namespace_seed
 from router.config import settings_from_cluster
 from router.instances import Instance, InstanceRegistry
@@ -217,6 +218,11 @@ def test_settings_from_cluster() -> None:
     s = settings_from_cluster(cluster)
     assert s.policy == "kv_aware"
     assert s.admission and s.admission_headroom == 0.9 and s.admission_wait_timeout_s == 30
+    assert (s.admission_order, s.admission_pass_bound_s) == ("fifo", 1.0)
+    admission = AdmissionConfig(order="fits_first", pass_bound_s=2.5)
+    router = msgspec.structs.replace(cluster.router, admission=admission)
+    s2 = settings_from_cluster(msgspec.structs.replace(cluster, router=router))
+    assert (s2.admission_order, s2.admission_pass_bound_s) == ("fits_first", 2.5)
     assert [(e.name, e.url) for e in s.prefill] == [("prefill-0", "http://127.0.0.1:8101")]
     assert [(e.name, e.url) for e in s.decode] == [("decode-0", "http://127.0.0.1:8201")]
     assert (s.host, s.port, s.request_timeout_s) == ("127.0.0.1", 8001, 300)
