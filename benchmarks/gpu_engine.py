@@ -2,7 +2,7 @@
 CUDA graphs on a Llama-3-8B-shaped bf16 model with random weights (built in memory, no
 download), against ceilings measured in the same run and against transformers.
 
-    python benchmarks/gpu_engine.py [--out DIR] [--skip-hf] [--skip-prefill]
+    python benchmarks/gpu_engine.py [--out DIR] [--skip-hf] [--skip-prefill] [--contexts 1024,32768]
         [--many-rows triton|cublas] [--compare unfused|gemv=OPS|one_row=inductor|many_rows=cublas]...
 
 The model builder, the ceilings and the checks live in benchmarks/gpu_engine_setup.py.
@@ -222,6 +222,9 @@ def main() -> None:
         help="GEMV of one-row steps in the main rows (engine/models/layer_ops.py ONE_ROW)",
     )
     ap.add_argument(
+        "--contexts", default="1024,32768", help="decode contexts of the main rows (tokens)"
+    )
+    ap.add_argument(
         "--many-rows",
         default=layer_ops.MANY_ROWS,
         choices=["triton", "cublas"],
@@ -292,7 +295,7 @@ def main() -> None:
     print(f"decoder layers fused by torch.compile: {report['layers_fused']}", flush=True)
 
     rows = []
-    for ctx in (1024, 32768):
+    for ctx in [int(c) for c in args.contexts.split(",") if c]:
         for batch in (1, 32, 128):
             ms, kvb = time_decode(runner, batch, ctx, num_blocks, seed=batch + ctx)
             mbu = (wbytes + kvb) / (ms / 1e3) / (bw * 1e9)

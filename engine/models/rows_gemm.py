@@ -51,17 +51,16 @@ class Config:
 
 
 CANDIDATES = (
-    Config(128, 64, 1, 4, 4),
-    Config(128, 64, 2, 4, 4),
-    Config(128, 64, 4, 4, 4),
     Config(64, 64, 1, 4, 4),
+    Config(128, 64, 1, 4, 4),
     Config(64, 64, 2, 4, 4),
+    Config(128, 64, 4, 4, 4),
     Config(64, 128, 4, 4, 3),
-    Config(128, 128, 2, 8, 3),
-    Config(256, 64, 1, 8, 3),
 )
-"""The tilings timed per shape (with cuBLAS): wide tiles for wide weights (gate|up,
-lm_head), narrow or split ones for the 4096-row weights at 128 rows (q|k|v, o, down)."""
+"""The tilings timed per shape (with cuBLAS): plain tiles for wide weights (gate|up,
+lm_head), split ones for the 4096-row weights (o, down). On an H200 (docs/benchmarks.md)
+these won some 32-row shapes (o, down, lm_head, by 1-5%); at 128 rows cuBLAS won every
+shape, so there the choice is cuBLAS; wider (256-row) and 8-warp tiles never won."""
 
 CUBLAS = None
 """The choice meaning F.linear (cuBLAS)."""
