@@ -204,7 +204,7 @@ def main() -> None:
     ap.add_argument(
         "--many-rows",
         default=layer_ops.MANY_ROWS,
-        help="2-128-row matmuls (layer_ops.MANY_ROWS): triton, cublas, or both in turn "
+        help="2-64-row matmuls (layer_ops.MANY_ROWS): triton, cublas, or both in turn "
         "(triton,cublas: the graphs recaptured)",
     )
     args = ap.parse_args()
@@ -228,11 +228,11 @@ def main() -> None:
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",") if c]
     modes = [m for m in args.many_rows.split(",") if m]
     for i, mode in enumerate([] if args.only_variants else modes):
-        if i:  # the same graphs recaptured over the other 2-128-row matmuls
+        if i:  # the same graphs recaptured over the other 2-64-row matmuls
             set_layer_ops(model, compiled_layer_ops(many_rows=mode))
             assert runner.graphs is not None
             runner.graphs.capture()
-        print(f"2-128-row matmuls: {mode}; chosen: {rows_gemm.chosen()}", flush=True)
+        print(f"2-64-row matmuls: {mode}; chosen: {rows_gemm.chosen()}", flush=True)
         profile_cases(runner, cases, num_blocks, wbytes, bw)
     if args.no_variants:
         return

@@ -207,7 +207,7 @@ def main() -> None:
         "engine/models/gemv.py's; batch 1), 'tuned' (the 128 bucket through inductor's "
         "max-autotune: layer_ops.TUNE_ROWS; batch 32, 128), 'blas=cublaslt' (cuBLASLt "
         "as torch's preferred BLAS; batch 32, 128) or 'many_rows=cublas' (cuBLAS for "
-        "steps of 2-128 rows instead of engine/models/rows_gemm.py; batch 32, 128); "
+        "steps of 2-64 rows instead of engine/models/rows_gemm.py; batch 32, 128); "
         "repeatable",
     )
     ap.add_argument(
@@ -228,7 +228,7 @@ def main() -> None:
         "--many-rows",
         default=layer_ops.MANY_ROWS,
         choices=["triton", "cublas"],
-        help="matmuls of 2-128-row steps in the main rows (layer_ops.MANY_ROWS)",
+        help="matmuls of 2-64-row steps in the main rows (layer_ops.MANY_ROWS)",
     )
     args = ap.parse_args()
     layer_ops.ONE_ROW = args.one_row
@@ -291,7 +291,7 @@ def main() -> None:
     print(f"one-row GEMVs: {layer_ops.ONE_ROW}; block sizes timed: {row_gemv.chosen()}")
     report["many_rows"] = layer_ops.MANY_ROWS
     report["rows_gemm_chosen"] = rows_gemm.chosen()
-    print(f"2-128-row matmuls: {layer_ops.MANY_ROWS}; chosen: {rows_gemm.chosen()}")
+    print(f"2-64-row matmuls: {layer_ops.MANY_ROWS}; chosen: {rows_gemm.chosen()}")
     print(f"decoder layers fused by torch.compile: {report['layers_fused']}", flush=True)
 
     rows = []

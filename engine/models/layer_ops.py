@@ -32,11 +32,11 @@ multiply-and-sum reduction it generates and tunes itself, with the glue fused in
 loads, instead of calling cuBLAS, whose kernels for that shape read the weights below the
 copy bandwidth (benchmarks/gpu_engine.py, docs/benchmarks.md).
 
-Steps of 2 to rows_gemm.MAX_ROWS (128) rows in 16 bits (decode at batch 2-128) compile
+Steps of 2 to rows_gemm.MAX_ROWS (64) rows in 16 bits (decode at batch 2-64) compile
 their glue around engine/models/rows_gemm.py's matmul (MANY_ROWS = "triton", the default):
 per weight shape and row class, the fastest of cuBLAS and a Triton GEMM with narrow or
-split-K tiles, timed on first use (the decode graphs' warm-up). cuBLAS' tiles for those
-shapes leave most multiprocessors idle on the narrower weights (q|k|v, o, down).
+split-K tiles, timed on first use (the decode graphs' warm-up). Larger steps keep cuBLAS,
+which beat every such tiling at 128 rows (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ those kernels do not apply) or "inductor" (inductor's GEMV with its fusions)."""
 
 
 MANY_ROWS = "triton"
-"""How 16-bit CUDA steps of 2 to rows_gemm.MAX_ROWS rows run their matmuls: "triton"
+"""How 16-bit CUDA steps of 2 to rows_gemm.MAX_ROWS (64) rows run their matmuls: "triton"
 (engine/models/rows_gemm.py: per shape the timed fastest of its tilings and cuBLAS) or
 "cublas" (F.linear, inductor's extern call)."""
 

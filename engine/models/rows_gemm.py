@@ -1,12 +1,10 @@
-"""Matmuls of decode steps with 2-128 rows: a Triton GEMM with narrow and split-K tiles.
+"""Matmuls of decode steps with 2-64 rows: a Triton GEMM with narrow and split-K tiles.
 
-At 32-128 rows a decode step's matmuls still stream their weights (an 8B model: 15 GB
-per step against ~2 TFLOP), but cuBLAS tiles them for throughput: at 128 rows a
-[6144, 4096] q|k|v weight is 48 output tiles of 128 x 128, one per multiprocessor for 48
-of the H200's 132, and the weight streams at a fraction of the copy bandwidth. This
-kernel gives the weight rows the MMA's M side ("swap AB": out^T = W x^T, the activations'
-rows are the MMA's N, 16-128 of them) and splits K when the output tiles alone do not
-fill the GPU:
+At a few dozen rows a decode step's matmuls still stream their weights (an 8B model: 15
+GB per step), and cuBLAS' tiles can leave multiprocessors idle on the narrower weights:
+at 32 rows a [4096, 4096] o weight read at ~2.5 TB/s on an H200. This kernel gives the
+weight rows the MMA's M side ("swap AB": out^T = W x^T, the activations' rows are the
+MMA's N, 16-64 of them) and splits K when the output tiles alone do not fill the GPU:
 
     grid (N / BN, SPLIT): program (n, s) multiplies W[n*BN : (n+1)*BN, K_s] by x[:, K_s]
         where K_s is the s-th of SPLIT equal runs of BK-wide K tiles (SPLIT divides them)
@@ -23,8 +21,8 @@ engine runs its steps on one stream).
 Which tiling (or cuBLAS) runs is chosen per (row class, N, K, dtype) by timing every
 candidate the first time a shape runs, outside any CUDA graph capture, with the L2
 flushed between calls (triton.testing.do_bench), so weights are read cold as in a step
-over 32 layers; cuBLAS (F.linear) is a candidate too, so a shape never gets slower than
-it was. Row classes are powers of two from 16 to MAX_ROWS (the tile's activation side).
+over 32 layers; cuBLAS (F.linear) is a candidate too, which a tiling must beat by a
+margin (MARGIN). Row classes are powers of two from 16 to MAX_ROWS (the tile's activation side).
 tests/test_rows_gemm.py checks every candidate against torch.
 """
 
@@ -65,8 +63,16 @@ shape, so there the choice is cuBLAS; wider (256-row) and 8-warp tiles never won
 CUBLAS = None
 """The choice meaning F.linear (cuBLAS)."""
 
-MAX_ROWS = 128
-"""Steps of more rows than this keep cuBLAS (prefill: compute-bound, cuBLAS' tiles fit)."""
+MAX_ROWS = 64
+"""Steps of more rows than this keep cuBLAS: at 128 rows cuBLAS beat every tiling here on
+an H200 (its kernels share activation tiles across a cluster; these reload them per
+program, as much L2 traffic as the weights at 128 weight rows per program), and prefill
+is compute-bound."""
+
+MARGIN = 0.97
+"""A tiling replaces cuBLAS only if it times under MARGIN x cuBLAS' time: the start-up
+timings vary by a few percent run to run, and a noisy win is no win (an 8B model's
+down weight at 128 rows once chose a split tiling 20% slower in isolation)."""
 
 MAX_TILES = 1 << 14
 """Output tiles per launch the lock buffer covers (128256-row lm_head at BN 64: 2004)."""
@@ -78,7 +84,7 @@ _LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
 def row_class(rows: int) -> int:
-    """The activation side of the tile for `rows` rows: a power of two, 16 to MAX_ROWS."""
+    """The activation side of the tile for `rows` rows: a power of two, at least 16."""
     return max(16, 1 << (rows - 1).bit_length())
 
 
@@ -224,7 +230,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _choose(key: tuple[Any, ...], x: torch.Tensor, w: torch.Tensor) -> Config | None:
-    """The fastest of cuBLAS and the fitting candidates for `key`, timed on first use;
+    """The fastest of cuBLAS and the fitting candidates for `key` (a candidate must beat
+    cuBLAS by MARGIN), timed on first use;
     cuBLAS where timing is impossible (CPU interpreter, inside a CUDA graph capture:
     the lock buffer is not allocated there either)."""
     if key in _CHOSEN:
@@ -236,7 +243,7 @@ def _choose(key: tuple[Any, ...], x: torch.Tensor, w: torch.Tensor) -> Config | 
     _locks(x.device)
     n, k = w.shape
     best: Config | None = CUBLAS
-    best_ms = do_bench(lambda: F.linear(x, w), warmup=5, rep=20)
+    best_ms = MARGIN * do_bench(lambda: F.linear(x, w), warmup=5, rep=20)
     for cfg in CANDIDATES:
         if not fits(cfg, n, k):
             continue
@@ -275,6 +282,6 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear's signature over rows_matmul (layer_ops' glue for 2-128-row steps)."""
+    """F.linear's signature over rows_matmul (layer_ops' glue for 2..MAX_ROWS-row steps)."""
     out = torch.ops.kvserve.rows_matmul(x, w)
     return out if b is None else out + b
