@@ -1,8 +1,13 @@
 """Where a decode step of the 8B-shaped model goes (one GPU): the step's wall time, the
 host part (execute returning, before the sync), the kernels of one graph replay grouped
-by name (torch.profiler), and the flex decode kernel alone under a few SPLIT_KV values.
+by name (torch.profiler) and by class against the bytes the class must read (matmuls:
+the weights; attention: the KV of every row), and the flex decode kernel alone under a
+few kernel options.
 
-    python benchmarks/gpu_decode_profile.py [--out DIR]
+    python benchmarks/gpu_decode_profile.py [--cases 1x1024,128x1024] [--no-variants]
+        [--many-rows triton|cublas|triton,cublas]
+
+Each matmul shape alone, weights cold, per tiling: benchmarks/gpu_gemv.py.
 
 Same model, cache and step as benchmarks/gpu_engine.py (random bf16 Llama-3-8B shape,
 flex + decode graphs + compiled layers, block size 16, 88 GB cache of random values).
@@ -34,6 +39,22 @@ from benchmarks.gpu_engine_setup import (
 )
 from engine.attention import flex
 from engine.model_runner import ModelRunner
+from engine.models import layer_ops, rows_gemm
+from engine.models.layer_ops import compiled as compiled_layer_ops
+from engine.models.layer_ops import set_layer_ops
+
+CLASSES = (
+    ("matmul", ("gemm", "nvjet", "cutlass", "splitk", "gemv_kernel")),
+    ("attention", ("flex", "tem_fused")),
+    ("kv write", ("write_kv",)),
+)
+"""Kernel classes by (lower-case) name fragment; the rest is glue (norms, RoPE, SwiGLU,
+residuals, argmax, input gathers)."""
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((c for c, parts in CLASSES if any(p in low for p in parts)), "glue")
 
 
 def decode_case(runner: ModelRunner, batch: int, ctx: int, num_blocks: int) -> Any:
@@ -67,8 +88,11 @@ def host_ms(runner: ModelRunner, sched: Any, kv: Any, reps: int = 20) -> float:
     return sorted(times)[reps // 2] * 1e3
 
 
-def kernel_table(step: Any, top: int = 14) -> tuple[float, list[tuple[str, int, float]]]:
-    """(kernel ms per step, [(name, launches per step, ms per step)]) over 5 steps."""
+def kernel_table(
+    step: Any, top: int = 14
+) -> tuple[float, list[tuple[str, int, float]], dict[str, float]]:
+    """(kernel ms per step, [(name, launches per step, ms per step)], {class: ms per
+    step}) over 5 steps."""
     from torch.profiler import ProfilerActivity, profile
 
     reps = 5
@@ -85,7 +109,10 @@ def kernel_table(step: Any, top: int = 14) -> tuple[float, list[tuple[str, int, 
         r[1] += e.device_time_total / 1e3
     total = sum(r[1] for r in rows.values()) / reps
     ranked = sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]
-    return total, [(n, int(c) // reps, t / reps) for n, (c, t) in ranked]
+    classes: dict[str, float] = {}
+    for n, (_, t) in rows.items():
+        classes[kernel_class(n)] = classes.get(kernel_class(n), 0.0) + t / reps
+    return total, [(n, int(c) // reps, t / reps) for n, (c, t) in ranked], classes
 
 
 def kernel_variants(
@@ -143,12 +170,46 @@ def kernel_variants(
         )
 
 
+def profile_cases(
+    runner: ModelRunner, cases: list[tuple[int, ...]], num_blocks: int, wbytes: int, bw: float
+) -> None:
+    """Step time, MBU, host time, top kernels and kernel classes of each (batch, context)."""
+    c = runner.model.config
+    print("| batch | context | ms/step | MBU | host ms (execute) | kernel ms |")
+    for batch, ctx in cases:
+        step, sched, kv = decode_case(runner, batch, ctx, num_blocks)
+        ms = sync_time(step, 20, warmup=3) * 1e3
+        kvb = batch * (ctx + 1) * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+        mbu = (wbytes + kvb) / (ms / 1e3) / (bw * 1e9)
+        h = host_ms(runner, sched, kv)
+        total, kernels, classes = kernel_table(step)
+        print(f"| {batch} | {ctx} | {ms:.2f} | {mbu:.0%} | {h:.2f} | {total:.2f} |", flush=True)
+        for name, count, kms in kernels:
+            print(f"    {kms:7.3f} ms  x{count:<4d} {name}", flush=True)
+        class_bytes = {"matmul": wbytes, "attention": kvb}
+        for cls, cms in sorted(classes.items(), key=lambda kv: -kv[1]):
+            rate = ""
+            if cls in class_bytes:
+                gb = class_bytes[cls] / 1e9
+                rate = f", {gb:.1f} GB at {class_bytes[cls] / cms / 1e6:,.0f} GB/s"
+            print(f"  class {cls}: {cms:.3f} ms{rate}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache-gb", type=float, default=88.0)
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--only-variants", action="store_true")
+    ap.add_argument("--cases", default="1x1024,32x1024,128x1024,1x32768", help="BATCHxCONTEXT,...")
+    ap.add_argument(
+        "--many-rows",
+        default=layer_ops.MANY_ROWS,
+        help="2-64-row matmuls (layer_ops.MANY_ROWS): triton, cublas, or both in turn "
+        "(triton,cublas: the graphs recaptured)",
+    )
     args = ap.parse_args()
+    layer_ops.MANY_ROWS = args.many_rows.split(",")[0]
+    torch._dynamo.config.recompile_limit = 64  # the layer ops compile once per mode
     torch.backends.cuda.matmul.allow_tf32 = False
     bw, tflops = ceilings()
     print(f"ceilings: copy {bw:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
@@ -164,23 +225,19 @@ def main() -> None:
     print(f"graphs captured in {time.perf_counter() - t0:.0f} s", flush=True)
     for c in runner.kv_caches:
         c.normal_()
-    print("| batch | context | ms/step | MBU | host ms (execute) | kernel ms | top kernels |")
-    cases = () if args.only_variants else ((1, 1024), (32, 1024), (128, 1024), (1, 32768))
-    for batch, ctx in cases:
-        step, sched, kv = decode_case(runner, batch, ctx, num_blocks)
-        ms = sync_time(step, 20, warmup=3) * 1e3
-        c = model.config
-        kvb = batch * (ctx + 1) * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
-        mbu = (wbytes + kvb) / (ms / 1e3) / (bw * 1e9)
-        h = host_ms(runner, sched, kv)
-        total, kernels = kernel_table(step)
-        print(f"| {batch} | {ctx} | {ms:.2f} | {mbu:.0%} | {h:.2f} | {total:.2f} |", flush=True)
-        for name, count, kms in kernels:
-            print(f"    {kms:7.3f} ms  x{count:<4d} {name}", flush=True)
+    cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",") if c]
+    modes = [m for m in args.many_rows.split(",") if m]
+    for i, mode in enumerate([] if args.only_variants else modes):
+        if i:  # the same graphs recaptured over the other 2-64-row matmuls
+            set_layer_ops(model, compiled_layer_ops(many_rows=mode))
+            assert runner.graphs is not None
+            runner.graphs.capture()
+        print(f"2-64-row matmuls: {mode}; chosen: {rows_gemm.chosen()}", flush=True)
+        profile_cases(runner, cases, num_blocks, wbytes, bw)
     if args.no_variants:
         return
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for batch, ctx in ((1, 1024), (32, 1024), (128, 1024), (1, 32768), (32, 16384)):
+    for batch, ctx in cases:
         base = {"BLOCK_N": 16, "SPLIT_KV": max(1, -(-4 * sms // (batch * 8)))}
         opts = [base] + [{**base, "num_stages": s} for s in (1, 2, 3)]
         kernel_variants(runner, batch, ctx, 16, opts)

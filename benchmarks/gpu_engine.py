@@ -2,8 +2,8 @@
 CUDA graphs on a Llama-3-8B-shaped bf16 model with random weights (built in memory, no
 download), against ceilings measured in the same run and against transformers.
 
-    python benchmarks/gpu_engine.py [--out DIR] [--skip-hf] [--skip-prefill]
-        [--compare unfused|gemv=OPS|one_row=inductor]...
+    python benchmarks/gpu_engine.py [--out DIR] [--skip-hf] [--skip-prefill] [--contexts 1024,32768]
+        [--many-rows triton|cublas] [--compare unfused|gemv=OPS|one_row=inductor|many_rows=cublas]...
 
 The model builder, the ceilings and the checks live in benchmarks/gpu_engine_setup.py.
 
@@ -55,7 +55,7 @@ from benchmarks.gpu_engine_setup import (
 from engine.attention import flex_prefill
 from engine.model_runner import ModelRunner
 from engine.models import gemv as row_gemv
-from engine.models import layer_ops
+from engine.models import layer_ops, rows_gemm
 from engine.models.layer_ops import EAGER, set_layer_ops
 from engine.models.layer_ops import compiled as compiled_layer_ops
 
@@ -205,8 +205,10 @@ def main() -> None:
         "the comma-separated ops only, cuBLAS for the others; batch 1), "
         "'one_row=inductor' (inductor's GEMV for one-row steps instead of "
         "engine/models/gemv.py's; batch 1), 'tuned' (the 128 bucket through inductor's "
-        "max-autotune: layer_ops.TUNE_ROWS; batch 32, 128) or 'blas=cublaslt' (cuBLASLt "
-        "as torch's preferred BLAS; batch 32, 128); repeatable",
+        "max-autotune: layer_ops.TUNE_ROWS; batch 32, 128), 'blas=cublaslt' (cuBLASLt "
+        "as torch's preferred BLAS; batch 32, 128) or 'many_rows=cublas' (cuBLAS for "
+        "steps of 2-64 rows instead of engine/models/rows_gemm.py; batch 32, 128); "
+        "repeatable",
     )
     ap.add_argument(
         "--gemv-ops",
@@ -219,8 +221,18 @@ def main() -> None:
         choices=["triton", "inductor"],
         help="GEMV of one-row steps in the main rows (engine/models/layer_ops.py ONE_ROW)",
     )
+    ap.add_argument(
+        "--contexts", default="1024,32768", help="decode contexts of the main rows (tokens)"
+    )
+    ap.add_argument(
+        "--many-rows",
+        default=layer_ops.MANY_ROWS,
+        choices=["triton", "cublas"],
+        help="matmuls of 2-64-row steps in the main rows (layer_ops.MANY_ROWS)",
+    )
     args = ap.parse_args()
     layer_ops.ONE_ROW = args.one_row
+    layer_ops.MANY_ROWS = args.many_rows
     gemv_ops = [n for n in args.gemv_ops.split(",") if n]
     layer_ops.GEMV_OPS = frozenset(gemv_ops)  # what ModelRunner's compiled ops use
     setup.BLOCK = args.block_size
@@ -277,10 +289,13 @@ def main() -> None:
     report["one_row"] = layer_ops.ONE_ROW
     report["gemv_blocks"] = row_gemv.chosen()
     print(f"one-row GEMVs: {layer_ops.ONE_ROW}; block sizes timed: {row_gemv.chosen()}")
+    report["many_rows"] = layer_ops.MANY_ROWS
+    report["rows_gemm_chosen"] = rows_gemm.chosen()
+    print(f"2-64-row matmuls: {layer_ops.MANY_ROWS}; chosen: {rows_gemm.chosen()}")
     print(f"decoder layers fused by torch.compile: {report['layers_fused']}", flush=True)
 
     rows = []
-    for ctx in (1024, 32768):
+    for ctx in [int(c) for c in args.contexts.split(",") if c]:
         for batch in (1, 32, 128):
             ms, kvb = time_decode(runner, batch, ctx, num_blocks, seed=batch + ctx)
             mbu = (wbytes + kvb) / (ms / 1e3) / (bw * 1e9)
@@ -312,6 +327,8 @@ def main() -> None:
             other = compiled_layer_ops(gemv=gemv_ops)
         elif compare == "unfused":
             other = EAGER
+        elif compare.startswith("many_rows="):
+            other = compiled_layer_ops(gemv=gemv_ops, many_rows=compare.removeprefix("many_rows="))
         elif compare.startswith("one_row="):
             other = compiled_layer_ops(gemv=gemv_ops, one_row=compare.removeprefix("one_row="))
         else:
@@ -321,7 +338,7 @@ def main() -> None:
         graphs.capture()
         alt = {}
         batches = (1, 32, 128) if compare == "unfused" else (1,)
-        if compare == "tuned" or compare.startswith("blas="):
+        if compare == "tuned" or compare.startswith(("blas=", "many_rows=")):
             batches = (32, 128)
         for batch in batches:
             ms, _ = time_decode(runner, batch, 1024, num_blocks, seed=batch + 1024)

@@ -16,6 +16,9 @@ with CUDA events; GB/s counts the weight bytes read. Variants:
 - triton+glue: the same with the glue the engine fuses into that weight's GEMV: q|k|v
   the RMSNorm and RoPE, o and down the residual add, gate|up the RMSNorm and SwiGLU, lm_head
   none (rows = 1 only);
+- rows-gemm <tiling> (rows > 1): engine/models/rows_gemm.py's kernel under each of its
+  candidate tilings (BN x BK, K splits, warps, stages); rows-gemm (chosen): its
+  `matmul`, the choice it times itself (cuBLAS or a tiling) as the engine does;
 - autotune (--autotune): torch.compile mode max-autotune-no-cudagraphs, inductor's
   Triton matmul templates benchmarked against cuBLAS (rows > 1).
 
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.gpu_engine_setup import ceilings
 from engine.models import gemv as row_gemv
+from engine.models import rows_gemm
 from engine.models.layer_ops import GEMV_OPTIONS
 
 SHAPES = {
@@ -120,7 +124,16 @@ def main() -> None:
                 glue = _glue(name, x, n)
                 if glue is not None:
                     variants["triton+glue"] = glue
-            elif args.autotune:
+            else:
+                for cfg in rows_gemm.CANDIDATES:
+                    if rows_gemm.fits(cfg, n, k):
+                        label = (
+                            f"rows-gemm {cfg.block_n}x{cfg.block_k} split {cfg.split} "
+                            f"w{cfg.warps} s{cfg.stages}"
+                        )
+                        variants[label] = lambda w, x=x, c=cfg: rows_gemm.launch(x, w, c)
+                variants["rows-gemm (chosen)"] = lambda w, x=x: rows_gemm.matmul(x, w)
+            if rows > 1 and args.autotune:
                 tuned = torch.compile(_linear, fullgraph=True, mode="max-autotune-no-cudagraphs")
                 variants["autotune"] = lambda w, x=x, f=tuned: f(x, w)
             ref = F.linear(x, weights[0]).float()

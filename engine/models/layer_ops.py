@@ -31,6 +31,12 @@ coordinate-descent tuning, under which inductor writes a [1, K] x [K, N] matmul 
 multiply-and-sum reduction it generates and tunes itself, with the glue fused into its
 loads, instead of calling cuBLAS, whose kernels for that shape read the weights below the
 copy bandwidth (benchmarks/gpu_engine.py, docs/benchmarks.md).
+
+Steps of 2 to rows_gemm.MAX_ROWS (64) rows in 16 bits (decode at batch 2-64) compile
+their glue around engine/models/rows_gemm.py's matmul (MANY_ROWS = "triton", the default):
+per weight shape and row class, the fastest of cuBLAS and a Triton GEMM with narrow or
+split-K tiles, timed on first use (the decode graphs' warm-up). Larger steps keep cuBLAS,
+which beat every such tiling at 128 rows (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models import gemv as row_gemv
+from engine.models import rows_gemm
 from engine.models.cpu_gemm import linear
 from engine.rope import apply_rotary
 
@@ -134,7 +141,7 @@ class LayerOps:
 
 EAGER = LayerOps(*glue(linear), *head(linear))
 
-_COMPILED: tuple[tuple[frozenset[str], str], LayerOps] | None = None
+_COMPILED: tuple[tuple[frozenset[str], str, str], LayerOps] | None = None
 
 
 GEMV_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
@@ -153,6 +160,12 @@ ONE_ROW = "triton"
 the RMSNorm and RoPE fused in, o with the residual add, gate|up with the RMSNorm and SwiGLU,
 down with the residual add: 4 kernels and no glue kernel per layer; inductor's GEMV where
 those kernels do not apply) or "inductor" (inductor's GEMV with its fusions)."""
+
+
+MANY_ROWS = "triton"
+"""How 16-bit CUDA steps of 2 to rows_gemm.MAX_ROWS (64) rows run their matmuls: "triton"
+(engine/models/rows_gemm.py: per shape the timed fastest of its tilings and cuBLAS) or
+"cublas" (F.linear, inductor's extern call)."""
 
 
 TUNE_ROWS: frozenset[int] = frozenset()
@@ -246,22 +259,29 @@ def triton_one_row(attn_in: Any, attn_out: Any, mlp: Any) -> tuple[Any, Any]:
     return one_attn_in, one_post_attn
 
 
-def compiled(gemv: Collection[str] | None = None, one_row: str | None = None) -> LayerOps:
+def compiled(
+    gemv: Collection[str] | None = None, one_row: str | None = None, many_rows: str | None = None
+) -> LayerOps:
     """The torch.compile'd LayerOps (built once per process and choice of `gemv` and
     `one_row`; inductor compiles on first call, again per distinct dtype / None-ness of
     the optional weights, and once more with a symbolic T when T changes). `gemv`: the ops
     (of attn_in, attn_out, mlp, logits) whose one-row steps get a GEMV kernel instead of
     cuBLAS (None: GEMV_OPS; empty: cuBLAS for every matmul); `one_row` (None: ONE_ROW):
     which GEMV, "triton" (attn_in, and attn_out + mlp when both are listed) or "inductor"
-    (GEMV_OPTIONS)."""
+    (GEMV_OPTIONS); `many_rows` (None: MANY_ROWS): "triton" or "cublas"."""
     global _COMPILED
     mode = ONE_ROW if one_row is None else one_row
-    key = (GEMV_OPS if gemv is None else frozenset(gemv), mode)
+    many = MANY_ROWS if many_rows is None else many_rows
+    if many not in ("triton", "cublas"):
+        raise ValueError(f"many_rows must be 'triton' or 'cublas', not {many!r}")
+    key = (GEMV_OPS if gemv is None else frozenset(gemv), mode, many)
     if _COMPILED is None or _COMPILED[0] != key:
         names = key[0]
 
-        def fuse(fn: Any) -> Any:
+        def fuse(fn: Any, rows_fn: Any = None) -> Any:
             general = torch.compile(fn, fullgraph=True)
+            # the same glue around rows_gemm's matmul (2..MAX_ROWS rows, 16-bit, CUDA)
+            many_fn = None if rows_fn is None else torch.compile(rows_fn, fullgraph=True)
             one_row_fn = None
             if fn.__name__ in names:
                 one_row_fn = torch.compile(fn, fullgraph=True, options=GEMV_OPTIONS)
@@ -272,15 +292,20 @@ def compiled(gemv: Collection[str] | None = None, one_row: str | None = None) ->
                 rows = x.shape[0]
                 if rows == 1 and one_row_fn is not None:
                     return one_row_fn(x, *args)
-                if rows in _tuned_rows and x.dtype in (torch.bfloat16, torch.float16):
+                half = x.dtype in (torch.bfloat16, torch.float16)
+                if rows in _tuned_rows and half:
                     return tuned(x, *args)
+                if many_fn is not None and 1 < rows <= rows_gemm.MAX_ROWS and half and x.is_cuda:
+                    return many_fn(x, *args)
                 return general(x, *args)
 
             return call
 
         attn_in, attn_out, mlp = glue(F.linear)
         norm, logits = head(F.linear)
-        f_in, f_out, f_mlp = fuse(attn_in), fuse(attn_out), fuse(mlp)
+        r_in, r_out, r_mlp = glue(rows_gemm.linear) if many == "triton" else (None,) * 3
+        r_logits = head(rows_gemm.linear)[1] if many == "triton" else None
+        f_in, f_out, f_mlp = fuse(attn_in, r_in), fuse(attn_out, r_out), fuse(mlp, r_mlp)
         post_attn = None
         if mode == "triton":
             one_in, one_post = triton_one_row(f_in, f_out, f_mlp)
@@ -309,7 +334,13 @@ def compiled(gemv: Collection[str] | None = None, one_row: str | None = None) ->
         elif mode != "inductor":
             raise ValueError(f"one_row must be 'triton' or 'inductor', not {mode!r}")
         fused = LayerOps(
-            f_in, f_out, f_mlp, fuse(norm), fuse(logits), fused=True, post_attn=post_attn
+            f_in,
+            f_out,
+            f_mlp,
+            fuse(norm),
+            fuse(logits, r_logits),
+            fused=True,
+            post_attn=post_attn,
         )
         _COMPILED = (key, fused)
     return _COMPILED[1]
