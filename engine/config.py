@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.admission import ADMISSIONS
 from engine.faults import EngineFaults
 from engine.prefill_order import PrefillOrder
 from protocol.kv_layout import KV_CACHE_DTYPES
@@ -31,6 +32,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     (fewest tokens left first, within a bound) or "fcfs" (admission order)."""
     prefill_bound_steps: int = 64
     """shortest: steps after its arrival from which a request goes first."""
+    admission: str = "chunk"
+    """When a waiting request may start (engine/admission.py): "chunk" (the blocks of the
+    chunk it is given are free) or "whole_prompt" (its whole prompt fits beside what the
+    running requests still lack: no preemption before a prompt is in; a prefill
+    instance's rule, cluster.yaml cache.prefill_admission)."""
     max_model_len: int | None = None
     """Context limit (prompt + output); defaults to the model's max_position_embeddings."""
     dtype: str = "float32"
@@ -79,6 +85,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         PrefillOrder(kind=self.prefill_order, bound_steps=self.prefill_bound_steps)
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -61,11 +61,8 @@ class KVCacheManager:
         table = self._tables.setdefault(request.request_id, [])
         hit = prefix.block_ids if prefix else []
         num_computed = prefix.num_tokens if prefix else request.num_computed_tokens
-        need_total = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_new_blocks = need_total - len(table) - len(hit)
-        # Reviving a cached free block takes it out of the free queue too.
-        num_revived = sum(1 for b in hit if self.pool.ref_cnt(b) == 0)
-        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+        num_new_blocks = self._num_blocks_for(num_computed + num_new_tokens) - len(table) - len(hit)
+        if num_new_blocks + self._num_revived(hit) > self.pool.num_free_blocks:
             if not table:
                 del self._tables[request.request_id]
             return False
@@ -78,6 +75,24 @@ class KVCacheManager:
             assert new is not None
             table.extend(new)
         return True
+
+    def num_blocks_short(
+        self, request: Request, num_tokens: int, prefix: PrefixHit | None = None
+    ) -> int:
+        """Free blocks the request would take to hold `num_tokens` tokens: the blocks its
+        table (or, being admitted, its `prefix` hit) lacks, plus the hit's cached free blocks
+        a revival takes out of the free queue. Mutates nothing."""
+        hit = prefix.block_ids if prefix else []
+        num_held = len(self._tables.get(request.request_id, [])) + len(hit)
+        num_new_blocks = max(0, self._num_blocks_for(num_tokens) - num_held)
+        return num_new_blocks + self._num_revived(hit)
+
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _num_revived(self, hit: list[BlockId]) -> int:
+        """Reviving a cached free block takes it out of the free queue too."""
+        return sum(1 for b in hit if self.pool.ref_cnt(b) == 0)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's blocks that are now full and computed."""

@@ -23,6 +23,7 @@ from itertools import count
 
 import torch
 
+from engine.admission import make_admission
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.grammar import GrammarCompiler
@@ -107,6 +108,7 @@ class LLMEngine(StepExecution):
                 kind=config.prefill_order,
                 bound_steps=config.prefill_bound_steps,
             ),
+            admission=make_admission(config.admission),
         )
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(info.tokenizer, mc.vocab_size, info.eos_token_ids)

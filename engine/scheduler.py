@@ -7,7 +7,11 @@ requests go first, in admission order (decodes take one token, unfinished prefil
 what the budget leaves); waiting requests are admitted after, front first, each starting
 from its longest cached prefix. `shortest`: decodes first, then running prefills and
 waiting requests by the tokens they have left (a waiting request's estimated before
-admission), a request past the bound first. When blocks run short the most recently
+admission), a request past the bound first. The admission rule (engine/admission.py)
+decides whether a waiting request may start: `chunk` when the blocks of the chunk it is
+given are free, `whole_prompt` only when its whole prompt fits beside what the admitted
+requests still lack; a request it refuses stays waiting and, as when blocks are short,
+nothing more is admitted this step. When blocks run short the most recently
 admitted running request not yet given tokens this step is preempted: its blocks are
 freed, its progress reset to 0 (recompute; its output tokens are kept), and it goes back
 to the front of the waiting queue. Nothing else is mutated; `update` applies a step's
@@ -30,6 +34,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.admission import Admission, ChunkAdmission
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import (
     ConnectorUpdate,
@@ -89,6 +94,9 @@ class SchedulerCounters:
     loads_started: int = 0
     loads_short: int = 0
     """Loads that brought fewer tokens than matched (failed or partial: recomputed)."""
+    admissions_deferred: int = 0
+    """Steps whose admission stopped at a request the admission rule kept waiting (its
+    prompt does not fit beside what is admitted: engine/admission.py)."""
 
 
 class Scheduler:
@@ -102,9 +110,11 @@ class Scheduler:
         max_num_seqs: int,
         connector: KVConnectorScheduler | None = None,
         order: PrefillOrder | None = None,
+        admission: Admission | None = None,
     ):
         self.kv = kv
         self.order = order or PrefillOrder()
+        self.admission: Admission = admission or ChunkAdmission()
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.connector: KVConnectorScheduler = connector or NoConnectorScheduler()
@@ -269,6 +279,9 @@ class Scheduler:
         num_external, is_async = self.connector.get_num_new_matched_tokens(req, prefix.num_tokens)
         if num_external is None:
             return _Admitted.UNDECIDED, 0
+        if not self.admission.admits(self.kv, req, prefix, [*self.running, *self.loading.values()]):
+            self.counters.admissions_deferred += 1
+            return _Admitted.NO_BLOCKS, 0
         self._estimate.pop(req.request_id, None)
         if num_external > 0 and is_async:
             if not self.kv.allocate_slots(req, num_external, prefix):

@@ -115,9 +115,11 @@ def engine_config(
     max_num_seqs: int,
     max_batched_tokens: int = 2048,
     faults: EngineFaultsConfig | None = None,
+    admission: str = "chunk",
 ) -> EngineConfig:
     """The EngineConfig of one engine process (or one rank / stage of an instance);
-    `faults`: the instance's test-only engine_faults."""
+    `faults`: the instance's test-only engine_faults; `admission`: its admission rule
+    (a prefill instance's is cache.prefill_admission)."""
     name = torch_device(device)
     backend = cluster.attention_backend
     if backend == "auto":
@@ -131,6 +133,7 @@ def engine_config(
         max_num_seqs=max_num_seqs,
         prefill_order=cluster.cache.prefill_order,
         prefill_bound_steps=cluster.cache.prefill_bound_steps,
+        admission=admission,
         dtype=cluster.dtype,
         kv_cache_dtype=cluster.kv_cache_dtype,
         device=name,

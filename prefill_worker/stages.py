@@ -165,6 +165,7 @@ def start_stages(
         max_num_seqs=inst.max_num_seqs,
         max_batched_tokens=inst.max_batched_tokens,
         faults=inst.engine_faults,
+        admission=cluster.cache.prefill_admission,
     )
     sender = handoff_worker(inst, transport, secret)
     pp = inst.pipeline_parallel
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=inst.max_num_seqs,
         max_batched_tokens=inst.max_batched_tokens,
         faults=inst.engine_faults,
+        admission=cluster.cache.prefill_admission,
     )
     pp = inst.pipeline_parallel
     ctx = init_parallel(args.stage, pp, config.device, args.init_method)

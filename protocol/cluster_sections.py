@@ -41,6 +41,13 @@ class CacheConfig(Section, frozen=True, kw_only=True):
     prefill_bound_steps: PositiveInt = 64
     """shortest: engine steps after its arrival from which a request goes before every
     other (oldest first): the longest a prompt is passed over."""
+    prefill_admission: Literal["whole_prompt", "chunk"] = "whole_prompt"
+    """When a prefill instance admits a waiting prompt (engine/admission.py):
+    "whole_prompt": only when its whole prompt (after its prefix hit) fits the free KV
+    blocks beside what the running prompts still need, so a burst larger than the cache
+    waits instead of being preempted and computed twice; "chunk": when the blocks of its
+    first chunk are free (later shortages preempt the latest admitted). Decode and unified
+    instances always admit by chunk: their rows grow as they generate."""
 
 
 class NodeConfig(Section, frozen=True, kw_only=True):
