@@ -1,6 +1,7 @@
 """The engine's KVConnector seam with an in-memory connector: async loads while other
 requests run, partial and failed loads recompute, aborts during a load, token accounting
-(gpu + pool + computed = prompt), and output identical to a cold run."""
+(gpu + pool + computed = prompt), a restoring burst larger than the cache admitted whole
+(engine/admission.py), and output identical to a cold run."""
 
 from __future__ import annotations
 
@@ -279,3 +280,34 @@ def test_others_run_while_one_waits_for_kv_and_abort_keeps_blocks(engines):
             break
     assert not b.has_unfinished()
     assert b.pool.num_free_blocks == b.pool.num_blocks
+
+
+@pytest.mark.parametrize("admission", ["whole_prompt", "chunk"])
+def test_a_restoring_burst_larger_than_the_cache_is_admitted_whole(
+    engines, tiny_llama_dir: Path, weights_cache_dir: str, admission: str
+):
+    """Five 600-token prompts whose first two chunks are in the store, at once against
+    96 blocks (1536 tokens): whole_prompt admits a prompt (its load into blocks included)
+    only beside what the loading and running ones still need; nothing is preempted and
+    every prompt restores its chunks and matches a cold run. chunk (the rule before)
+    preempts on the same burst."""
+    a, _, cold, store = engines
+    prompts = [_prompt(60 + i, 600) for i in range(5)]
+    a.generate(prompts, GREEDY)  # saves chunks 0 and 1 of each
+    cfg = EngineConfig(
+        cache_dir=weights_cache_dir,
+        num_blocks=96,
+        max_num_batched_tokens=256,
+        admission=admission,
+    )
+    c = LLMEngine.from_spec(str(tiny_llama_dir), cfg)
+    c.set_kv_connector(DictScheduler(store), DictWorker(store))
+    got = c.generate(prompts, GREEDY)
+    for p, g in zip(prompts, got, strict=True):
+        assert g.token_ids == cold.generate([p], GREEDY)[0].token_ids
+    assert [g.num_pool_tokens for g in got] == [2 * CHUNK] * 5
+    if admission == "whole_prompt":
+        assert c.counters.preemptions == 0 and c.counters.loads_started == 5
+    else:  # the rule before: a prompt started beside the loads is preempted, loaded again
+        assert c.counters.preemptions > 0 and c.counters.loads_started > 5
+    c.close()
