@@ -147,6 +147,21 @@ def handoff_worker(inst: PrefillConfig, transport: Transport, secret: str) -> Ha
     return HandoffWorker(transport, staging, HttpNotifier(secret), faults, capability_key(secret))
 
 
+def stage_engine_config(cluster: ClusterConfig, inst: PrefillConfig, stage: int) -> EngineConfig:
+    """The EngineConfig of stage `stage`: the instance's limits and the prefill instances'
+    admission rule (cache.prefill_admission: a prompt leaves at its first token, so its
+    whole prompt is what it needs: engine/admission.py)."""
+    return engine_config(
+        cluster,
+        device=inst.devices[stage],
+        kv_cache_bytes=int(inst.kv_cache_memory),
+        max_num_seqs=inst.max_num_seqs,
+        max_batched_tokens=inst.max_batched_tokens,
+        faults=inst.engine_faults,
+        admission=cluster.cache.prefill_admission,
+    )
+
+
 def start_stages(
     config_path: str,
     cluster: ClusterConfig,
@@ -158,15 +173,7 @@ def start_stages(
     """Stage 0's engine: the whole model here (PP 1), or a pipeline over spawned stages
     (they inherit the cluster secret `secret` in their environment)."""
     set_cpu_threads(cluster, inst, 0)
-    config = engine_config(
-        cluster,
-        device=inst.devices[0],
-        kv_cache_bytes=int(inst.kv_cache_memory),
-        max_num_seqs=inst.max_num_seqs,
-        max_batched_tokens=inst.max_batched_tokens,
-        faults=inst.engine_faults,
-        admission=cluster.cache.prefill_admission,
-    )
+    config = stage_engine_config(cluster, inst, 0)
     sender = handoff_worker(inst, transport, secret)
     pp = inst.pipeline_parallel
     if pp == 1:
@@ -234,17 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     inst = cluster.prefill_instance(args.name)
     node = cluster.node(inst.node)
     setup_logging(cluster.log_level, f"{inst.name}.stage{args.stage}")
-    device = inst.devices[args.stage]
     set_cpu_threads(cluster, inst, args.stage)
-    config = engine_config(
-        cluster,
-        device=device,
-        kv_cache_bytes=int(inst.kv_cache_memory),
-        max_num_seqs=inst.max_num_seqs,
-        max_batched_tokens=inst.max_batched_tokens,
-        faults=inst.engine_faults,
-        admission=cluster.cache.prefill_admission,
-    )
+    config = stage_engine_config(cluster, inst, args.stage)
     pp = inst.pipeline_parallel
     ctx = init_parallel(args.stage, pp, config.device, args.init_method)
     try:

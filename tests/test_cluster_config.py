@@ -159,6 +159,13 @@ BAD = [
     ("order", _set("cache.prefill_order", "lifo"), "cache.prefill_order", "shortest, fcfs"),
     ("bound", _set("cache.prefill_bound_steps", 0), "cache.prefill_bound_steps", ">= 1"),
     ("fcfs", _set("cache.prefill_order", "fcfs"), None, None),  # valid
+    (
+        "admission",
+        _set("cache.prefill_admission", "eager"),
+        "cache.prefill_admission",
+        "whole_prompt, chunk",
+    ),
+    ("chunk-admission", _set("cache.prefill_admission", "chunk"), None, None),  # valid
     ("stall", _set("engine_stall_timeout_s", 0), "engine_stall_timeout_s", "> 0"),
     ("no-stall", _set("engine_stall_timeout_s", None), None, None),  # valid: watchdog off
     (

@@ -2,7 +2,8 @@
 random Llama: a burst of prompts larger than the cache, each finished prompt's blocks held
 for its handoff like prefill_worker/handoff.py does, is computed without a preemption and
 every first token equals a run without pressure; with `chunk` the same burst preempts;
-a prompt as large as the whole cache waits and finishes; a larger one is refused."""
+a prompt as large as the whole cache waits and finishes; a larger one is refused; only
+prefill instances take cache.prefill_admission."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from engine.config import EngineConfig
@@ -21,6 +23,9 @@ from engine.kv_connector import (
 )
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
+from enginehost.startup import engine_config
+from prefill_worker.stages import stage_engine_config
+from protocol.cluster import load_cluster
 from protocol.errors import PromptTooLongError
 from protocol.ids import BlockId, RequestId
 from protocol.sampling import SamplingParams
@@ -163,3 +168,23 @@ def test_a_prompt_the_size_of_the_cache_waits_and_finishes(
     with pytest.raises(PromptTooLongError, match="KV cache"):
         eng.add_request([*big, 5], GREEDY, prefill_only=True)
     eng.close()
+
+
+def test_only_prefill_instances_take_the_prefill_admission() -> None:
+    repo = Path(__file__).resolve().parent.parent
+    cluster = load_cluster(repo / "deploy" / "examples" / "local-pd.yaml")
+    assert cluster.cache.prefill_admission == "whole_prompt"  # the default
+    inst = cluster.prefill[0]
+    assert stage_engine_config(cluster, inst, 0).admission == "whole_prompt"
+    decode = cluster.decode[0]
+    cfg = engine_config(
+        cluster,
+        device=decode.devices[0],
+        kv_cache_bytes=int(decode.kv_cache_memory),
+        max_num_seqs=decode.max_num_seqs,
+    )
+    assert cfg.admission == "chunk"  # decode and unified engines
+    chunk = msgspec.structs.replace(
+        cluster, cache=msgspec.structs.replace(cluster.cache, prefill_admission="chunk")
+    )
+    assert stage_engine_config(chunk, inst, 0).admission == "chunk"
