@@ -8,6 +8,8 @@
     kvserve_prefix_cache_evictions_total{instance, role}  cached blocks reused for new KV
     kvserve_engine_preemptions_total{instance, role}      requests preempted (recompute)
     kvserve_engine_recomputed_tokens_total{instance, role}
+    kvserve_engine_admissions_deferred_total{instance, role}  steps a prompt waited for
+                                                          blocks (whole_prompt admission)
     kvserve_engine_kv_loads_total{instance, role}         external (pool) loads started
     kvserve_engine_kv_loads_short_total{instance, role}   loads that brought fewer tokens
     kvserve_instance_devices{instance, role}              devices (GPUs, or CPU processes)
@@ -92,6 +94,12 @@ class EngineCollector(Collector):
             "kvserve_engine_recomputed_tokens",
             "Tokens computed again after a preemption",
             counters.recomputed_tokens,
+        )
+        yield self._counter(
+            "kvserve_engine_admissions_deferred",
+            "Engine steps whose admission stopped at a waiting prompt that does not fit beside "
+            "what the running ones still need (whole_prompt admission)",
+            counters.admissions_deferred,
         )
         yield self._counter(
             "kvserve_engine_kv_loads", "External (pool) KV loads started", counters.loads_started

@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import msgspec
 import pytest
@@ -23,6 +25,8 @@ from engine.kv_connector import (
 )
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
+from enginehost.host import EngineHost
+from enginehost.metrics import EngineCollector
 from enginehost.startup import engine_config
 from prefill_worker.stages import stage_engine_config
 from protocol.cluster import load_cluster
@@ -105,6 +109,15 @@ def _prefill(eng: LLMEngine, prompts: list[list[int]]) -> list[int]:
     return [first[r] for r in ids]
 
 
+def _scraped(eng: LLMEngine, name: str) -> float:
+    """The value an engine host's /metrics would show (enginehost/metrics.py)."""
+    host = cast(EngineHost, SimpleNamespace(engine=eng))
+    for family in EngineCollector(host, "prefill-0", "prefill", 1).collect():
+        if family.name == name:
+            return family.samples[0].value
+    raise AssertionError(f"{name} is not exported")
+
+
 @pytest.fixture(scope="module")
 def unpressed(tiny_llama_dir: Path, weights_cache_dir: str) -> LLMEngine:
     """Reference: a cache far larger than any burst here, nothing held."""
@@ -123,7 +136,7 @@ def test_a_burst_larger_than_the_cache_runs_without_preemption(
     rng = random.Random(7)
     prompts = [_prompt(rng.randint(100, 160), 300 + i) for i in range(16)]
     want = [unpressed.generate([p], GREEDY)[0].token_ids[0] for p in prompts]
-    counters, steps = {}, {}
+    counters, steps, deferred = {}, {}, {}
     for admission in ("whole_prompt", "chunk"):
         eng = _engine(
             tiny_llama_dir,
@@ -138,11 +151,13 @@ def test_a_burst_larger_than_the_cache_runs_without_preemption(
         assert eng.pool.num_free_blocks == eng.pool.num_blocks  # every block came back
         counters[admission] = eng.counters
         steps[admission] = eng.scheduler.steps
+        deferred[admission] = _scraped(eng, "kvserve_engine_admissions_deferred")
         eng.close()
     whole, chunk = counters["whole_prompt"], counters["chunk"]
     assert whole.preemptions == 0 and whole.recomputed_tokens == 0
     assert whole.prompt_tokens_computed == sum(map(len, prompts))
-    assert whole.admissions_deferred > 0
+    assert deferred["whole_prompt"] == whole.admissions_deferred > 0  # exported
+    assert deferred["chunk"] == 0
     assert chunk.preemptions > 0 and chunk.recomputed_tokens > 0
     assert steps["whole_prompt"] <= steps["chunk"]  # waiting for blocks cost no steps
 

@@ -407,11 +407,17 @@ CAPACITY = Dashboard(
         ),
         Panel(
             "Preemptions",
-            "Requests preempted for lack of KV blocks (recomputed later), per second.",
+            "Requests preempted for lack of KV blocks (recomputed later), and steps whose "
+            "admission kept a prompt waiting because it does not fit beside the running ones "
+            "(whole_prompt admission: the waiting that replaces preemption), per second.",
             (
                 Query(
                     sum_rate("kvserve_engine_preemptions_total", by="role, instance"),
-                    "{{role}} {{instance}}",
+                    "preempted {{role}} {{instance}}",
+                ),
+                Query(
+                    sum_rate("kvserve_engine_admissions_deferred_total", by="role, instance"),
+                    "deferred {{role}} {{instance}}",
                 ),
             ),
             unit="ops",
