@@ -91,6 +91,8 @@ class SchedulerCounters:
     prompt_tokens_computed: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0
+    """Tokens a preempted request had computed that its readmission computes again (not
+    found in the GPU prefix cache or loaded by the connector)."""
     loads_started: int = 0
     loads_short: int = 0
     """Loads that brought fewer tokens than matched (failed or partial: recomputed)."""
@@ -135,6 +137,9 @@ class Scheduler:
         self._arrived: dict[RequestId, int] = {}
         self._estimate: dict[RequestId, int] = {}
         """shortest: a waiting request's tokens left, estimated before admission."""
+        self._lost: dict[RequestId, int] = {}
+        """A preempted request's tokens computed before its preemption: what its next
+        admission computes again, less its prefix hit and load (recomputed_tokens)."""
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -319,8 +324,9 @@ class Scheduler:
             self.counters.prompt_tokens_cached += cached
             self.counters.prompt_tokens_pool += pool
             self.counters.prompt_tokens_computed += req.num_prompt_tokens - cached - pool
-        else:
-            self.counters.recomputed_tokens += req.num_tokens - req.num_computed_tokens
+        else:  # after a preemption: only what was computed and is not found again counts
+            lost = self._lost.pop(req.request_id, 0)
+            self.counters.recomputed_tokens += max(0, lost - req.num_computed_tokens)
 
     def _start_load(self, req: Request, num_prefix_tokens: int, num_external: int) -> None:
         req.num_computed_tokens = num_prefix_tokens
@@ -364,6 +370,8 @@ class Scheduler:
         self.running.remove(req)
         req.status = RequestStatus.WAITING
         self._release(req)
+        lost = max(req.num_computed_tokens, self._lost.get(req.request_id, 0))
+        self._lost[req.request_id] = lost
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.counters.preemptions += 1
@@ -385,6 +393,7 @@ class Scheduler:
         req.status = status
         self._arrived.pop(req.request_id, None)
         self._estimate.pop(req.request_id, None)
+        self._lost.pop(req.request_id, None)
         self._release(req)
 
     def find(self, request_id: RequestId) -> Request | None:

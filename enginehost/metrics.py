@@ -92,7 +92,7 @@ class EngineCollector(Collector):
         )
         yield self._counter(
             "kvserve_engine_recomputed_tokens",
-            "Tokens computed again after a preemption",
+            "Tokens computed again after a preemption (computed before it, not found again)",
             counters.recomputed_tokens,
         )
         yield self._counter(

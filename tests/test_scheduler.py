@@ -84,6 +84,13 @@ def test_preempts_latest_and_recomputes():
     assert b.output_token_ids == [7, 7]  # outputs kept, recomputed later
     assert sched.waiting[0] is b
     assert sched.counters.preemptions == 1
+    # a's third block evicted b's second (freed tail first, so taken first); b's first
+    # is still cached: of the 8 tokens b had computed, 4 are computed again.
+    _apply(sched, out)
+    sched.finish(a, RequestStatus.FINISHED_STOPPED)
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("b", 5)]
+    assert b.num_computed_tokens == 4 and sched.counters.recomputed_tokens == 4
 
 
 def test_finish_frees_blocks():
