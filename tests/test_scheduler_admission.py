@@ -1,7 +1,7 @@
 """The admission rule (engine/admission.py) on CPU logic only: a burst of prompts larger
 than the cache admitted whole (no preemption, nothing computed twice, no more steps) or
 by chunk (preempted), blocks held for a handoff waited for, the shortest order still
-passing a short prompt, a prompt that needs the whole cache, a prompt larger than the
+passing a short prompt and its bound still starting a long one, a prompt that needs the whole cache, a prompt larger than the
 cache admitted alone, and requests loading from a connector counted as admitted."""
 
 from __future__ import annotations
@@ -194,6 +194,36 @@ def test_shortest_still_passes_a_short_prompt_the_long_one_cannot_fit_beside(kin
         assert given == [("a", 12)] and [r.request_id for r in sched.waiting] == ["long", "short"]
     done = _apply(sched, out) + _drain(sched)[2]
     assert sorted(done) == ["a", "long", "short"] and sched.counters.preemptions == 0
+
+
+def test_the_bound_still_admits_a_long_prompt_under_a_stream_of_short_ones() -> None:
+    """Two 8-token prompts arrive every step; the 60-token one (15 of 16 blocks) never
+    fits beside them. Past the bound it ranks first: its refusal stops admission, the
+    short ones drain, and it starts."""
+
+    def run(bound: int) -> int | None:
+        sched = Scheduler(
+            KVCacheManager(BlockPool(16), 4),
+            max_num_batched_tokens=16,
+            max_num_seqs=16,
+            order=PrefillOrder(kind="shortest", bound_steps=bound),
+            admission=make_admission("whole_prompt"),
+        )
+        long = _req("long", 60)
+        sched.add(long)
+        sched.add(_req("s0a", 8))  # running before the long one is looked at
+        _apply(sched, sched.schedule())
+        for step in range(1, 40):
+            sched.add(_req(f"s{step}a", 8))
+            sched.add(_req(f"s{step}b", 8))
+            if "long" in _apply(sched, sched.schedule()):
+                assert sched.counters.preemptions == 0
+                return step
+        return None
+
+    done = run(bound=6)
+    assert done is not None and done <= 6 + 2 + 60 // 16  # bound, drain, its own steps
+    assert run(bound=10**6) is None  # no bound: passed over for good
 
 
 def test_a_prompt_that_needs_the_whole_cache_waits_then_finishes_alone() -> None:
