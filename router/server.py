@@ -97,19 +97,42 @@ def run_router(settings: RouterSettings, log_level: str = "info") -> None:
     # inside the first request.
     _ = model.tokenizer.token_bytes
     app = create_app(settings, model)
-    if settings.metrics_port is not None:
-        start_http_server(
-            settings.metrics_port, addr=settings.host, registry=app.state.metrics.registry
-        )
+    metrics_port = settings.own_metrics_port
+    if metrics_port is not None:
+        start_http_server(metrics_port, addr=settings.host, registry=app.state.metrics.registry)
+    process = ""
+    if settings.processes > 1:
+        process = f", process {settings.process_index} of {settings.processes}"
     log.info(
-        "router serving %s on http://%s:%d (policy %s, %d prefill, %d decode)",
+        "router serving %s on http://%s:%d (policy %s, %d prefill, %d decode%s)",
         settings.served_model_name or model.served_name,
         settings.host,
         settings.port,
         settings.policy,
         len(settings.prefill),
         len(settings.decode),
+        process,
     )
     config = uvicorn_config(app, settings.host, settings.port, log_level, settings.http_limits)
+    sockets = None
+    if settings.processes > 1:  # every process binds the port itself (router/processes.py)
+        sockets = [shared_listener(settings.host, settings.port, config.backlog)]
     tune_gc()
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=sockets)
+
+
+def shared_listener(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening socket on (host, port) with SO_REUSEPORT: each router process binds
+    its own, and the kernel spreads incoming connections over them (by a hash of the
+    client's address and port); a connection stays with its process."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
