@@ -43,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"router: {e}", file=sys.stderr)
         return 2
+    who = "router" if settings.processes == 1 else f"router[{args.process_index}]"
     logging.basicConfig(
         level=cluster.log_level.upper(),
-        format="%(asctime)s %(levelname)s router %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s {who} %(name)s: %(message)s",
     )
     # httpx logs every request at INFO: health checks and notices would flood the log
     logging.getLogger("httpx").setLevel(logging.WARNING)
