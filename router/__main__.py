@@ -80,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         others = RouterProcesses(argv_of, settings.processes)
         others.start()
     try:
-        run_router(settings, log_level=cluster.log_level)
+        run_router(
+            settings,
+            log_level=cluster.log_level,
+            on_server=others.watch_server if others is not None else None,
+        )
     except KvserveError as e:
         print(f"router: {e}", file=sys.stderr)
         return 1

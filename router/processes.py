@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,13 @@ class RouterProcesses:
         self._siblings = [_Sibling(i) for i in range(1, num_processes)]
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="router-processes", daemon=True)
+        self._server_stopping: Callable[[], bool] = lambda: False
+
+    def watch_server(self, server: Any) -> None:
+        """Process 0's uvicorn Server: once it was told to stop (SIGTERM, SIGINT: a
+        `kvserve down` signals the whole process group), an exiting process is not
+        started again."""
+        self._server_stopping = lambda: bool(server.should_exit)
 
     def start(self) -> None:
         self._thread.start()
@@ -119,6 +127,8 @@ class RouterProcesses:
         for s in self._siblings:
             self._spawn(s)
         while not self._stopping.wait(_POLL_S):
+            if self._server_stopping():
+                continue
             now = time.monotonic()
             for s in self._siblings:
                 if s.restart_at is not None:

@@ -10,6 +10,7 @@ import asyncio
 import gc
 import logging
 import socket
+from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI
@@ -90,8 +91,14 @@ def uvicorn_config(
     )
 
 
-def run_router(settings: RouterSettings, log_level: str = "info") -> None:
-    """Load the model's tokenizer and template, then serve until interrupted."""
+def run_router(
+    settings: RouterSettings,
+    log_level: str = "info",
+    on_server: Callable[[uvicorn.Server], None] | None = None,
+) -> None:
+    """Load the model's tokenizer and template, then serve until interrupted.
+    `on_server` is given the uvicorn Server before it runs (its `should_exit` says when
+    it was told to stop: router/processes.py reads it)."""
     model = load_model_info(settings.model, served_name=settings.served_model_name)
     # The streamed-detokenization table (modelinfo/token_bytes.py), built now rather than
     # inside the first request.
@@ -118,7 +125,10 @@ def run_router(settings: RouterSettings, log_level: str = "info") -> None:
     if settings.processes > 1:  # every process binds the port itself (router/processes.py)
         sockets = [shared_listener(settings.host, settings.port, config.backlog)]
     tune_gc()
-    uvicorn.Server(config).run(sockets=sockets)
+    server = uvicorn.Server(config)
+    if on_server is not None:
+        on_server(server)
+    server.run(sockets=sockets)
 
 
 def shared_listener(host: str, port: int, backlog: int) -> socket.socket:

@@ -377,3 +377,6 @@ def test_router_processes_in_status_and_gone_after_down(tmp_path: Path) -> None:
     while any(alive(p) for p in [router_pid, *children]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [p for p in [router_pid, *children] if alive(p)], "router processes left behind"
+    log = (c.state_dir / "standin" / "logs" / "router.log").read_text()
+    assert "process 1 of 2" in log  # it served
+    assert "starting it again" not in log  # `down` stopped it: not a crash to restart
