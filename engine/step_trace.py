@@ -25,6 +25,7 @@ Lines (times: time.monotonic(), one clock for every process of the host):
 
 from __future__ import annotations
 
+import gzip
 import os
 import time
 from collections.abc import Callable
@@ -138,10 +139,14 @@ def milestones(trace: StepTrace | None) -> Callable[[str, str], None]:
 
 
 def read_trace(path: Path) -> list[TraceLine]:
-    """Every line of a trace file (a torn last line, from a killed process, is skipped)."""
+    """Every line of a trace file, gzipped (.gz) or not (a torn last line, from a killed
+    process, is skipped)."""
     dec = msgspec.json.Decoder(TraceLine)
     out: list[TraceLine] = []
-    for line in path.read_bytes().splitlines():
+    data = path.read_bytes()
+    if path.suffix == ".gz":
+        data = gzip.decompress(data)
+    for line in data.splitlines():
         try:
             out.append(dec.decode(line))
         except msgspec.DecodeError:

@@ -49,7 +49,7 @@ def test_an_engine_records_each_step_and_its_rows(tiny_llama_dir: Path, tmp_path
         assert s.pre == 0
     # decode rows: those whose prompt was in before the step
     assert [s.past_prompt for s in steps] == [
-        sum(r[0] == "a" and r[2] >= 40 or r[0] == "b" and r[2] >= 5 for r in s.rows) for s in steps
+        sum(r[2] >= {"a": 40, "b": 5}[r[0]] for r in s.rows) for s in steps
     ]
     assert steps[-1].past_prompt >= 1 and steps[0].past_prompt == 0
     assert steps[0].queued == 2 - len(steps[0].rows)  # what the first step left waiting
