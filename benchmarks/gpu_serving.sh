@@ -17,6 +17,13 @@
 #       --gpus 1 --out OUT_DIR/agentic
 #   and prints the report plus the handoff (prefill kvserve_handoff_*, decode scatter) and
 #   pool restore (kvserve_pool_restore_*) figures scraped from the instances' /metrics.
+#   prefill-0 and decode-0 record their engine steps and requests' milestones
+#   (KVSERVE_STEP_TRACE=OUT_DIR/trace, engine/step_trace.py; GPU_SERVING_TRACE=0 turns it
+#   off); at the end the traces are gzipped (a decode step of 32 rows is ~2 KB, ~0.15 KB
+#   gzipped: a few MB a run) and benchmarks/serving_timeline.py prints, per instance, the
+#   first 60 s in 5 s windows then 30 s ones (busy fraction, step split, gaps, tokens,
+#   rows, preemptions, CPU against wall) and the cold start of the 32 sessions' first
+#   turns, also into OUT_DIR/timeline.txt and OUT_DIR/timeline.json.
 #   Takes ~6 min (model build ~30 s, two 16 GB weight loads, 180 s of load, drain).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -56,8 +63,9 @@ EOF
 }
 
 run() {
-  local out="$1"
-  mkdir -p "$out"
+  mkdir -p "$1"
+  local out
+  out="$(cd "$1" && pwd)"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/gpu-serving-site "$CARRY"/wheels/*.whl
   mkdir -p /tmp/gpu-serving-root
@@ -69,11 +77,20 @@ run() {
 
   local model=/tmp/llama-3-8b-random
   "$PY" -m benchmarks.random_model "$model"
-  "$PY" - "$model" "$out/single-gpu.yaml" <<'EOF'
+  local trace=""
+  if [ "${GPU_SERVING_TRACE:-1}" != 0 ]; then
+    trace="$out/trace"
+    rm -rf "$trace"
+    mkdir -p "$trace"
+  fi
+  "$PY" - "$model" "$out/single-gpu.yaml" "$trace" <<'EOF'
 import sys, yaml
 cfg = yaml.safe_load(open("deploy/examples/single-gpu.yaml"))
 cfg["model"] = sys.argv[1]
 cfg["cache"]["weights_cache_dir"] = "/tmp/kvserve-weights"
+if sys.argv[3]:  # the engines' steps and requests' milestones (engine/step_trace.py)
+    for inst in cfg["prefill"] + cfg["decode"]:
+        inst["env"] = {**inst.get("env", {}), "KVSERVE_STEP_TRACE": sys.argv[3]}
 yaml.safe_dump(cfg, open(sys.argv[2], "w"), sort_keys=False)
 EOF
   local config="$out/single-gpu.yaml" state=/tmp/gpu-serving-state
@@ -111,10 +128,31 @@ EOF
   echo "== device memory (MiB): peak in use during the run, per process at the end"
   sort -t, -k1 -n "$out/gpu_memory.csv" | tail -n 1 | sed 's/^/    peak used, total: /'
   nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader | sed 's/^/    /'
+  if [ -n "$trace" ]; then
+    "$PY" -m kvserve.cli down -c "$config" --state-dir "$state" || true
+    timeline "$out"
+  fi
+}
+
+timeline() { # OUT: gzip OUT/trace's step traces (the cluster is down), print their timeline
+  local out
+  out="$(cd "$1" && pwd)"
+  for f in "$out"/trace/*.jsonl; do
+    [ -e "$f" ] || continue
+    gzip -f "$f"
+  done
+  echo "== engine steps and request milestones (benchmarks/serving_timeline.py; OUT/trace)"
+  ls -l "$out"/trace | sed 's/^/    /'
+  local requests=()
+  [ -e "$out/agentic/requests.jsonl" ] && requests=(--requests "$out/agentic/requests.jsonl")
+  (cd "$ROOT" && PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m benchmarks.serving_timeline \
+    "$out/trace" "${requests[@]}" --window 5 --fine-s 60 --coarse 30 --cold 32 \
+    --json "$out/timeline.json") | tee "$out/timeline.txt"
 }
 
 case "${1:-}" in
   prepare) prepare ;;
   run) run "${2:?usage: gpu_serving.sh run OUT_DIR}" ;;
-  *) echo "usage: $0 prepare | run OUT_DIR" >&2; exit 2 ;;
+  timeline) timeline "${2:?usage: gpu_serving.sh timeline OUT_DIR}" ;;
+  *) echo "usage: $0 prepare | run OUT_DIR | timeline OUT_DIR" >&2; exit 2 ;;
 esac

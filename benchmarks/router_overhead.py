@@ -21,7 +21,12 @@ the machine's cores. Correctness first: each router's text must equal the canned
 tokens' text before anything is timed.
 
     python -m benchmarks.router_overhead [--systems kvserve sglang-router vllm-router]
-        [--concurrency 64] [--seconds 5] [--sequential 300] [--out FILE.json]
+        [--kvserve-processes 1 2] [--concurrency 64] [--seconds 5] [--sequential 300]
+        [--out FILE.json]
+
+`--kvserve-processes 1 2`: kvserve's router once as one process and once as two on one
+port (router.processes, SO_REUSEPORT; the rows "kvserve-x2"); its CPU column is then the
+sum over its processes.
 
 sglang-router and vllm-router are installed once into their own virtual environments
 (~/.cache/kvserve/, benchmarks/router_peers.py); not run in CI.
@@ -38,7 +43,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -175,19 +180,20 @@ def _pct(samples: list[float], q: float) -> float:
     return 1e3 * samples[min(len(samples) - 1, int(len(samples) * q))]
 
 
-def _cpu_s(pid: int | None) -> float:
-    if pid is None:
-        return 0.0
-    t = psutil.Process(pid).cpu_times()
-    return float(t.user + t.system)
+def _cpu_s(pids: Sequence[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
 
 
 async def measure(
-    fn: Call, concurrency: int, seconds: float, count: int | None, pid: int | None = None
+    fn: Call, concurrency: int, seconds: float, count: int | None, pids: Sequence[int] = ()
 ) -> dict[str, float]:
     """`concurrency` closed loops for `seconds` (or `count` requests in all) after a 1 s
-    warm-up; latency percentiles (ms), req/s and, with `pid`, that process's CPU time per
-    request (user + system, all threads: what the router costs, whatever else runs)."""
+    warm-up; latency percentiles (ms), req/s and, with `pids`, those processes' CPU time
+    per request (user + system, all threads: what the router costs, whatever else runs)."""
     warm_end = time.perf_counter() + 1.0
     while time.perf_counter() < warm_end:
         await asyncio.gather(*(fn() for _ in range(concurrency)))
@@ -200,10 +206,10 @@ async def measure(
             await fn()
             samples.append(time.perf_counter() - t)
 
-    start, cpu = time.perf_counter(), _cpu_s(pid)
+    start, cpu = time.perf_counter(), _cpu_s(pids)
     await asyncio.gather(*(loop() for _ in range(concurrency)))
     wall = time.perf_counter() - start
-    cpu = _cpu_s(pid) - cpu
+    cpu = _cpu_s(pids) - cpu
     samples.sort()
     return {
         "p50_ms": _pct(samples, 0.5),
@@ -239,10 +245,18 @@ def _wait_up(url: str, proc: subprocess.Popen[bytes], path: str, timeout_s: floa
 
 
 def serve_router(
-    port: int, prefill_url: str, decode_url: str, workers: int, quiet: bool = False
+    port: int,
+    prefill_url: str,
+    decode_url: str,
+    quiet: bool = False,
+    processes: int = 1,
+    process_index: int = 0,
+    metrics_port: int | None = None,
 ) -> None:
     """`quiet`: health checks every 30 s and KV polls once an hour, so that what the
-    router executes is nearly all the requests' work (benchmarks/router_instructions.py)."""
+    router executes is nearly all the requests' work (benchmarks/router_instructions.py).
+    `processes` > 1: this is process `process_index` of that many on `port` (the
+    benchmark starts each, as router/processes.py would)."""
     from router.config import InstanceEndpoint, RouterSettings
     from router.server import run_router
 
@@ -252,6 +266,9 @@ def serve_router(
         port=port,
         prefill=(InstanceEndpoint(name="p0", url=prefill_url),),
         decode=(InstanceEndpoint(name="d0", url=decode_url),),
+        processes=processes,
+        process_index=process_index,
+        metrics_port=metrics_port,
     )
     if quiet:
         settings = msgspec.structs.replace(
@@ -270,12 +287,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         tokenizer.decode(tokens[: i + 1])[len(tokenizer.decode(tokens[:i])) :]
         for i in range(len(tokens))
     ]
-    ports = {k: _free_port() for k in ("prefill", "decode", *args.systems)}
+    systems = [
+        *(k for name in args.systems for k in _kvserve_systems(name, args.kvserve_processes)),
+    ]
+    ports = {k: _free_port() for k in ("prefill", "decode", *systems)}
     url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     me = [sys.executable, "-m", "benchmarks.router_overhead"]
     canned = json.dumps({"tokens": tokens, "pieces": pieces, "ttft_s": args.ttft_ms / 1e3})
     procs: dict[str, subprocess.Popen[bytes]] = {}
+    router_pids: dict[str, list[int]] = {}
+    metrics_urls: dict[str, str] = {}
     for role in ("prefill", "decode"):
         procs[role] = subprocess.Popen(
             [*me, "--serve-worker", role, str(ports[role]), canned], env=env
@@ -283,44 +305,55 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for role in ("prefill", "decode"):
             _wait_up(url[role], procs[role], "/health")
-        for name in args.systems:
-            if name == "kvserve":
+        for name in systems:
+            if name.startswith("kvserve"):
+                num = _num_processes(name)
                 cmd = [*me, "--serve-router", str(ports[name]), url["prefill"], url["decode"]]
-                procs[name] = subprocess.Popen(cmd, env=env)
+                metrics = _free_port()
+                for i in range(num):
+                    key = name if i == 0 else f"{name}/{i}"
+                    argv = [*cmd, f"--process={i}/{num}", f"--metrics-port={metrics}"]
+                    procs[key] = subprocess.Popen(argv, env=env)
+                    router_pids.setdefault(name, []).append(procs[key].pid)
+                    # Each process's own metrics port answers once it has loaded.
+                    metrics_urls[key] = f"http://127.0.0.1:{metrics + i}"
             else:
                 peer = PEERS[name]
                 cmd = peer.command(
                     peer.ensure(), ports[name], _free_port(), url["prefill"], url["decode"]
                 )
                 procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+                router_pids[name] = [procs[name].pid]
         pool = Http1Pool(connect_timeout_s=5.0)
         client = Client(pool, url["prefill"], url["decode"], tokenizer.encode(PROMPT))
-        for name in args.systems:
+        for name in systems:
             _wait_up(url[name], procs[name], "/health")
+        for key, metrics_url in metrics_urls.items():
+            _wait_up(metrics_url, procs[key], "/metrics")
             for stream in (False, True):  # correctness before speed
                 text = await client.via_router(url[name], stream)
                 assert text == expected, (name, stream, text, expected)
         assert await client.direct_kvserve() == " ".join(map(str, tokens))
         result: dict[str, Any] = {"output_tokens": len(tokens), "ttft_ms": args.ttft_ms, "rows": []}
-        for name in args.systems:
+        for name in systems:
             for stream in (False, True):
                 direct: Call = functools.partial(
                     {
                         "kvserve": lambda _s: client.direct_kvserve(),
                         "sglang-router": client.direct_sglang,
                         "vllm-router": client.direct_vllm,
-                    }[name],
+                    }[name.partition("-x")[0] if name.startswith("kvserve") else name],
                     stream,
                 )
                 routed: Call = functools.partial(client.via_router, url[name], stream)
                 row: dict[str, Any] = {"system": name, "stream": stream}
-                for label, fn, pid in (
-                    ("direct", direct, None),
-                    ("router", routed, procs[name].pid),
+                for label, fn, pids in (
+                    ("direct", direct, []),
+                    ("router", routed, router_pids[name]),
                 ):
-                    row[f"{label}_seq"] = await measure(fn, 1, 60.0, args.sequential, pid)
+                    row[f"{label}_seq"] = await measure(fn, 1, 60.0, args.sequential, pids)
                     row[f"{label}_load"] = await measure(
-                        fn, args.concurrency, args.seconds, None, pid
+                        fn, args.concurrency, args.seconds, None, pids
                     )
                 for phase in ("seq", "load"):
                     r, d = row[f"router_{phase}"], row[f"direct_{phase}"]
@@ -338,6 +371,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def _kvserve_systems(name: str, processes: Sequence[int]) -> list[str]:
+    """kvserve's router once per process count: "kvserve", "kvserve-x2", ..."""
+    if name != "kvserve":
+        return [name]
+    return [name if n == 1 else f"{name}-x{n}" for n in processes]
+
+
+def _num_processes(name: str) -> int:
+    _, _, num = name.partition("-x")
+    return int(num) if num else 1
 
 
 TABLE_HEAD = (
@@ -365,12 +410,26 @@ def main() -> None:
         serve(sys.argv[2], int(sys.argv[3]), canned["tokens"], canned["pieces"], canned["ttft_s"])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-router":
-        serve_router(int(sys.argv[2]), sys.argv[3], sys.argv[4], 1, "--quiet" in sys.argv[5:])
+        index, num, metrics = 0, 1, None
+        for arg in sys.argv[5:]:
+            if arg.startswith("--process="):
+                index, num = map(int, arg.removeprefix("--process=").split("/"))
+            if arg.startswith("--metrics-port="):
+                metrics = int(arg.removeprefix("--metrics-port="))
+        quiet = "--quiet" in sys.argv[5:]
+        serve_router(int(sys.argv[2]), sys.argv[3], sys.argv[4], quiet, num, index, metrics)
         return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument(
+        "--kvserve-processes",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="kvserve's router once per count of router processes (router.processes)",
+    )
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=5.0, help="load phase per path")
     parser.add_argument("--sequential", type=int, default=300, help="requests on one connection")

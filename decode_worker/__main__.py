@@ -8,6 +8,7 @@ import sys
 from decode_worker.ranks import landing_arena
 from decode_worker.service import DecodeService
 from decode_worker.startup import start_ranks
+from engine.step_trace import StepTrace
 from enginehost.host import EngineHost
 from enginehost.metrics import serve_metrics_port
 from enginehost.startup import load_instance, serve
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     arena = landing_arena(inst, 0, create_transport(transport_config))
     ranks = start_ranks(ctx.config_path, cluster, inst, info, arena)
     engine = ranks.engine
+    engine.trace = StepTrace.from_env(inst.name)  # KVSERVE_STEP_TRACE: off unless set
     host = EngineHost(engine, stall_timeout_s=cluster.engine_stall_timeout_s)
     if ranks.children is not None:  # a rank / stage that dies fails the instance at once
         ranks.children.on_lost = host.instance_lost
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         secret=ctx.secret,
         landing_ttl_s=cluster.router.request_timeout_s + LANDING_TTL_MARGIN_S,
         num_devices=len(inst.devices),
+        trace=engine.trace,
     )
     ranks.worker.on_scatter = service.metrics.scatter_seconds.observe
     serve_metrics_port(service.registry, node.host, inst.metrics_port)

@@ -31,6 +31,7 @@ from decode_worker.ranks import RankLandings
 from decode_worker.receiver import HandoffReceiver
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.step_trace import StepTrace, milestones
 from enginehost.app import PROCESS_INCARNATION, base_app, error_response, read_message
 from enginehost.host import EngineHost
 from enginehost.kv_events import KVReporter
@@ -73,8 +74,11 @@ class DecodeService:
         secret: str,
         landing_ttl_s: float,
         num_devices: int = 1,
+        trace: StepTrace | None = None,
     ) -> None:
         self.name = name
+        self.milestone = milestones(trace)
+        """Records a request's milestone beside the engine's steps (engine/step_trace.py)."""
         self.secret = secret
         """The cluster secret: every route but /health and /metrics needs it."""
         self.capability_key = capability_key(secret)
@@ -133,6 +137,7 @@ class DecodeService:
             return msg
         assert isinstance(msg, DecodeRequest)
         rid = msg.request_id
+        self.milestone("arrival", rid)
         try:
             await self.host.call(lambda e: e.validate(msg.prompt_token_ids, msg.params))
         except (InvalidRequestError, PromptTooLongError) as e:
@@ -167,6 +172,7 @@ class DecodeService:
         queue = self.host.open_stream(rid)
         try:
             await self.host.call(lambda e: e.add_request(msg.prompt_token_ids, msg.params, rid))
+            self.milestone("added", rid)
             await asyncio.wait_for(asyncio.shield(ready), self.admit_timeout_s)
         except (InvalidRequestError, PromptTooLongError) as e:
             await self._give_up(rid)
@@ -202,6 +208,7 @@ class DecodeService:
 
     async def _events(self, rid: str, queue, ready_line: bytes) -> AsyncIterator[bytes]:  # type: ignore[no-untyped-def]
         finished = False
+        first_sent = False
         try:
             yield ready_line
             while not finished:
@@ -235,6 +242,9 @@ class DecodeService:
                         for t in (o.new_top_logprobs or [None] * len(o.new_token_ids))
                     ]
                 finished = outs[-1].finished
+                if not first_sent and tokens:
+                    first_sent = True
+                    self.milestone("first_token", rid)
                 self.metrics.generated_tokens.inc(len(tokens))
                 if finished:
                     self.metrics.outcome("finished")
@@ -286,6 +296,7 @@ class DecodeService:
         if out is None:
             return False
         self.receiver.first_token(notice.request_id)
+        self.milestone("prefill_token", notice.request_id)
         if out.finished:  # the token ended it here (it did not at prefill): report it
             self.host.deliver(out)
         return True

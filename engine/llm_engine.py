@@ -259,6 +259,7 @@ class LLMEngine(StepExecution):
         failed alone: engine/step_isolation.py)."""
         trace = self.trace
         t0 = time.monotonic() if trace is not None else 0.0
+        cpu0 = time.thread_time() if trace is not None else 0.0
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return self._poll_connector(plan)
@@ -272,6 +273,13 @@ class LLMEngine(StepExecution):
             ]
             if trace is not None
             else []
+        )
+        past_prompt = (
+            sum(
+                s.request.num_computed_tokens >= s.request.num_prompt_tokens for s in plan.scheduled
+            )
+            if trace is not None
+            else 0
         )
         logits, reports, culprits = self._execute(plan)
         t_exec = time.monotonic() if trace is not None else 0.0
@@ -325,7 +333,17 @@ class LLMEngine(StepExecution):
             else:
                 outputs.append(self.append_isolating(req, tok, lp, top))
         if trace is not None:
-            trace.step(t0, t_sched, t_exec, rows)
+            sched = self.scheduler
+            trace.step(
+                t0,
+                cpu0,
+                t_sched,
+                t_exec,
+                rows,
+                pre=len(plan.preempted),
+                queued=len(sched.waiting) + len(sched.loading),
+                past_prompt=past_prompt,
+            )
         return outputs
 
     def fail_request(self, req: Request, error: str) -> RequestOutput:

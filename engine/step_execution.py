@@ -22,6 +22,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.step_isolation import ForwardFailed, find_culprits
+from engine.step_trace import StepTrace
 from protocol.ids import RequestId
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class StepExecution:
     kv_worker: KVConnectorWorker
     connector: KVConnectorScheduler
     scheduler: Scheduler
+    trace: StepTrace | None
     _requests: dict[RequestId, Request]
 
     def fail_request(self, req: Request, error: str) -> RequestOutput:
@@ -202,7 +204,11 @@ class StepExecution:
     def apply_reports(self, reports: list[bytes]) -> None:
         """The workers' connector reports of a step (one per process, after
         split_reports) into the scheduler."""
-        self.scheduler.update_from_connector(self.connector.update_from_workers(reports))
+        update = self.connector.update_from_workers(reports)
+        if self.trace is not None:
+            for rid in update.finished_loads:
+                self.trace.request("kv_loaded", rid)
+        self.scheduler.update_from_connector(update)
 
     def split_reports(self, reports: list[bytes]) -> tuple[list[bytes], dict[RequestId, str]]:
         """The workers' own reports, and the live requests that connector calls which

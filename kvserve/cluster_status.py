@@ -13,7 +13,7 @@ from kvserve.components import plan_components
 from kvserve.health import ComponentHealth, fetch_status, format_table, http_get
 from kvserve.process_groups import pid_alive
 from kvserve.run_state import RunDir
-from protocol.cluster import load_cluster
+from protocol.cluster import ClusterConfig, load_cluster
 from protocol.internal_auth import auth_headers
 
 
@@ -46,6 +46,8 @@ def status(
                     spec.name, spec.kind, spec.node, address, pids.get(spec.name), probe, info
                 )
             )
+            if spec.kind == "router":
+                rows += _router_processes(cluster, spec.host, spec.node, timeout_s)
     if state is not None:
         since = time.strftime("%F %T", time.localtime(state.started_at))
         launcher = "alive" if pid_alive(state.launcher_pid, state.launcher_start_time) else "gone"
@@ -63,3 +65,21 @@ def status(
     if num_down:
         print(f"{num_down} of {len(rows)} components are not up", file=out)
     return 1 if num_down else 0
+
+
+def _router_processes(
+    cluster: ClusterConfig, host: str, node: str, timeout_s: float
+) -> list[ComponentHealth]:
+    """With router.processes > 1, a row per process: its own /metrics port answers while
+    it runs (the API port answers for whichever process takes the connection)."""
+    r = cluster.router
+    if r.processes <= 1 or r.metrics_port is None:
+        return []
+    rows = []
+    for i in range(r.processes):
+        address = (
+            f"[{host}]:{r.metrics_port + i}" if ":" in host else f"{host}:{r.metrics_port + i}"
+        )
+        probe = http_get(f"http://{address}/metrics", timeout_s)
+        rows.append(ComponentHealth(f"router/{i}", "router", node, address, None, probe, None))
+    return rows

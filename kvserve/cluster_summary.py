@@ -77,7 +77,7 @@ def summarize(c: ClusterConfig, source: str) -> str:
     )
     lines.append(
         f"  router   {c.api_base_url} on {c.router_node.name} (binds {c.router_bind_host}); "
-        f"policy {r.policy}; {auth}"
+        f"policy {r.policy}; {auth}" + (f"; {r.processes} processes" if r.processes > 1 else "")
     )
     instances: tuple[Instance, ...] = (*c.prefill, *c.decode, *c.unified)
     here_names = [i.name for i in instances if i.node in local]

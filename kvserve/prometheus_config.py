@@ -3,7 +3,9 @@
 One job per component kind, one static target per component, each labelled with what the
 dashboards (deploy/grafana) select and group by:
 
-    job kvserve-router       router           /metrics on router.metrics_port or router.port
+    job kvserve-router       router           /metrics on router.metrics_port or router.port;
+                                              with router.processes N > 1, one target per
+                                              process (metrics_port + i, label process=i)
     job kvserve-prefill      every prefill    /metrics on metrics_port or port
     job kvserve-decode       every decode     /metrics on metrics_port or port
     job kvserve-unified      every unified    /metrics on metrics_port or port
@@ -44,6 +46,9 @@ class ScrapeTarget:
     node: str
     address: str
     """host:port (IPv6 hosts in brackets)."""
+    process: int | None = None
+    """Which router process (router.processes > 1): its series differ from the other
+    processes' only by this label, since the router's own carry `instance`."""
 
     @property
     def job(self) -> str:
@@ -61,14 +66,26 @@ def scrape_targets(cluster: ClusterConfig) -> list[ScrapeTarget]:
     """Every component of `cluster` that serves /metrics, in job order."""
     r = cluster.router
     router_node = cluster.router_node
-    targets = [
-        ScrapeTarget(
-            "router",
-            "router",
-            router_node.name,
-            _address(router_node, r.metrics_port or r.port, cluster.router_bind_host),
-        )
-    ]
+    if r.processes > 1 and r.metrics_port is not None:
+        targets = [
+            ScrapeTarget(
+                "router",
+                "router",
+                router_node.name,
+                _address(router_node, r.metrics_port + i, cluster.router_bind_host),
+                process=i,
+            )
+            for i in range(r.processes)
+        ]
+    else:
+        targets = [
+            ScrapeTarget(
+                "router",
+                "router",
+                router_node.name,
+                _address(router_node, r.metrics_port or r.port, cluster.router_bind_host),
+            )
+        ]
     for p in cluster.prefill:
         node = cluster.node(p.node)
         targets.append(
@@ -124,6 +141,8 @@ def prometheus_config(cluster: ClusterConfig, scrape_interval: str = "15s") -> d
         static = job["static_configs"]
         assert isinstance(static, list)
         labels = {"instance": t.name, "role": t.kind, "node": t.node, "cluster": cluster.name}
+        if t.process is not None:
+            labels["process"] = str(t.process)
         static.append({"targets": [t.address], "labels": labels})
     return {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
+from engine.step_trace import StepTrace
 from enginehost.host import EngineHost
 from enginehost.metrics import serve_metrics_port
 from enginehost.startup import load_instance, serve
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     transport = create_transport(handoff_transport_config(protocol, node.host))
     stages = start_stages(ctx.config_path, cluster, inst, info, transport, ctx.secret)
     engine = stages.engine
+    engine.trace = StepTrace.from_env(inst.name)  # KVSERVE_STEP_TRACE: off unless set
     host = EngineHost(engine, stall_timeout_s=cluster.engine_stall_timeout_s)
     if stages.children is not None:  # a rank / stage that dies fails the instance at once
         stages.children.on_lost = host.instance_lost
@@ -32,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.secret,
         num_devices=len(inst.devices),
         faults=handoff_faults(inst),
+        trace=engine.trace,
     )
     stages.connect(cluster, inst, service.registry, service.kv_reporter)
     serve_metrics_port(service.registry, node.host, inst.metrics_port)

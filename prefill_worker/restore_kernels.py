@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from engine.triton_support import triton_runs_on
+
 _MULT_K = 0x9E3779B1
 """kvpool/object_format.py's multiplier constant: m_i = 2 * ((i * K) mod 2^31) + 1."""
 
@@ -42,15 +44,7 @@ COPY_BLOCK = 4096
 def available(device: torch.device) -> bool:
     """True when the kernels can run for tensors on `device` (CUDA with Triton, or any
     device under TRITON_INTERPRET=1 for the CPU tests)."""
-    import os
-
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton_runs_on(device)
 
 
 @functools.cache

@@ -22,6 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.step_trace import StepTrace, milestones
 from enginehost.app import base_app, error_response, read_message
 from enginehost.host import EngineHost
 from enginehost.kv_events import KVReporter
@@ -29,6 +30,7 @@ from prefill_worker.handoff import HandoffScheduler
 from prefill_worker.heap_trim import HeapTrimmer
 from prefill_worker.metrics import PrefillMetrics
 from protocol.errors import InvalidRequestError, PromptTooLongError
+from protocol.handoff_messages import FlowResult
 from protocol.internal_auth import auth_headers
 from protocol.landing_capability import LandingCapabilityError, capability_key, verify
 from protocol.messages import (
@@ -71,8 +73,11 @@ class PrefillService:
         secret: str,
         num_devices: int = 1,
         faults: HandoffFaults | None = None,
+        trace: StepTrace | None = None,
     ) -> None:
         self.name = name
+        self.milestone = milestones(trace)
+        """Records a request's milestone beside the engine's steps (engine/step_trace.py)."""
         self.faults = faults or HandoffFaults()
         """Test-only injected faults (cluster.yaml handoff_faults): the door's hold."""
         self.secret = secret
@@ -82,7 +87,7 @@ class PrefillService:
         self.handoffs = handoffs
         self.metrics = PrefillMetrics(name, host, num_devices)
         self.registry = self.metrics.registry
-        handoffs.on_closed = self.metrics.handoff_closed
+        handoffs.on_closed = self._handoff_closed
         self.kv_reporter = KVReporter(name, "prefill", host, record_block_events=True)
         """GET /info and /kv_events for KV-aware routing; the pool connector reports its
         saves and restores to it (record_pool_saved, record_restore)."""
@@ -137,6 +142,7 @@ class PrefillService:
         assert isinstance(msg, PrefillRequest)
         rid = msg.request_id
         arrival = time.monotonic()
+        self.milestone("arrival", rid)
         wants_handoff = bool(msg.landing)
         if wants_handoff and not msg.notify_url:
             return error_response(400, "a PrefillRequest with landing needs notify_url", rid)
@@ -165,10 +171,16 @@ class PrefillService:
             self.host.close_stream(rid)
             self.metrics.outcome("rejected")
             return error_response(400, str(e), rid)
+        self.milestone("added", rid)
         return StreamingResponse(
             self._events(rid, queue, msg.notify_url if wants_handoff else None, arrival),
             media_type="application/x-ndjson",
         )
+
+    def _handoff_closed(self, request_id: str, stages: list[FlowResult]) -> None:
+        """Engine thread: every stage closed its flow of the request."""
+        self.milestone("handoff_done", request_id)
+        self.metrics.handoff_closed(request_id, stages)
 
     def _check_landing(self, msg: PrefillRequest) -> str | None:
         """Why the request's landing may not be written (each rank's capability, minted
@@ -202,6 +214,7 @@ class PrefillService:
                 return
             usage = usage_of(out)
             self.metrics.first_token(usage, time.monotonic() - arrival)
+            self.milestone("first_token", rid)
             yield encode_line(
                 FirstToken(
                     request_id=rid,

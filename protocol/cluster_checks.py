@@ -255,6 +255,13 @@ def _check_router(c: ClusterConfig) -> None:
             f"{r.host!r} opens the API on every interface, so it needs router.api_key or "
             "router.api_key_env; or bind the router node's address",
         )
+    if r.processes > 1 and r.metrics_port is None:
+        raise ConfigError(
+            "router.metrics_port",
+            f"router.processes is {r.processes}: the processes share router.port, so /metrics "
+            "there would answer for one of them at random; set metrics_port (process i serves "
+            "its metrics on metrics_port + i)",
+        )
     _check_env("router.env", r.env)
 
 
@@ -363,6 +370,8 @@ def cluster_ports(c: ClusterConfig) -> Iterator[tuple[str, str, int]]:
     yield rhost, "router.port", r.port
     if r.metrics_port is not None:
         yield rhost, "router.metrics_port", r.metrics_port
+        for i in range(1, r.processes):
+            yield rhost, f"router.metrics_port (+{i}, router process {i})", r.metrics_port + i
     for path, inst in _instances(c):
         host = c.node(inst.node).host
         yield host, f"{path}.port", inst.port

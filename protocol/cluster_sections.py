@@ -189,7 +189,12 @@ class RouterConfig(Section, frozen=True, kw_only=True):
     """End-to-end limit of one request."""
     admission: AdmissionConfig = AdmissionConfig()
     metrics_port: Port | None = None
-    """Separate Prometheus port; None: /metrics on `port`."""
+    """Separate Prometheus port; None: /metrics on `port`. With `processes` > 1, process
+    i serves its own metrics on metrics_port + i."""
+    processes: PositiveInt = 1
+    """Router processes sharing `port` (SO_REUSEPORT: the kernel spreads connections over
+    them), each a full router; above 1 it needs `metrics_port`. Each admits against
+    1/processes of every decode instance's KV budget (docs/router.md)."""
     tool_parser: ToolParserName | None = None
     """Format of the model's tool calls (docs/router.md); None: read from the chat template."""
     env: dict[str, str] = msgspec.field(default_factory=dict)

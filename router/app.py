@@ -73,7 +73,7 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
             view,
             AdmissionSettings(
                 wait_timeout_s=settings.admission_wait_timeout_s,
-                headroom=settings.admission_headroom,
+                headroom=settings.process_admission_headroom,
                 max_waiting=settings.admission_max_waiting,
                 order=settings.admission_order,
                 pass_bound_s=settings.admission_pass_bound_s,

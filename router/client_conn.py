@@ -95,14 +95,16 @@ class DisconnectWatch:
 
 
 class JSONReply(Response):
-    """A whole JSON body; `on_sent` runs once it was handed to the connection (metrics
-    then stay off the time to the client's last byte)."""
+    """A whole JSON body; `close()` is awaited and then `on_sent` runs once it was handed
+    to the connection (the request's streams closed and its metrics recorded off the
+    time to the client's last byte)."""
 
     def __init__(
         self,
         body: bytes,
         on_sent: Callable[[], None] | None = None,
         status_code: int = 200,
+        close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         # Not Response.__init__: headers are known, nothing to guess or validate.
         self.status_code = status_code
@@ -113,6 +115,7 @@ class JSONReply(Response):
             (b"content-type", b"application/json"),
         ]
         self._on_sent = on_sent
+        self._close = close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -125,8 +128,12 @@ class JSONReply(Response):
             )
             await send({"type": "http.response.body", "body": self.body})
         finally:
-            if self._on_sent is not None:
-                self._on_sent()
+            try:
+                if self._close is not None:
+                    await self._close()
+            finally:
+                if self._on_sent is not None:
+                    self._on_sent()
 
 
 class SSEResponse(Response):

@@ -55,7 +55,11 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Period of the GET /health poll of every instance."""
     metrics_port: int | None = None
     """Also serve /metrics on this port (prometheus_client's own server); None: only on
-    the API port."""
+    the API port. Router process i serves its own on metrics_port + i."""
+    processes: Annotated[int, msgspec.Meta(ge=1)] = 1
+    """Router processes sharing `port` with SO_REUSEPORT (router/processes.py)."""
+    process_index: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Which of them this is (0 starts and watches the others)."""
     prefill: tuple[InstanceEndpoint, ...] = ()
     decode: tuple[InstanceEndpoint, ...] = ()
     unified: tuple[InstanceEndpoint, ...] = ()
@@ -92,6 +96,20 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Request headers naming the client's session (first present wins), else `user`."""
     http_limits: HttpLimits = HttpLimits()
     """Sizes and timeouts of a request's headers and body (router/http_limits.py)."""
+
+    @property
+    def own_metrics_port(self) -> int | None:
+        """The port this process serves /metrics on besides the API port."""
+        if self.metrics_port is None:
+            return None
+        return self.metrics_port + self.process_index
+
+    @property
+    def process_admission_headroom(self) -> float:
+        """This process's share of each decode instance's KV budget: the processes admit
+        independently, so each holds 1/processes of it and together they never
+        over-admit."""
+        return self.admission_headroom / self.processes
 
 
 def settings_from_cluster(cluster: ClusterConfig) -> RouterSettings:
@@ -130,6 +148,7 @@ def settings_from_cluster(cluster: ClusterConfig) -> RouterSettings:
         max_input_tokens=r.max_input_tokens,
         request_timeout_s=r.request_timeout_s,
         metrics_port=r.metrics_port,
+        processes=r.processes,
         prefill=tuple(
             InstanceEndpoint(name=p.name, url=cluster.instance_url(p), pool=pool_of[p.name])
             for p in cluster.prefill

@@ -44,10 +44,13 @@ class Response:
 
     def __init__(self, conn: _Connection) -> None:
         self._conn = conn
+        # The connection's loop, not asyncio.get_running_loop(): CPython 3.11 checks
+        # getpid() (a system call) on every get_running_loop, several times a response.
+        self._loop = conn.loop
         self.status = 0
         self._chunks: collections.deque[bytes] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._headers_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._headers_done: asyncio.Future[None] = self._loop.create_future()
         self.complete = False
         self.error: Exception | None = None
         self.got_bytes = False
@@ -58,7 +61,7 @@ class Response:
         TimeoutError: one timer for the whole response, not one per chunk (a streamed
         answer has a chunk per token)."""
         if self._timer is None and not self.complete:
-            self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
+            self._timer = self._loop.call_at(deadline, self._expire)
 
     def _expire(self) -> None:
         self._timer = None
@@ -74,7 +77,7 @@ class Response:
                 raise self.error
             if self.complete:
                 return
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -89,7 +92,7 @@ class Response:
                 raise self.error
             if self.complete:
                 return b""
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -130,6 +133,7 @@ class _Connection(asyncio.Protocol):
     """One keep-alive TCP connection; at most one exchange at a time."""
 
     def __init__(self, pool: Http1Pool, key: tuple[str, int]) -> None:
+        self.loop = asyncio.get_running_loop()
         self._pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None

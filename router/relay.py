@@ -113,10 +113,13 @@ class RequestRun:
         return self.ctx.request_id
 
     async def events(self) -> AsyncGenerator[WorkerTokens, None]:
-        """First token, then decode's token batches, until a worker reports a finish."""
+        """First token, then decode's token batches, until a worker reports a finish.
+        Closing it closes `_run` in the closing task (not in a task of the event loop's
+        async-generator finalizer, one more task and a wake-up of the loop per request)."""
         reason: AbortReason = "error"
+        run = self._run()
         try:
-            async for tokens in self._run():
+            async for tokens in run:
                 yield tokens
         except (asyncio.CancelledError, GeneratorExit):
             reason = "client_disconnected"
@@ -128,11 +131,14 @@ class RequestRun:
                 "(router.request_timeout_s)"
             ) from None
         finally:
-            if not self._completed:
-                self.close(reason)
-            self._closed = True
-            if self._reservation is not None:
-                self._reservation.release()
+            try:
+                await run.aclose()  # nothing once it ended; else its finally runs now
+            finally:
+                if not self._completed:
+                    self.close(reason)
+                self._closed = True
+                if self._reservation is not None:
+                    self._reservation.release()
 
     def close(self, reason: AbortReason) -> None:
         """The run failed: abort every instance that was sent it. Idempotent."""
@@ -151,7 +157,7 @@ class RequestRun:
 
     # -- the serving path -------------------------------------------------------------------
 
-    async def _run(self) -> AsyncIterator[WorkerTokens]:
+    async def _run(self) -> AsyncGenerator[WorkerTokens, None]:
         """The P/D serving path (subclasses serve other instance kinds). One frame from the
         worker streams to `events`: a streamed token passes this one, the worker
         client's and the caller's."""

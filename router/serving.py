@@ -144,7 +144,11 @@ async def serve_generation(
             streaming = True
             return _streaming_reply(prepared, choices, record, watch)
         usage, num_tokens = _counts(choices)
-        return JSONReply(reply, on_sent=lambda: record.finish(200, usage, num_tokens))
+        return JSONReply(
+            reply,
+            on_sent=lambda: record.finish(200, usage, num_tokens),
+            close=lambda: _close_streams(choices),
+        )
     except APIError as e:
         if e.code == "context_length_exceeded":
             ctx.metrics.on_rejected("input_too_long")
@@ -207,6 +211,18 @@ def _streaming_reply(
             await c.deltas.aclose()
 
     return SSEResponse(body(), on_end, watch, close)
+
+
+async def _close_streams(choices: list[Choice]) -> None:
+    """A whole answer's choices, closed in the request's task once it is sent: each
+    stream stopped at its finish delta, and closing it runs the run's cleanup (its
+    reservation released, decode's stream closed) now rather than in a task of the event
+    loop's async-generator finalizer."""
+    try:
+        for c in choices:
+            await c.deltas.aclose()
+    except Exception:  # a router bug: the answer is out, the connection must stay usable
+        log.exception("closing the streams of a finished request failed")
 
 
 def _counts(choices: list[Choice]) -> tuple[PromptUsage | None, int]:

@@ -20,7 +20,7 @@ scheduler preempts when its KV is short, as a single-process engine does.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -37,7 +37,7 @@ from router.worker_client import InstanceUnreachable
 class UnifiedRun(RequestRun):
     """A RequestRun whose serving path is one call to a unified instance."""
 
-    async def _run(self) -> AsyncIterator[WorkerTokens]:
+    async def _run(self) -> AsyncGenerator[WorkerTokens, None]:
         prompt = list(self.ctx.prompt_token_ids)
         req = GenerateRequest(
             version=PROTOCOL_VERSION,

@@ -227,7 +227,9 @@ class WorkerClient:
             pending = b""
             while data := await resp.read_some():
                 pending += data
-                if b"\n" not in data:
+                # find, not `in`: bytes.__contains__ tries the operand as an integer
+                # first and builds (then drops) a TypeError for every bytes operand.
+                if data.find(b"\n") < 0:
                     continue
                 *lines, pending = pending.split(b"\n")
                 if len(lines) == 1:

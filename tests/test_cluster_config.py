@@ -209,6 +209,8 @@ BAD = [
     # ports on one host
     ("collision", _set("decode.0.port", 8100), "decode[0].port", "also prefill[0].port"),
     ("metrics", _set("router.metrics_port", 8000), "router.metrics_port", "also router.port"),
+    ("processes", _set("router.processes", 2), "router.metrics_port", "set metrics_port"),
+    ("no-processes", _set("router.processes", 0), "router.processes", ">= 1"),
 ]
 
 
@@ -236,7 +238,20 @@ def _all_cases() -> list[tuple[str, Any, str | None, str | None]]:
         d["pool"]["enabled"] = False
         d["pool"]["master"]["port"] = 8000
 
+    def two_routers(port: int) -> Any:
+        def mutate(d: dict[str, Any]) -> None:
+            d["router"].update(processes=2, metrics_port=port)
+
+        return mutate
+
     cases += [
+        ("two-routers", two_routers(9100), None, None),  # valid: 9100 and 9101
+        (
+            "router-metrics",
+            two_routers(8099),  # process 1's metrics on 8100, prefill-0's port
+            "prefill[0].port",
+            "also router.metrics_port (+1, router process 1)",
+        ),
         ("dup-gpu", two_gpus, "decode[0].devices[1]", "cuda:3 is listed twice"),
         ("mixed", mixed, "prefill[0].devices", "mixes cpu and GPUs"),
         ("shared-gpu", shared, "decode[1].devices[0]", "cuda:1 on host 127.0.0.1 is already used"),

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from cluster_harness import free_ports
 
@@ -335,3 +336,47 @@ def test_down_cleans_up_after_a_killed_launcher(tmp_path: Path) -> None:
         c.cleanup(proc)
     assert_all_gone(c, ALL)
     assert c.state() is None
+
+
+def test_router_processes_in_status_and_gone_after_down(tmp_path: Path) -> None:
+    """The real router with router.processes 2 (stand-in workers): `kvserve status` shows
+    each process through its own metrics port, and `kvserve down` leaves none."""
+    c = Cluster(tmp_path)
+    del c.commands["router"]  # the real `python -m router`
+    (metrics_port,) = free_ports(1)
+    text = c.config.read_text().replace(
+        f"router: {{port: {c.router_port}}}",
+        f"router: {{port: {c.router_port}, processes: 2, metrics_port: {metrics_port}}}",
+    )
+    c.config.write_text(text)
+    proc = c.driver(detach=True)
+    try:
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, output
+        st = c.state()
+        assert st is not None
+        (router_pid,) = [x["pid"] for x in st["components"] if x["name"] == "router"]
+        deadline = time.monotonic() + 30
+        while True:  # process 1 loads the tokenizer after process 0 is up
+            res = c.cli("status")
+            rows = {line.split()[0]: line.split() for line in res.stdout.splitlines() if line}
+            if res.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert rows["router/0"][3] == f"127.0.0.1:{metrics_port}" and rows["router/0"][-1] == "up"
+        assert rows["router/1"][3] == f"127.0.0.1:{metrics_port + 1}"
+        assert rows["router/1"][-1] == "up"
+        children = [p.pid for p in psutil.Process(router_pid).children()]
+        assert len(children) == 1
+        res = c.cli("down")
+        assert res.returncode == 0, res.stdout + res.stderr
+    finally:
+        c.cleanup(proc)
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in [router_pid, *children]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in [router_pid, *children] if alive(p)], "router processes left behind"
+    log = (c.state_dir / "standin" / "logs" / "router.log").read_text()
+    assert "process 1 of 2" in log  # it served
+    assert "starting it again" not in log  # `down` stopped it: not a crash to restart

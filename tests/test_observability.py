@@ -161,6 +161,29 @@ def test_render_prometheus_lists_every_component():
     assert targets["d0"][2] == {"instance": "d0", "role": "decode", "node": "b", "cluster": "two"}
 
 
+def test_render_prometheus_scrapes_every_router_process():
+    cluster = parse_cluster(
+        {
+            "name": "one",
+            "model": "builtin:smollm2-135m-instruct",
+            "nodes": [{"name": "a", "host": "10.0.0.1"}],
+            "prefill": [{"name": "p0", "node": "a", "port": 8100, "devices": [0]}],
+            "decode": [{"name": "d0", "node": "a", "port": 8200, "devices": [1]}],
+            "router": {"node": "a", "port": 8000, "processes": 3, "metrics_port": 9010},
+        }
+    )
+    jobs = _jobs(render_prometheus(cluster))
+    statics = jobs["kvserve-router"]
+    assert [s["targets"] for s in statics] == [
+        ["10.0.0.1:9010"],
+        ["10.0.0.1:9011"],
+        ["10.0.0.1:9012"],
+    ]
+    assert [s["labels"]["process"] for s in statics] == ["0", "1", "2"]
+    assert {s["labels"]["instance"] for s in statics} == {"router"}
+    assert "process" not in jobs["kvserve-prefill"][0]["labels"]
+
+
 def test_example_prometheus_config_is_current():
     example = ROOT / "deploy" / "prometheus" / "prometheus.yml"
     want = render_prometheus(

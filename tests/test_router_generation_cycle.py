@@ -6,9 +6,11 @@ HTTP/1.0, a client leaving before its answer, and the TokenBatches of one read j
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -239,3 +241,34 @@ def test_token_batches_of_one_read_are_joined_in_order() -> None:
     assert merged[2].token_ids == [2, 3] and merged[2].top_logprobs == [None, [(7, -0.5)]]
     short = TokenBatch("r", [5, 6], [], None, 2)  # a worker that sent no logprobs
     assert merge_batches([short, batch(7)])[0].logprobs == [None, None, 7.0]
+
+
+def test_one_task_per_request_and_the_streams_closed_in_it(h: RouterHarness) -> None:
+    """A finished request's worker streams are closed in its own task: no task of the
+    event loop's async-generator finalizer per request (a task, and a wake-up of the
+    loop through its self-pipe), JSON or streamed."""
+    loop = h.router.server.servers[0].get_loop()
+    names: list[str] = []
+
+    def factory(lp: Any, coro: Any, **kwargs: Any) -> Any:
+        names.append(getattr(coro, "__qualname__", type(coro).__name__))
+        return asyncio.Task(coro, loop=lp, **kwargs)
+
+    done = threading.Event()
+    loop.call_soon_threadsafe(lambda: (loop.set_task_factory(factory), done.set()))
+    assert done.wait(5)
+    try:
+        sock = _connect(h)
+        reader = Reader(sock)
+        for stream in (False, True, False, True):
+            body = json.loads(BODY)
+            body["stream"] = stream
+            sock.sendall(_request(body=json.dumps(body).encode()))
+            status, _, _ = reader.response()
+            assert status == 200
+        sock.close()
+        time.sleep(0.2)  # a finalizer's task would have run by now
+    finally:
+        loop.call_soon_threadsafe(loop.set_task_factory, None)
+    per_request = [n for n in names if n not in ("KVWatcher._follow", "WorkerClient.health")]
+    assert per_request == ["GenerationCycle.run_asgi"] * 4, names

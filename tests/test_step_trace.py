@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.step_trace import ENV, RequestEvent, StepRecord, StepTrace, read_trace
+from engine.step_trace import ENV, RequestEvent, StepRecord, StepTrace, milestones, read_trace
 from protocol.sampling import SamplingParams
 
 
@@ -44,7 +44,15 @@ def test_an_engine_records_each_step_and_its_rows(tiny_llama_dir: Path, tmp_path
     assert [(e.ev, e.rid) for e in events] == [("arrival", "a"), ("first_token", "a")]
     for s in steps:
         assert s.t0 <= s.sched <= s.exec <= s.end
+        assert 0 <= s.cpu0 <= s.cpu
         assert 0 < sum(r[1] for r in s.rows) <= 16
+        assert s.pre == 0
+    # decode rows: those whose prompt was in before the step
+    assert [s.past_prompt for s in steps] == [
+        sum(r[2] >= {"a": 40, "b": 5}[r[0]] for r in s.rows) for s in steps
+    ]
+    assert steps[-1].past_prompt >= 1 and steps[0].past_prompt == 0
+    assert steps[0].queued == 2 - len(steps[0].rows)  # what the first step left waiting
     # request a: 40 prompt tokens in chunks, then 2 more decode tokens; it samples once
     # its prompt is done and at every decode step
     a = [r for s in steps for r in s.rows if r[0] == "a"]
@@ -65,3 +73,12 @@ def test_tracing_leaves_the_tokens_alone(tiny_llama_dir: Path, tmp_path: Path):
         eng.generate([prompt], params)[0].token_ids == ref.generate([prompt], params)[0].token_ids
     )
     assert len(read_trace(tmp_path / "t.jsonl")) == 6  # one prefill step, five decode steps
+
+
+def test_an_untraced_worker_records_milestones_nowhere(tmp_path: Path):
+    milestones(None)("arrival", "a")  # does nothing
+    trace = StepTrace(tmp_path / "m.jsonl")
+    milestones(trace)("handoff_done", "a")
+    trace.close()
+    [ev] = read_trace(tmp_path / "m.jsonl")
+    assert isinstance(ev, RequestEvent) and (ev.ev, ev.rid) == ("handoff_done", "a")

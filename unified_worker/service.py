@@ -24,7 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.step_trace import StepTrace
+from engine.step_trace import StepTrace, milestones
 from enginehost.app import base_app, error_response, read_message
 from enginehost.host import EngineHost
 from enginehost.kv_events import KVReporter
@@ -57,8 +57,8 @@ class UnifiedService:
         trace: StepTrace | None = None,
     ) -> None:
         self.name = name
-        self.trace = trace
-        """Requests' milestones beside the engine's steps (engine/step_trace.py), or None."""
+        self.milestone = milestones(trace)
+        """Records a request's milestone beside the engine's steps (engine/step_trace.py)."""
         self.secret = secret
         """The cluster secret: every route but /health and /metrics needs it."""
         self.host = host
@@ -103,8 +103,7 @@ class UnifiedService:
         assert isinstance(msg, GenerateRequest)
         rid = msg.request_id
         arrival = time.monotonic()
-        if self.trace is not None:
-            self.trace.request("arrival", rid)
+        self.milestone("arrival", rid)
         queue = self.host.open_stream(rid)
 
         def add(e: LLMEngine) -> None:
@@ -112,8 +111,7 @@ class UnifiedService:
 
         try:
             await self.host.call(add)
-            if self.trace is not None:
-                self.trace.request("added", rid)
+            self.milestone("added", rid)
         except (InvalidRequestError, PromptTooLongError) as e:
             self.host.close_stream(rid)
             self.metrics.outcome("rejected")
@@ -163,8 +161,7 @@ class UnifiedService:
     def _first_token(self, out: RequestOutput, arrival: float) -> bytes:
         usage = usage_of(out)
         self.metrics.first_token(usage, time.monotonic() - arrival)
-        if self.trace is not None:
-            self.trace.request("first_token", out.request_id)
+        self.milestone("first_token", out.request_id)
         self.metrics.generated_tokens.inc()
         return encode_line(
             FirstToken(

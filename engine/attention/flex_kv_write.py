@@ -13,27 +13,22 @@ write's share. tests/test_flex_kv_write.py checks it against index_copy_.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
+
+from engine.triton_support import triton_runs_on
 
 
 def usable(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor) -> bool:
     """True when the kernel can write k and v [T, Hkv, D] into `cache` [2, nb, bs, Hkv, D]:
     CUDA (or the Triton interpreter), one dtype, rows contiguous inside, cache contiguous."""
-    if k.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_runs_on(k.device):
         return False
     if not (k.dtype == v.dtype == cache.dtype and cache.is_contiguous()):
         return False
     d = k.shape[2]
-    if any(t.stride(2) != 1 or t.stride(1) != d for t in (k, v)):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return all(t.stride(2) == 1 and t.stride(1) == d for t in (k, v))
 
 
 @functools.cache

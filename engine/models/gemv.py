@@ -30,11 +30,12 @@ the decode step reads it: cold. tests/test_gemv.py checks every mode against tor
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from engine.triton_support import triton_runs_on
 
 
 @dataclass(frozen=True)
@@ -74,15 +75,9 @@ def usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     interpreter on CPU, for tests), contiguous weights of one floating dtype."""
     if x.dim() != 2 or x.shape[0] != 1:
         return False
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_runs_on(x.device):
         return False
-    if not all(w.is_contiguous() and w.dtype == x.dtype for w in weights):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return all(w.is_contiguous() and w.dtype == x.dtype for w in weights)
 
 
 @functools.cache

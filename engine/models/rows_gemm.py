@@ -29,12 +29,13 @@ tests/test_rows_gemm.py checks every candidate against torch.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from engine.triton_support import triton_runs_on
 
 
 @dataclass(frozen=True)
@@ -96,16 +97,12 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
         return False
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_runs_on(x.device):
         return False
     n, k = w.shape
-    if n % 64 or k % 64 or x.shape[1] != k or not w.is_contiguous() or x.stride(1) != 1:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return (
+        n % 64 == 0 and k % 64 == 0 and x.shape[1] == k and w.is_contiguous() and x.stride(1) == 1
+    )
 
 
 @functools.cache
