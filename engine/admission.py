@@ -25,8 +25,9 @@ leaves it unused until they are released (tests/test_scheduler_admission.py meas
 
 Why whole_prompt is the prefill role's rule (cluster.yaml `cache.prefill_admission`): a
 burst of prompts larger than the cache is a prefill instance's cold start, and chunk
-admits them all, then preempts and recomputes (docs/benchmarks.md "Seventh and eighth
-runs": 23 preemptions, 43K tokens computed twice). Decode and unified engines keep chunk:
+admits them all, starts them and pushes some back (run 8: 23 preemptions); at that
+shape whole_prompt takes the same steps without one (docs/benchmarks.md "Prefill
+admission"). Decode and unified engines keep chunk:
 their rows grow by the tokens they generate, so no reservation at admission rules
 preemption out, and reserving whole prompts there only admits less.
 """
