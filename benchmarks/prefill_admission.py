@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from engine.admission import make_admission
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_connector import ConnectorUpdate, KVConnectorScheduler, StepKV
+from engine.kv_connector import ConnectorUpdate, NoConnectorScheduler
 from engine.prefill_order import PrefillOrder
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
@@ -40,7 +40,7 @@ BUDGET = 8192
 MAX_NUM_SEQS = 64
 
 
-class SerialHandoff(KVConnectorScheduler):
+class SerialHandoff(NoConnectorScheduler):
     """Holds a finished prompt's blocks until its handoff is done; handoffs go one after
     the other at `tokens_per_step` (None: none held)."""
 
@@ -49,19 +49,6 @@ class SerialHandoff(KVConnectorScheduler):
         self.now = 0
         self._busy_until = 0.0
         self._release_at: dict[RequestId, float] = {}
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        return 0, False
-
-    def update_state_after_alloc(
-        self, request: Request, block_ids: list[BlockId], num_external_tokens: int
-    ) -> None:
-        pass
-
-    def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
-        return b""
 
     def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
         return ConnectorUpdate()

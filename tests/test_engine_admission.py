@@ -17,12 +17,7 @@ import msgspec
 import pytest
 
 from engine.config import EngineConfig
-from engine.kv_connector import (
-    ConnectorUpdate,
-    KVConnectorScheduler,
-    NoConnectorWorker,
-    StepKV,
-)
+from engine.kv_connector import ConnectorUpdate, NoConnectorScheduler, NoConnectorWorker
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
 from enginehost.host import EngineHost
@@ -37,7 +32,7 @@ from protocol.sampling import SamplingParams
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-class HeldHandoff(KVConnectorScheduler):
+class HeldHandoff(NoConnectorScheduler):
     """Keeps a finished request's blocks as a prefill instance's handoff does while decode
     reads them: one transfer after the other, each `steps` engine steps long."""
 
@@ -46,19 +41,6 @@ class HeldHandoff(KVConnectorScheduler):
         self.now = 0
         self._release_at: dict[RequestId, int] = {}
         self._last = 0
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        return 0, False
-
-    def update_state_after_alloc(
-        self, request: Request, block_ids: list[BlockId], num_external_tokens: int
-    ) -> None:
-        pass
-
-    def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
-        return b""
 
     def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
         self.now += 1
