@@ -6,11 +6,11 @@ cache admitted alone, and requests loading from a connector counted as admitted.
 
 from __future__ import annotations
 
-import itertools
 import random
 from collections.abc import Sequence
 
 import pytest
+from scheduler_harness import unique_request
 
 from engine.admission import WholePromptAdmission, make_admission
 from engine.block_pool import BlockPool
@@ -20,24 +20,9 @@ from engine.kv_connector import ConnectorUpdate, KVConnectorScheduler, StepKV
 from engine.prefill_order import PrefillOrder
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
-from protocol.hashing import namespace_seed
 from protocol.ids import BlockId, RequestId
-from protocol.sampling import SamplingParams
 
-ROOT = namespace_seed("test")
-_FIRST_TOKEN = itertools.count(0, 1000)
-
-
-def _req(rid: str, n: int) -> Request:
-    """A request whose tokens no other request shares (no prefix hits between them)."""
-    first = next(_FIRST_TOKEN)
-    return Request(
-        RequestId(rid),
-        list(range(first, first + n)),
-        SamplingParams(),
-        block_size=4,
-        hash_root=ROOT,
-    )
+_req = unique_request
 
 
 def _sched(admission: str, kind: str, *, blocks: int, budget: int) -> Scheduler:
