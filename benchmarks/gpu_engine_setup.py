@@ -104,7 +104,7 @@ def ceilings() -> tuple[float, float]:
     return bw, 2 * 8192**3 / t / 1e12
 
 
-def hf_model(cfg: dict[str, Any], dtype: torch.dtype, seed: int = 0) -> Any:
+def hf_model(cfg: dict[str, Any], dtype: torch.dtype, seed: int = 0, device: str = "cuda") -> Any:
     from transformers import LlamaConfig
     from transformers import LlamaForCausalLM as HFLlama
 
@@ -112,19 +112,21 @@ def hf_model(cfg: dict[str, Any], dtype: torch.dtype, seed: int = 0) -> Any:
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("cuda"):
+        with torch.device(device):
             model = HFLlama(LlamaConfig(**cfg, attn_implementation="sdpa"))
     finally:
         torch.set_default_dtype(old)
     return model.eval()
 
 
-def ours(hf: Any, cfg: dict[str, Any], dtype: torch.dtype, backend: str) -> LlamaForCausalLM:
+def ours(
+    hf: Any, cfg: dict[str, Any], dtype: torch.dtype, backend: str, device: str = "cuda"
+) -> LlamaForCausalLM:
     mc = model_config_from_hf({**cfg, "architectures": ["LlamaForCausalLM"]})
     return build_model(
         mc,
         dtype=dtype,
-        device="cuda",
+        device=device,
         backend=get_backend(backend),
         weights=dict(hf.state_dict()),
     )
@@ -138,6 +140,7 @@ def make_runner(
     max_batch: int,
     sizes: list[int] | None = None,
     compile_layers: bool = True,
+    device: str = "cuda",
 ) -> ModelRunner:
     c = model.config
     layout = KVLayout(
@@ -152,7 +155,7 @@ def make_runner(
         model,
         layout,
         num_blocks,
-        device=torch.device("cuda"),
+        device=torch.device(device),
         dtype=dtype,
         backend=backend,
         cuda_graphs=graphs,
