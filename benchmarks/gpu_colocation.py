@@ -49,6 +49,7 @@ from benchmarks.gpu_engine_setup import (
     TINY,
     FakeKV,
     FakeRequest,
+    decode_rows,
     hf_model,
     make_runner,
     ours,
@@ -83,18 +84,13 @@ def build(shape: Shape, role: str) -> Loop:
     del hf
     cuda = shape.device == "cuda"
     gen = torch.Generator().manual_seed(7)
-    kv = FakeKV()
     if role == "decode":
         rows, ctx = shape.decode
         per_seq = -(-(ctx + 1) // setup.BLOCK)
         runner = make_runner(
             model, rows * per_seq, shape.dtype, cuda, rows, sizes=[rows], device=shape.device
         )
-        perm = torch.randperm(rows * per_seq, generator=gen)
-        reqs = []
-        for i in range(rows):
-            kv.tables[f"d{i}"] = perm[i * per_seq : (i + 1) * per_seq].tolist()
-            reqs.append(FakeRequest(f"d{i}", [7] * (ctx + 1), ctx))
+        kv, reqs = decode_rows(rows, ctx, torch.randperm(rows * per_seq, generator=gen), per_seq)
         sched = step_of(reqs, [1] * rows)
         host = torch.empty(rows, dtype=torch.int64, pin_memory=cuda)
 
@@ -108,6 +104,7 @@ def build(shape: Shape, role: str) -> Loop:
     else:
         new, ctx = shape.prefill
         blocks = -(-(ctx + new) // setup.BLOCK)
+        kv = FakeKV()
         runner = make_runner(model, blocks, shape.dtype, False, 1, device=shape.device)
         kv.tables["p"] = torch.randperm(blocks, generator=gen).tolist()
         sched = step_of([FakeRequest("p", [11] * (ctx + new), ctx)], [new])

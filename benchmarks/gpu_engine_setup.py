@@ -74,6 +74,19 @@ class FakeKV:
         return self.tables[request_id]
 
 
+def decode_rows(
+    batch: int, ctx: int, blocks: torch.Tensor, per_seq: int
+) -> tuple[FakeKV, list[FakeRequest]]:
+    """`batch` requests d0, d1, ... with `ctx` tokens cached and one to decode, request i
+    holding blocks[i * per_seq : (i + 1) * per_seq]."""
+    kv = FakeKV()
+    reqs = []
+    for i in range(batch):
+        kv.tables[f"d{i}"] = blocks[i * per_seq : (i + 1) * per_seq].tolist()
+        reqs.append(FakeRequest(f"d{i}", [7] * (ctx + 1), ctx))
+    return kv, reqs
+
+
 def step_of(reqs: list[FakeRequest], num_new: list[int]) -> list[ScheduledRequest]:
     return [ScheduledRequest(cast(Any, r), n) for r, n in zip(reqs, num_new, strict=True)]
 
