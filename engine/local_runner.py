@@ -40,4 +40,5 @@ def local_runner(
         compile_layers=config.compile_layers,
         max_batch=config.max_num_seqs,
         max_model_len=max_model_len,
+        warm_up_tokens=config.max_num_batched_tokens,
     )

@@ -12,7 +12,9 @@ Only requests that sample this step contribute a row of logits (their last token
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -29,6 +31,9 @@ from engine.scheduler import ScheduledRequest
 from protocol.kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
+
+WARM_UP_TOKENS = 4096
+"""The warm-up's first step (tokens; at most the step budget): see ModelRunner._warm_up."""
 
 
 class ModelExecutor(Protocol):
@@ -75,6 +80,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         graph_sizes: list[int] | None = None,
         compile_layers: bool = True,
+        warm_up_tokens: int = 0,
     ) -> None:
         self.model = model
         self.layout = layout
@@ -133,6 +139,43 @@ class ModelRunner:
                 log.exception("compiling the decoder layers failed; running them eagerly")
                 set_layer_ops(model, EAGER)
                 self.graphs.capture()
+            if warm_up_tokens and device.type == "cuda":
+                self._warm_up(warm_up_tokens)
+
+    @torch.inference_mode()
+    def _warm_up(self, max_tokens: int) -> None:
+        """Run two prefill-shaped steps before serving, so that the first requests do not
+        pay for first use. The decode graphs' capture compiles the fused layer glue for
+        their row counts only (up to 64 rows); a step of more tokens runs the general
+        compiled glue, which torch.compile builds for the first such step's size and again
+        for a symbolic size at the second (seconds each on an 8B model: the serving run's
+        first two prefill steps took 4.6 and 1.9 s, docs/benchmarks.md "Ninth run"). Two
+        steps of different sizes here: `first` new tokens, then half as many behind them
+        (the attention's paths over a cached prefix and their kernels' first launches
+        too). They write KV into blocks no request holds yet; nothing of them is kept."""
+        bs = self.layout.block_size
+        first = min(max_tokens, WARM_UP_TOKENS, self.num_blocks * bs * 2 // 3)
+        second = first // 2
+        if second <= 64:  # nothing the graphs' capture has not compiled
+            return
+        t0 = time.perf_counter()
+        row = _WarmUpRow([1] * (first + second))
+        tables = _WarmUpTables(list(range(-(-(first + second) // bs))))
+        try:
+            for n in (first, second):
+                self.execute([ScheduledRequest(cast(Any, row), n)], cast(Any, tables))
+                row.num_computed_tokens += n
+            torch.cuda.synchronize(self.device)
+        except Exception:  # a step that fails here fails the first requests the same way
+            log.exception("the prefill warm-up failed; the first requests pay for first use")
+        finally:
+            self.tables.update([])  # the row's device table row back to the free list
+        log.info(
+            "prefill warm-up: %d and %d new tokens in %.1f s",
+            first,
+            second,
+            time.perf_counter() - t0,
+        )
 
     def close(self) -> None:
         pass
@@ -294,3 +337,26 @@ class ModelRunner:
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx))
         return logits.float()
+
+
+@dataclass
+class _WarmUpRow:
+    """What execute reads of a request, for ModelRunner._warm_up."""
+
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    request_id: str = "warm-up"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+@dataclass
+class _WarmUpTables:
+    """What execute reads of the KV cache manager: one block table."""
+
+    blocks: list[int] = field(default_factory=list)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.blocks

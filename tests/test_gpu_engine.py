@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
+import engine.model_runner as model_runner
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
@@ -170,3 +172,53 @@ def test_decode_ahead_on_cuda_equals_off(tiny_llama_dir, weights_cache_dir):
         assert [lp is None for lp in a.logprobs] == [lp is None for lp in b.logprobs]
         for x, y in zip(a.logprobs, b.logprobs, strict=True):
             assert x is None or y is None or abs(x - y) < 1e-3
+
+
+def test_warm_up_leaves_greedy_tokens_unchanged(tiny_llama_dir, weights_cache_dir, monkeypatch):
+    """The start-up warm-up (two prefill-shaped steps, ModelRunner._warm_up) writes KV into
+    blocks no request holds yet and a device table row it gives back: the same workload
+    gives the same tokens with and without it."""
+
+    def workload(eng: LLMEngine) -> list[list[int]]:
+        return _workload(eng) + [
+            o.token_ids for o in eng.generate([_prompt(400, 7), _prompt(90, 8)], GREEDY)
+        ]
+
+    warm = _engine(
+        tiny_llama_dir, weights_cache_dir, max_num_batched_tokens=512, attention_backend="flex"
+    )
+    monkeypatch.setattr(model_runner, "WARM_UP_TOKENS", 0)  # first = 0: no warm-up
+    cold = _engine(
+        tiny_llama_dir, weights_cache_dir, max_num_batched_tokens=512, attention_backend="flex"
+    )
+    assert _runner(warm).graphs is not None
+    assert workload(warm) == workload(cold)
+
+
+def test_first_prefill_steps_compile_nothing_after_the_warm_up(
+    tiny_llama_dir, weights_cache_dir, monkeypatch
+):
+    """In 16 bits the decode graphs' capture compiles only the glue of 1..64-row steps;
+    prefill steps of more tokens run the general compiled glue, which the warm-up compiles
+    for a first size and a symbolic one. So the first requests' steps (sizes never seen,
+    with and without a cached prefix) compile no graph; without the warm-up they do."""
+
+    def compiled_by_first_requests() -> int:
+        torch._dynamo.reset()  # compiled code is per process: start from none
+        eng = _engine(
+            tiny_llama_dir,
+            weights_cache_dir,
+            max_num_batched_tokens=512,
+            attention_backend="flex",
+            dtype="bfloat16",
+        )
+        before = counters["stats"]["unique_graphs"]
+        shared = _prompt(300, 3)
+        eng.generate([[*shared, 5], _prompt(150, 4)], GREEDY)
+        hit = eng.generate([shared + _prompt(97, 5)], GREEDY)[0]
+        assert hit.num_cached_tokens == 288  # a chunk behind a cached prefix
+        return counters["stats"]["unique_graphs"] - before
+
+    assert compiled_by_first_requests() == 0
+    monkeypatch.setattr(model_runner, "WARM_UP_TOKENS", 0)
+    assert compiled_by_first_requests() > 0  # the check above can fail
