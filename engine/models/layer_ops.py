@@ -61,10 +61,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def glue(lin: Any) -> tuple[Any, Any, Any]:
+def addmm_linear(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x + a @ w^T as ONE cuBLAS call (the sum in the GEMM's epilogue, beta = 1)."""
+    return torch.addmm(x, a, w.t())
+
+
+def glue(lin: Any, add_lin: Any = None) -> tuple[Any, Any, Any]:
     """attn_in, attn_out and mlp multiplying through `lin`: cpu_gemm.linear for EAGER (a
     weight's packed copy on CPU, else F.linear), F.linear for the compiled versions (CUDA
-    weights are never packed, and the packed-copy lookup is not something to trace)."""
+    weights are never packed, and the packed-copy lookup is not something to trace).
+    `add_lin(x, a, w)`, when given, computes mlp's residual sum x + lin(a, w) (None: a
+    separate add)."""
 
     def attn_in(
         x: torch.Tensor,  # [T, H]
@@ -106,6 +113,8 @@ def glue(lin: Any) -> tuple[Any, Any, Any]:
         down_w: torch.Tensor,
     ) -> torch.Tensor:  # [T, H]
         gate, up = lin(h, gate_up_w).chunk(2, dim=-1)  # [T, I] each
+        if add_lin is not None:
+            return add_lin(x, F.silu(gate) * up, down_w)
         return x + lin(F.silu(gate) * up, down_w)
 
     return attn_in, attn_out, mlp
@@ -141,7 +150,7 @@ class LayerOps:
 
 EAGER = LayerOps(*glue(linear), *head(linear))
 
-_COMPILED: tuple[tuple[frozenset[str], str, str], LayerOps] | None = None
+_COMPILED: tuple[tuple[frozenset[str], str, str, bool], LayerOps] | None = None
 
 
 GEMV_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
@@ -166,6 +175,12 @@ MANY_ROWS = "triton"
 """How 16-bit CUDA steps of 2 to rows_gemm.MAX_ROWS (64) rows run their matmuls: "triton"
 (engine/models/rows_gemm.py: per shape the timed fastest of its tilings and cuBLAS) or
 "cublas" (F.linear, inductor's extern call)."""
+
+
+RESIDUAL_GEMM = False
+"""Steps the general compilation serves (more than rows_gemm.MAX_ROWS rows, prefill) add
+the MLP's residual inside the down matmul (torch.addmm: cuBLAS' epilogue) instead of in a
+kernel of its own after it."""
 
 
 TUNE_ROWS: frozenset[int] = frozenset()
@@ -274,19 +289,21 @@ def compiled(
     many = MANY_ROWS if many_rows is None else many_rows
     if many not in ("triton", "cublas"):
         raise ValueError(f"many_rows must be 'triton' or 'cublas', not {many!r}")
-    key = (GEMV_OPS if gemv is None else frozenset(gemv), mode, many)
+    key = (GEMV_OPS if gemv is None else frozenset(gemv), mode, many, RESIDUAL_GEMM)
     if _COMPILED is None or _COMPILED[0] != key:
         names = key[0]
 
-        def fuse(fn: Any, rows_fn: Any = None) -> Any:
-            general = torch.compile(fn, fullgraph=True)
+        def fuse(fn: Any, rows_fn: Any = None, general_fn: Any = None) -> Any:
+            general = torch.compile(general_fn or fn, fullgraph=True)
             # the same glue around rows_gemm's matmul (2..MAX_ROWS rows, 16-bit, CUDA)
             many_fn = None if rows_fn is None else torch.compile(rows_fn, fullgraph=True)
             one_row_fn = None
             if fn.__name__ in names:
                 one_row_fn = torch.compile(fn, fullgraph=True, options=GEMV_OPTIONS)
             # static shapes: each tuned bucket gets the kernels tuned for its row count
-            tuned = torch.compile(fn, fullgraph=True, dynamic=False, options=TUNED_OPTIONS)
+            tuned = torch.compile(
+                general_fn or fn, fullgraph=True, dynamic=False, options=TUNED_OPTIONS
+            )
 
             def call(x: torch.Tensor, *args: Any) -> Any:
                 rows = x.shape[0]
@@ -305,7 +322,9 @@ def compiled(
         norm, logits = head(F.linear)
         r_in, r_out, r_mlp = glue(rows_gemm.linear) if many == "triton" else (None,) * 3
         r_logits = head(rows_gemm.linear)[1] if many == "triton" else None
-        f_in, f_out, f_mlp = fuse(attn_in, r_in), fuse(attn_out, r_out), fuse(mlp, r_mlp)
+        g_mlp = glue(F.linear, addmm_linear)[2] if RESIDUAL_GEMM else None
+        f_in, f_out = fuse(attn_in, r_in), fuse(attn_out, r_out)
+        f_mlp = fuse(mlp, r_mlp, g_mlp)
         post_attn = None
         if mode == "triton":
             one_in, one_post = triton_one_row(f_in, f_out, f_mlp)
