@@ -66,12 +66,13 @@ def addmm_linear(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.Ten
     return torch.addmm(x, a, w.t())
 
 
-def glue(lin: Any, add_lin: Any = None) -> tuple[Any, Any, Any]:
+def glue(lin: Any, add_lin: Any = None, separate_qk: bool = False) -> tuple[Any, Any, Any]:
     """attn_in, attn_out and mlp multiplying through `lin`: cpu_gemm.linear for EAGER (a
     weight's packed copy on CPU, else F.linear), F.linear for the compiled versions (CUDA
     weights are never packed, and the packed-copy lookup is not something to trace).
     `add_lin(x, a, w)`, when given, computes mlp's residual sum x + lin(a, w) (None: a
-    separate add)."""
+    separate add). `separate_qk`: attn_in rotates q and k as two tensors (each
+    contiguous) instead of one [T, Hq + Hkv, D] tensor that q and k are views of."""
 
     def attn_in(
         x: torch.Tensor,  # [T, H]
@@ -93,6 +94,8 @@ def glue(lin: Any, add_lin: Any = None) -> tuple[Any, Any, Any]:
         v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)  # [T, Hkv, D]
         if qk_norm_w is not None:
             qk = rms_norm(qk, qk_norm_w, eps)
+        if separate_qk:
+            return apply_rotary(qk[:, :hq], cos, sin), apply_rotary(qk[:, hq:], cos, sin), v
         qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass
         return qk[:, :hq], qk[:, hq:], v
 
@@ -150,7 +153,7 @@ class LayerOps:
 
 EAGER = LayerOps(*glue(linear), *head(linear))
 
-_COMPILED: tuple[tuple[frozenset[str], str, str, bool], LayerOps] | None = None
+_COMPILED: tuple[tuple[frozenset[str], str, str, bool, bool], LayerOps] | None = None
 
 
 GEMV_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
@@ -175,6 +178,11 @@ MANY_ROWS = "triton"
 """How 16-bit CUDA steps of 2 to rows_gemm.MAX_ROWS (64) rows run their matmuls: "triton"
 (engine/models/rows_gemm.py: per shape the timed fastest of its tilings and cuBLAS) or
 "cublas" (F.linear, inductor's extern call)."""
+
+
+SEPARATE_QK = False
+"""The compiled attn_in returns q and k as tensors of their own (contiguous) rather than
+views of one rotated q|k tensor."""
 
 
 RESIDUAL_GEMM = False
@@ -289,7 +297,7 @@ def compiled(
     many = MANY_ROWS if many_rows is None else many_rows
     if many not in ("triton", "cublas"):
         raise ValueError(f"many_rows must be 'triton' or 'cublas', not {many!r}")
-    key = (GEMV_OPS if gemv is None else frozenset(gemv), mode, many, RESIDUAL_GEMM)
+    key = (GEMV_OPS if gemv is None else frozenset(gemv), mode, many, RESIDUAL_GEMM, SEPARATE_QK)
     if _COMPILED is None or _COMPILED[0] != key:
         names = key[0]
 
@@ -318,9 +326,11 @@ def compiled(
 
             return call
 
-        attn_in, attn_out, mlp = glue(F.linear)
+        attn_in, attn_out, mlp = glue(F.linear, separate_qk=SEPARATE_QK)
         norm, logits = head(F.linear)
-        r_in, r_out, r_mlp = glue(rows_gemm.linear) if many == "triton" else (None,) * 3
+        r_in, r_out, r_mlp = (
+            glue(rows_gemm.linear, separate_qk=SEPARATE_QK) if many == "triton" else (None,) * 3
+        )
         r_logits = head(rows_gemm.linear)[1] if many == "triton" else None
         g_mlp = glue(F.linear, addmm_linear)[2] if RESIDUAL_GEMM else None
         f_in, f_out = fuse(attn_in, r_in), fuse(attn_out, r_out)
