@@ -210,7 +210,7 @@ def timeline(step: Any, out: Path | None, label: str, reps: int = 4) -> None:
         for _ in range(reps):
             step()
         torch.cuda.synchronize()
-    path = (out or Path("/tmp")) / f"trace_{label}.json"
+    path = (out or Path("/tmp")) / f"trace_{label.replace('+', '_')}.json"
     prof.export_chrome_trace(str(path))
     trace = json.loads(path.read_text())
     evs = sorted(
@@ -239,7 +239,7 @@ def timeline(step: Any, out: Path | None, label: str, reps: int = 4) -> None:
     for _, d, n in evs:
         classes[kernel_class(n)] = classes.get(kernel_class(n), 0.0) + d / reps / 1e3
     print("  classes: " + ", ".join(f"{c} {ms:.3f} ms" for c, ms in classes.items()))
-    attn = [i for i, (_, _, n) in enumerate(evs) if kernel_class(n) == "attention"]
+    attn = [i for i, (_, _, n) in enumerate(evs) if "tem_fused" in n]  # the decode kernels
     layers = len(attn) // reps
     if len(attn) < layers * 2 or layers < 8:
         return
@@ -280,19 +280,21 @@ def engine_rows(
 
 
 def apply_variant(model: Any, runner: ModelRunner, name: str) -> None:
-    """Recapture the decode graphs under `name`: '+'-joined settings of residual_gemm
-    (layer_ops.RESIDUAL_GEMM), separate_qk (layer_ops.SEPARATE_QK), static128 (the 128 bucket compiled for its static shape,
-    default inductor options) and cublaslt (torch's preferred BLAS); 'base' = none.
-    Without static128 a 300-token prefill runs before the capture, so that the 128 bucket
-    runs the compilation for a symbolic row count, as in gpu_engine.py (whose checks
-    prefill first); the start-up capture (variant 'start', no recapture) compiled T = 128
-    first, i.e. for that static shape."""
+    """Recapture the decode graphs under `name`: '+'-joined settings of copies
+    (layer_ops.COPY_FREE_RESIDUALS off: inductor's addmm with its copy of x), lse (the
+    flex decode kernel returns its LSE whether needed or not), stages4 (4 pipelining
+    stages in flex decode), static128 (the 128 bucket compiled for its static shape) and
+    cublaslt (torch's preferred BLAS); 'base' = none. Without static128 a 300-token
+    prefill runs before the capture, so that the 128 bucket runs the compilation for a
+    symbolic row count, as in gpu_engine.py (whose checks prefill first); the start-up
+    capture (variant 'start', no recapture) compiled T = 128 first, for that shape."""
     parts = set(name.split("+")) - {"base", "start"}
-    unknown = parts - {"residual_gemm", "static128", "cublaslt", "separate_qk"}
+    unknown = parts - {"copies", "lse", "stages4", "static128", "cublaslt"}
     if unknown:
         raise SystemExit(f"unknown variant settings {sorted(unknown)}")
-    layer_ops.RESIDUAL_GEMM = "residual_gemm" in parts
-    layer_ops.SEPARATE_QK = "separate_qk" in parts
+    layer_ops.COPY_FREE_RESIDUALS = "copies" not in parts
+    flex.DECODE_STAGES = 4 if "stages4" in parts else 3
+    flex.DECODE_LSE_ALWAYS = "lse" in parts
     layer_ops.TUNE_ROWS = frozenset({128}) if "static128" in parts else frozenset()
     layer_ops.TUNED_OPTIONS = {}
     layer_ops.untune()
@@ -305,12 +307,6 @@ def apply_variant(model: Any, runner: ModelRunner, name: str) -> None:
         torch.cuda.synchronize()
     assert runner.graphs is not None
     runner.graphs.capture()
-
-
-def read_gbps() -> float:
-    """Device memory read rate: a float32 sum over 4 GiB of bf16 (reads only)."""
-    src = torch.randn(2 * 1024**3, device="cuda", dtype=torch.bfloat16)
-    return src.numel() * 2 / sync_time(lambda: src.sum(dtype=torch.float32), 10) / 1e9
 
 
 def main() -> None:
@@ -329,8 +325,8 @@ def main() -> None:
     ap.add_argument(
         "--engine",
         default="",
-        help="comma-separated variants (apply_variant: base, residual_gemm, static128, "
-        "cublaslt, '+'-joined): for each, gpu_engine.py's 1K decode rows and the "
+        help="comma-separated variants (apply_variant: start, base, copies, lse, stages4, "
+        "static128, cublaslt, '+'-joined): for each, gpu_engine.py's 1K decode rows and the "
         "128 x 1K timeline instead of the profile above",
     )
     ap.add_argument("--repeats", type=int, default=3, help="engine rows per variant")
@@ -346,7 +342,6 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     bw, tflops = ceilings()
     print(f"ceilings: copy {bw:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
-    print(f"read-only stream (a 4 GiB sum): {read_gbps():.0f} GB/s", flush=True)
     hf = hf_model(LLAMA3_8B, torch.bfloat16)
     model = ours(hf, LLAMA3_8B, torch.bfloat16, "flex")
     del hf

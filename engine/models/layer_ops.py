@@ -61,18 +61,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def addmm_linear(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x + a @ w^T as ONE cuBLAS call (the sum in the GEMM's epilogue, beta = 1)."""
-    return torch.addmm(x, a, w.t())
-
-
-def glue(lin: Any, add_lin: Any = None, separate_qk: bool = False) -> tuple[Any, Any, Any]:
+def glue(lin: Any, wide: bool = False) -> tuple[Any, Any, Any]:
     """attn_in, attn_out and mlp multiplying through `lin`: cpu_gemm.linear for EAGER (a
     weight's packed copy on CPU, else F.linear), F.linear for the compiled versions (CUDA
     weights are never packed, and the packed-copy lookup is not something to trace).
-    `add_lin(x, a, w)`, when given, computes mlp's residual sum x + lin(a, w) (None: a
-    separate add). `separate_qk`: attn_in rotates q and k as two tensors (each
-    contiguous) instead of one [T, Hq + Hkv, D] tensor that q and k are views of."""
+    `wide`: attn_out for the general compilation (COPY_FREE_RESIDUALS)."""
 
     def attn_in(
         x: torch.Tensor,  # [T, H]
@@ -94,8 +87,6 @@ def glue(lin: Any, add_lin: Any = None, separate_qk: bool = False) -> tuple[Any,
         v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)  # [T, Hkv, D]
         if qk_norm_w is not None:
             qk = rms_norm(qk, qk_norm_w, eps)
-        if separate_qk:
-            return apply_rotary(qk[:, :hq], cos, sin), apply_rotary(qk[:, hq:], cos, sin), v
         qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass
         return qk[:, :hq], qk[:, hq:], v
 
@@ -106,7 +97,9 @@ def glue(lin: Any, add_lin: Any = None, separate_qk: bool = False) -> tuple[Any,
         norm_w: torch.Tensor,
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # new residual x, normed h [T, H]
-        x = x + lin(attn.reshape(x.shape[0], -1), o_w)
+        o = lin(attn.reshape(x.shape[0], -1), o_w)
+        # wide: the same rounded sum, kept out of inductor's mm + add -> addmm rewrite
+        x = (x.float() + o.float()).to(x.dtype) if wide else x + o
         return x, rms_norm(x, norm_w, eps)
 
     def mlp(
@@ -115,12 +108,19 @@ def glue(lin: Any, add_lin: Any = None, separate_qk: bool = False) -> tuple[Any,
         gate_up_w: torch.Tensor,
         down_w: torch.Tensor,
     ) -> torch.Tensor:  # [T, H]
-        gate, up = lin(h, gate_up_w).chunk(2, dim=-1)  # [T, I] each
-        if add_lin is not None:
-            return add_lin(x, F.silu(gate) * up, down_w)
-        return x + lin(F.silu(gate) * up, down_w)
+        return x + lin(swiglu_of(lin)(h, gate_up_w), down_w)
 
     return attn_in, attn_out, mlp
+
+
+def swiglu_of(lin: Any) -> Any:
+    """h, gate_up_w -> silu(gate) * up [T, I], multiplying through `lin`."""
+
+    def swiglu(h: torch.Tensor, gate_up_w: torch.Tensor) -> torch.Tensor:
+        gate, up = lin(h, gate_up_w).chunk(2, dim=-1)  # [T, I] each
+        return F.silu(gate) * up
+
+    return swiglu
 
 
 def head(lin: Any) -> tuple[Any, Any]:
@@ -153,7 +153,7 @@ class LayerOps:
 
 EAGER = LayerOps(*glue(linear), *head(linear))
 
-_COMPILED: tuple[tuple[frozenset[str], str, str, bool, bool], LayerOps] | None = None
+_COMPILED: tuple[tuple[frozenset[str], str, str, bool], LayerOps] | None = None
 
 
 GEMV_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
@@ -180,15 +180,15 @@ MANY_ROWS = "triton"
 "cublas" (F.linear, inductor's extern call)."""
 
 
-SEPARATE_QK = False
-"""The compiled attn_in returns q and k as tensors of their own (contiguous) rather than
-views of one rotated q|k tensor."""
-
-
-RESIDUAL_GEMM = False
-"""Steps the general compilation serves (more than rows_gemm.MAX_ROWS rows, prefill) add
-the MLP's residual inside the down matmul (torch.addmm: cuBLAS' epilogue) instead of in a
-kernel of its own after it."""
+COPY_FREE_RESIDUALS = True
+"""Steps of the general compilation (more than rows_gemm.MAX_ROWS rows: decode buckets of
+80-128 rows, prefill) add their residuals without a device copy. Left alone, inductor
+rewrites `x + mm` into cuBLAS' addmm (the sum in the GEMM's epilogue), which ATen runs
+as a copy of x into the output and a GEMM adding onto it: two device copies per layer,
+~2 us each with their gaps at 128 rows. Instead o's residual sum is written so that
+inductor leaves it to the RMSNorm kernel after it (the same bf16 rounding), and the
+MLP's down GEMM adds onto x in place (`x.addmm_`, outside the compiled glue: x is
+attn_out's fresh output, read by nothing else)."""
 
 
 TUNE_ROWS: frozenset[int] = frozenset()
@@ -297,21 +297,20 @@ def compiled(
     many = MANY_ROWS if many_rows is None else many_rows
     if many not in ("triton", "cublas"):
         raise ValueError(f"many_rows must be 'triton' or 'cublas', not {many!r}")
-    key = (GEMV_OPS if gemv is None else frozenset(gemv), mode, many, RESIDUAL_GEMM, SEPARATE_QK)
+    key = (GEMV_OPS if gemv is None else frozenset(gemv), mode, many, COPY_FREE_RESIDUALS)
     if _COMPILED is None or _COMPILED[0] != key:
         names = key[0]
 
         def fuse(fn: Any, rows_fn: Any = None, general_fn: Any = None) -> Any:
-            general = torch.compile(general_fn or fn, fullgraph=True)
+            # general_fn: the general steps' function, compiled already (or fn compiled)
+            general = general_fn or torch.compile(fn, fullgraph=True)
             # the same glue around rows_gemm's matmul (2..MAX_ROWS rows, 16-bit, CUDA)
             many_fn = None if rows_fn is None else torch.compile(rows_fn, fullgraph=True)
             one_row_fn = None
             if fn.__name__ in names:
                 one_row_fn = torch.compile(fn, fullgraph=True, options=GEMV_OPTIONS)
             # static shapes: each tuned bucket gets the kernels tuned for its row count
-            tuned = torch.compile(
-                general_fn or fn, fullgraph=True, dynamic=False, options=TUNED_OPTIONS
-            )
+            tuned = torch.compile(fn, fullgraph=True, dynamic=False, options=TUNED_OPTIONS)
 
             def call(x: torch.Tensor, *args: Any) -> Any:
                 rows = x.shape[0]
@@ -326,14 +325,19 @@ def compiled(
 
             return call
 
-        attn_in, attn_out, mlp = glue(F.linear, separate_qk=SEPARATE_QK)
+        attn_in, attn_out, mlp = glue(F.linear)
         norm, logits = head(F.linear)
-        r_in, r_out, r_mlp = (
-            glue(rows_gemm.linear, separate_qk=SEPARATE_QK) if many == "triton" else (None,) * 3
-        )
+        r_in, r_out, r_mlp = glue(rows_gemm.linear) if many == "triton" else (None,) * 3
         r_logits = head(rows_gemm.linear)[1] if many == "triton" else None
-        g_mlp = glue(F.linear, addmm_linear)[2] if RESIDUAL_GEMM else None
-        f_in, f_out = fuse(attn_in, r_in), fuse(attn_out, r_out)
+        g_out = g_mlp = None
+        if COPY_FREE_RESIDUALS:
+            g_out = torch.compile(glue(F.linear, wide=True)[1], fullgraph=True)
+            act = torch.compile(swiglu_of(F.linear), fullgraph=True)
+
+            def g_mlp(x: torch.Tensor, h: torch.Tensor, gate_up_w: Any, down_w: Any) -> Any:
+                return x.addmm_(act(h, gate_up_w), down_w.t())  # x: attn_out's output
+
+        f_in, f_out = fuse(attn_in, r_in), fuse(attn_out, r_out, g_out)
         f_mlp = fuse(mlp, r_mlp, g_mlp)
         post_attn = None
         if mode == "triton":
