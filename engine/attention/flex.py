@@ -12,9 +12,10 @@ kernel reads the blocks where they lie (no gather):
         tiles = block_table[b, :ceil(L_b / bs)]
         mask  = every slot, except the last block's slots >= L_b - (tiles - 1) * bs
 
-Its LSE comes with it (natural log), which merge_partials combines under decode context
-parallelism (meta.dcp_size > 1: the cache holds local keys j of global position
-j * P + r; new tokens of other ranks, slot -1, are not written). Rows are padded to a few
+Its LSE (natural log; asked for only by forward_with_lse, since converting it is one more
+kernel per layer) is what merge_partials combines under decode context parallelism
+(meta.dcp_size > 1: the cache holds local keys j of global position j * P + r; new tokens
+of other ranks, slot -1, are not written). Rows are padded to a few
 batch sizes and table widths so that the kernel compiles for a bounded set of shapes
 (static shapes keep FlexAttention's split-KV decode kernel; a dynamic batch would fall
 back to its prefill kernel). Decode is graph-safe: with meta.seq_lens_tensor and

@@ -36,7 +36,8 @@ Steps of 2 to rows_gemm.MAX_ROWS (64) rows in 16 bits (decode at batch 2-64) com
 their glue around engine/models/rows_gemm.py's matmul (MANY_ROWS = "triton", the default):
 per weight shape and row class, the fastest of cuBLAS and a Triton GEMM with narrow or
 split-K tiles, timed on first use (the decode graphs' warm-up). Larger steps keep cuBLAS,
-which beat every such tiling at 128 rows (docs/benchmarks.md).
+which beat every such tiling at 128 rows (docs/benchmarks.md), and add their residuals
+without device copies (COPY_FREE_RESIDUALS).
 """
 
 from __future__ import annotations
