@@ -16,6 +16,7 @@ flex + decode graphs + compiled layers, block size 16, 88 GB cache of random val
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -195,6 +196,119 @@ def profile_cases(
             print(f"  class {cls}: {cms:.3f} ms{rate}", flush=True)
 
 
+def timeline(step: Any, out: Path | None, label: str, reps: int = 4) -> None:
+    """The kernels of `reps` engine steps (decode_stepper: decode ahead, no sync between
+    steps) in device order from torch.profiler's trace: per step the kernel count, busy
+    time and idle gaps (intra-step under 20 us, longer ones apart), then one middle
+    layer's kernels and the step boundary, each with its duration and the gap before it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    path = (out or Path("/tmp")) / f"trace_{label.replace('+', '_')}.json"
+    prof.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    evs = sorted(
+        (e["ts"], e["dur"], e["name"])
+        for e in trace["traceEvents"]
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    )
+    if not evs:
+        print(f"timeline {label}: no device events traced", flush=True)
+        return
+    gaps = [evs[i][0] - (evs[i - 1][0] + evs[i - 1][1]) for i in range(1, len(evs))]
+    span = evs[-1][0] + evs[-1][1] - evs[0][0]
+    busy = sum(d for _, d, _ in evs)
+    small = sum(g for g in gaps if g < 20)
+    large = [g for g in gaps if g >= 20]
+    print(
+        f"timeline {label}: {len(evs) / reps:.0f} device ops per step; per step "
+        f"{span / reps / 1e3:.3f} ms span (first to last op of {reps} steps), busy "
+        f"{busy / reps / 1e3:.3f} ms, gaps < 20 us {small / reps / 1e3:.3f} ms "
+        f"({sum(1 for g in gaps if g < 20) / reps:.0f} of them), gaps >= 20 us "
+        f"{sum(large) / reps / 1e3:.3f} ms ({len(large)} in all: "
+        f"{', '.join(f'{g:.0f}' for g in large[:12])} us)",
+        flush=True,
+    )
+    classes: dict[str, float] = {}
+    for _, d, n in evs:
+        classes[kernel_class(n)] = classes.get(kernel_class(n), 0.0) + d / reps / 1e3
+    print("  classes: " + ", ".join(f"{c} {ms:.3f} ms" for c, ms in classes.items()))
+    attn = [i for i, (_, _, n) in enumerate(evs) if "tem_fused" in n]  # the decode kernels
+    layers = len(attn) // reps
+    if len(attn) < layers * 2 or layers < 8:
+        return
+
+    def show(lo: int, hi: int, what: str) -> None:
+        print(f"  {what}: {hi - lo} ops")
+        for i in range(lo, hi):
+            gap = evs[i][0] - (evs[i - 1][0] + evs[i - 1][1]) if i else 0.0
+            print(f"    {evs[i][1]:7.1f} us  gap {gap:5.1f}  {evs[i][2][:110]}")
+
+    show(attn[layers // 2] + 1, attn[layers // 2 + 1] + 1, "one middle layer (after attention)")
+    show(
+        attn[layers - 1] + 1,
+        attn[layers] + 1,
+        "step boundary (last layer's attention to the next step's first)",
+    )
+
+
+def engine_rows(
+    runner: ModelRunner, num_blocks: int, wbytes: int, bw: float, repeats: int, label: str
+) -> None:
+    """gpu_engine.py's decode rows (decode ahead, 20 steps x median of 5) at 1K context,
+    batch 1 / 32 / 128, `repeats` times with fresh block tables."""
+    from benchmarks.gpu_engine import time_decode
+
+    for batch in (1, 32, 128):
+        got = []
+        for r in range(repeats):
+            ms, kvb = time_decode(runner, batch, 1024, num_blocks, seed=batch + 97 * r, rounds=5)
+            got.append(ms)
+        mbu = (wbytes + kvb) / (sorted(got)[len(got) // 2] / 1e3) / (bw * 1e9)
+        print(
+            f"engine {label} b{batch} ctx1024: "
+            + " / ".join(f"{ms:.2f}" for ms in got)
+            + f" ms/step (MBU {mbu:.0%} at the median)",
+            flush=True,
+        )
+
+
+def apply_variant(model: Any, runner: ModelRunner, name: str) -> None:
+    """Recapture the decode graphs under `name`: '+'-joined settings of copies
+    (layer_ops.COPY_FREE_RESIDUALS off: inductor's addmm with its copy of x), lse (the
+    flex decode kernel returns its LSE whether needed or not), stages4 (4 pipelining
+    stages in flex decode), static128 (the 128 bucket compiled for its static shape) and
+    cublaslt (torch's preferred BLAS); 'base' = none. Without static128 a 300-token
+    prefill runs before the capture, so that the 128 bucket runs the compilation for a
+    symbolic row count, as in gpu_engine.py (whose checks prefill first); the start-up
+    capture (variant 'start', no recapture) compiled T = 128 first, for that shape."""
+    parts = set(name.split("+")) - {"base", "start"}
+    unknown = parts - {"copies", "lse", "stages4", "static128", "cublaslt"}
+    if unknown:
+        raise SystemExit(f"unknown variant settings {sorted(unknown)}")
+    layer_ops.COPY_FREE_RESIDUALS = "copies" not in parts
+    flex.DECODE_STAGES = 4 if "stages4" in parts else 3
+    flex.DECODE_LSE_ALWAYS = "lse" in parts
+    layer_ops.TUNE_ROWS = frozenset({128}) if "static128" in parts else frozenset()
+    layer_ops.TUNED_OPTIONS = {}
+    layer_ops.untune()
+    layer_ops._COMPILED = None
+    torch.backends.cuda.preferred_blas_library("cublaslt" if "cublaslt" in parts else "cublas")
+    set_layer_ops(model, compiled_layer_ops())
+    if "static128" not in parts:
+        kv = FakeKV({"w": list(range(-(-300 // BLOCK)))})
+        runner.execute(step_of([FakeRequest("w", [11] * 300, 0)], [300]), cast(Any, kv))
+        torch.cuda.synchronize()
+    assert runner.graphs is not None
+    runner.graphs.capture()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache-gb", type=float, default=88.0)
@@ -206,6 +320,21 @@ def main() -> None:
         default=layer_ops.MANY_ROWS,
         help="2-64-row matmuls (layer_ops.MANY_ROWS): triton, cublas, or both in turn "
         "(triton,cublas: the graphs recaptured)",
+    )
+    ap.add_argument("--out", default=None, help="write the traces here")
+    ap.add_argument(
+        "--engine",
+        default="",
+        help="comma-separated variants (apply_variant: start, base, copies, lse, stages4, "
+        "static128, cublaslt, '+'-joined): for each, gpu_engine.py's 1K decode rows and the "
+        "128 x 1K timeline instead of the profile above",
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="engine rows per variant")
+    ap.add_argument(
+        "--flex-options",
+        default='[{"num_stages": 1}, {"num_stages": 2}, {"num_stages": 3}]',
+        help="JSON list of flex decode kernel_options, each over the engine's split and "
+        "16-slot tiles, for the kernel alone",
     )
     args = ap.parse_args()
     layer_ops.MANY_ROWS = args.many_rows.split(",")[0]
@@ -226,8 +355,24 @@ def main() -> None:
     for c in runner.kv_caches:
         c.normal_()
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",") if c]
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    for name in (v for v in args.engine.split(",") if v):
+        from benchmarks.gpu_engine import decode_stepper
+
+        if name != "start":
+            t0 = time.perf_counter()
+            apply_variant(model, runner, name)
+            print(f"variant {name}: recaptured in {time.perf_counter() - t0:.0f} s", flush=True)
+        engine_rows(runner, num_blocks, wbytes, bw, args.repeats, name)
+        step = decode_stepper(runner, 128, 1024, num_blocks, 5, 40, ahead=True)
+        timeline(step, out, name)
+        runner.drop_ahead()
+    if args.engine:
+        cases = [] if args.no_variants else cases
     modes = [m for m in args.many_rows.split(",") if m]
-    for i, mode in enumerate([] if args.only_variants else modes):
+    for i, mode in enumerate([] if args.only_variants or args.engine else modes):
         if i:  # the same graphs recaptured over the other 2-64-row matmuls
             set_layer_ops(model, compiled_layer_ops(many_rows=mode))
             assert runner.graphs is not None
@@ -239,7 +384,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for batch, ctx in cases:
         base = {"BLOCK_N": 16, "SPLIT_KV": max(1, -(-4 * sms // (batch * 8)))}
-        opts = [base] + [{**base, "num_stages": s} for s in (1, 2, 3)]
+        opts = [base] + [{**base, **o} for o in json.loads(args.flex_options)]
         kernel_variants(runner, batch, ctx, 16, opts)
 
 

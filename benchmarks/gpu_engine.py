@@ -60,18 +60,14 @@ from engine.models.layer_ops import EAGER, set_layer_ops
 from engine.models.layer_ops import compiled as compiled_layer_ops
 
 
-def time_decode(
-    runner: ModelRunner, batch: int, ctx: int, num_blocks: int, seed: int, ahead: bool = True
-) -> tuple[float, int]:
-    """Median ms of one decode step of `batch` sequences at context `ctx` in steady state,
-    and the KV bytes one step reads. A step is what LLMEngine.step does around the model
-    for greedy rows: `execute`, argmax, the tokens' copy to the host queued, then (with
-    `ahead`) `launch_ahead` of the next step with the tokens still on the device, then the
-    wait for the tokens and the requests' advance by one token. Steps run back to back
-    (no device sync between them): ms/step = wall time of 20 steps / 20, median of 3."""
+def decode_stepper(
+    runner: ModelRunner, batch: int, ctx: int, num_blocks: int, seed: int, room: int, ahead: bool
+) -> Any:
+    """The engine's decode step around the model for `batch` greedy sequences at context
+    `ctx` (room for `room` more tokens each): `execute`, argmax, the tokens' copy to the
+    host queued, then (with `ahead`) `launch_ahead` of the next step with the tokens still
+    on the device, then the wait for the tokens and the requests' advance by one token."""
     gen = torch.Generator().manual_seed(seed)
-    steps, warmup, rounds = 20, 3, 3
-    room = warmup + rounds * steps + 2  # tokens the requests grow by
     per_seq = -(-(ctx + 1 + room) // setup.BLOCK)
     need = batch * per_seq
     perm = torch.cat(
@@ -99,6 +95,23 @@ def time_decode(
             r.num_computed_tokens += 1
             r.all_token_ids.append(t)
 
+    return step
+
+
+def time_decode(
+    runner: ModelRunner,
+    batch: int,
+    ctx: int,
+    num_blocks: int,
+    seed: int,
+    ahead: bool = True,
+    rounds: int = 3,
+) -> tuple[float, int]:
+    """Median ms of one decode step (decode_stepper) of `batch` sequences at context `ctx`
+    in steady state, and the KV bytes one step reads. Steps run back to back (no device
+    sync between them): ms/step = wall time of 20 steps / 20, median of `rounds`."""
+    steps, warmup = 20, 3
+    step = decode_stepper(runner, batch, ctx, num_blocks, seed, warmup + rounds * steps + 2, ahead)
     for _ in range(warmup):
         step()
     times = []

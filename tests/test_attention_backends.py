@@ -155,3 +155,47 @@ def test_fp8_cache_quantizes_on_write_and_reads_dequantized(backend_name: str, d
     seqs = [(8, 1), (5, 7), (0, 1), (0, 6), (8, 3), (16, 1)]
     _run_step(backend_name, device, seqs, fp8=True)
     _run_step(backend_name, device, [(3, 1), (12, 1), (7, 1), (20, 1)], fp8=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flex_decode_lse_only_where_asked(device: str) -> None:
+    """A pure-decode step of the flex backend: `forward` (which does not ask its kernel
+    for the LSE) and `forward_with_lse` give the same output, and the LSE is the dense
+    one's log-sum-exp of the scaled scores."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    backend, bs = make_backend("flex", device)
+    gen = torch.Generator().manual_seed(3)
+    lens = [37, 16, 70]
+    tables = [[i * 5 + j for j in range(-(-n // bs))] for i, n in enumerate(lens)]
+    width = max(len(t) for t in tables)
+    cache = torch.randn(2, NUM_BLOCKS, bs, HKV, D, generator=gen)
+    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)]
+    q = torch.randn(len(lens), HQ, D, generator=gen)
+    k_new, v_new = torch.randn(2, len(lens), HKV, D, generator=gen)
+    scale = D**-0.5
+    outs = []
+    for with_lse in (False, True):
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=device),
+            query_start_loc=list(range(len(lens) + 1)),
+            seq_lens=lens,
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),
+        )
+        args = (q.to(device), k_new.to(device), v_new.to(device), cache.to(device), meta, scale)
+        if with_lse:
+            out, lse = backend.forward_with_lse(*args)
+        else:
+            out = backend.forward(*args)
+        outs.append(out.cpu())
+    torch.testing.assert_close(outs[0], outs[1])
+    flat = cache.view(2, -1, HKV, D)
+    for b, (n, table) in enumerate(zip(lens, tables, strict=True)):
+        idx = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+        k = flat[0, idx].clone()
+        k[-1] = k_new[b]
+        k = k.double().repeat_interleave(HQ // HKV, dim=1)  # [n, Hq, D]
+        scores = torch.einsum("hd,khd->hk", q[b].double(), k) * scale
+        torch.testing.assert_close(
+            lse[b].cpu().double(), scores.logsumexp(-1), atol=2e-4, rtol=1e-4
+        )

@@ -113,6 +113,46 @@ def test_compiled_layer_ops_many_rows_match_eager() -> None:
     assert any(key.startswith("rows<=16 ") for key in rows_gemm.chosen())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("copy_free", [True, False])
+def test_compiled_layer_ops_general_path_match_eager(
+    copy_free: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The general compilation (steps over rows_gemm.MAX_ROWS rows: cuBLAS), with and
+    without COPY_FREE_RESIDUALS, against the eager ops at 128 and then 96 rows (the
+    symbolic row count torch.compile moves to on a second size); copy-free, mlp adds
+    onto its x in place and returns it."""
+    if DEVICE.type != "cuda":
+        pytest.skip("needs CUDA")
+    monkeypatch.setattr(layer_ops, "COPY_FREE_RESIDUALS", copy_free)
+    ops = layer_ops.compiled(many_rows="triton")
+    dt, hid, inter, hq, hkv, d = torch.bfloat16, 256, 512, 4, 2, 64
+    for t in (128, 96):
+        x, nw, qkv_w, o_w, gu_w, down_w, attn = _tensors(
+            dt,
+            (t, hid),
+            (hid,),
+            ((hq + 2 * hkv) * d, hid),
+            (hid, hq * d),
+            (2 * inter, hid),
+            (hid, inter),
+            (t, hq, d),
+            seed=t,
+        )
+        cos, sin = _tensors(dt, (t, 1, d), (t, 1, d), seed=t + 1)
+        got = ops.attn_in(x, nw, qkv_w, None, None, cos, sin, 1e-5, hq, hkv)
+        want = EAGER.attn_in(x, nw, qkv_w, None, None, cos, sin, 1e-5, hq, hkv)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and _rel(g, w) < 2e-2
+        got_x, got_h = ops.attn_out(x, attn, o_w, nw, 1e-5)
+        want_x, want_h = EAGER.attn_out(x, attn, o_w, nw, 1e-5)
+        assert _rel(got_x, want_x) < 1e-2 and _rel(got_h, want_h) < 2e-2
+        want = EAGER.mlp(want_x, want_h, gu_w, down_w)
+        out = ops.mlp(got_x, want_h, gu_w, down_w)
+        assert _rel(out, want) < 2e-2
+        assert (out.data_ptr() == got_x.data_ptr()) == copy_free
+
+
 @pytest.mark.parametrize(
     "shape_x,shape_w,dtype",
     [

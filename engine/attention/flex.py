@@ -12,9 +12,10 @@ kernel reads the blocks where they lie (no gather):
         tiles = block_table[b, :ceil(L_b / bs)]
         mask  = every slot, except the last block's slots >= L_b - (tiles - 1) * bs
 
-Its LSE comes with it (natural log), which merge_partials combines under decode context
-parallelism (meta.dcp_size > 1: the cache holds local keys j of global position
-j * P + r; new tokens of other ranks, slot -1, are not written). Rows are padded to a few
+Its LSE (natural log; asked for only by forward_with_lse, since converting it is one more
+kernel per layer) is what merge_partials combines under decode context parallelism
+(meta.dcp_size > 1: the cache holds local keys j of global position j * P + r; new tokens
+of other ranks, slot -1, are not written). Rows are padded to a few
 batch sizes and table widths so that the kernel compiles for a bounded set of shapes
 (static shapes keep FlexAttention's split-KV decode kernel; a dynamic batch would fall
 back to its prefill kernel). Decode is graph-safe: with meta.seq_lens_tensor and
@@ -58,6 +59,11 @@ DECODE_STAGES = 3
 """Software-pipelining stages of the decode kernel's KV loop: with one-block (16-slot) KV
 tiles, three loads in flight read the paged cache at ~3.8 TB/s on an H200 (batch 128 x
 1K: 140 us per layer against 175 us with the template's default; docs/benchmarks.md)."""
+
+DECODE_LSE_ALWAYS = False
+"""Benchmarks set this to compare: the decode kernel returns its LSE even where the step
+needs none (outside decode context parallelism its conversion is one more kernel per
+layer)."""
 
 _FLEX: Callable[..., Any] | None = None
 DEFAULT_KERNEL: Callable[..., Any] | None = None
@@ -152,7 +158,7 @@ class FlexAttentionBackend(LSEAttentionBackend):
     ) -> torch.Tensor:  # [T, Hq, D]
         if meta.dcp_size > 1 or is_fp8_cache(kv_cache):
             return self.forward_with_lse(q, k, v, kv_cache, meta, scale)[0]
-        return self._run(q, k, v, kv_cache, meta, scale)[0]
+        return self._run(q, k, v, kv_cache, meta, scale, need_lse=DECODE_LSE_ALWAYS)[0]
 
     def forward_with_lse(
         self,
@@ -178,8 +184,10 @@ class FlexAttentionBackend(LSEAttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        need_lse: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Out for every row, and LSE for every row when the step has no prefill rows."""
+        """Out for every row, and LSE for every row when the step has no prefill rows
+        and `need_lse` (without it the decode kernel skips the LSE's own kernel)."""
         if self._kernel is None and q.device.type != "cuda":
             raise RuntimeError(
                 "the flex attention backend runs on CUDA only; use attention_backend='torch' on CPU"
@@ -206,14 +214,14 @@ class FlexAttentionBackend(LSEAttentionBackend):
             rows = plan.decode_rows
             assert rows is not None
             q_dec = q[rows] if isinstance(rows, slice) else q.index_select(0, rows)
-            o_dec, lse_dec = self._decode(q_dec, kv_cache, plan, scale)
+            o_dec, lse_dec = self._decode(q_dec, kv_cache, plan, scale, need_lse)
             if not plan.prefills and isinstance(rows, slice):
                 return o_dec, lse_dec  # pure decode: rows 0..B-1 in order
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         lse: torch.Tensor | None = None
-        if o_dec is not None and lse_dec is not None:
+        if o_dec is not None:
             out[plan.decode_rows] = o_dec
-            if not plan.prefills:
+            if not plan.prefills and lse_dec is not None:
                 lse = torch.empty(num_tokens, num_heads, device=q.device)
                 lse[plan.decode_rows] = lse_dec
         for q_start, q_end, b in plan.prefills:
@@ -221,8 +229,8 @@ class FlexAttentionBackend(LSEAttentionBackend):
         return out, lse
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # [Bd, Hq, D], [Bd, Hq]
+        self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float, need_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [Bd, Hq, D], [Bd, Hq] (None: not needed)
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         num_seqs, num_heads, _ = q.shape
         padded = padded_batch(num_seqs)
@@ -232,16 +240,19 @@ class FlexAttentionBackend(LSEAttentionBackend):
         keys = kv_cache[0].view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
         values = kv_cache[1].view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
         kernel = self._kernel or _flex()
-        o, lse = kernel(
+        got = kernel(
             q.unsqueeze(2),  # [B, Hq, 1, D]
             keys,
             values,
             block_mask=plan.decode_mask,
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
-            return_lse=True,
+            return_lse=need_lse,
             kernel_options=self._decode_options(kv_cache, padded, q.device),
         )
+        if not need_lse:
+            return got[:num_seqs, :, 0], None
+        o, lse = got
         return o[:num_seqs, :, 0], lse[:num_seqs, :, 0]
 
     @staticmethod

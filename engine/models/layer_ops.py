@@ -36,7 +36,8 @@ Steps of 2 to rows_gemm.MAX_ROWS (64) rows in 16 bits (decode at batch 2-64) com
 their glue around engine/models/rows_gemm.py's matmul (MANY_ROWS = "triton", the default):
 per weight shape and row class, the fastest of cuBLAS and a Triton GEMM with narrow or
 split-K tiles, timed on first use (the decode graphs' warm-up). Larger steps keep cuBLAS,
-which beat every such tiling at 128 rows (docs/benchmarks.md).
+which beat every such tiling at 128 rows (docs/benchmarks.md), and add their residuals
+without device copies (COPY_FREE_RESIDUALS).
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def glue(lin: Any) -> tuple[Any, Any, Any]:
+def glue(lin: Any, wide: bool = False) -> tuple[Any, Any, Any]:
     """attn_in, attn_out and mlp multiplying through `lin`: cpu_gemm.linear for EAGER (a
     weight's packed copy on CPU, else F.linear), F.linear for the compiled versions (CUDA
-    weights are never packed, and the packed-copy lookup is not something to trace)."""
+    weights are never packed, and the packed-copy lookup is not something to trace).
+    `wide`: attn_out for the general compilation (COPY_FREE_RESIDUALS)."""
 
     def attn_in(
         x: torch.Tensor,  # [T, H]
@@ -96,7 +98,9 @@ def glue(lin: Any) -> tuple[Any, Any, Any]:
         norm_w: torch.Tensor,
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # new residual x, normed h [T, H]
-        x = x + lin(attn.reshape(x.shape[0], -1), o_w)
+        o = lin(attn.reshape(x.shape[0], -1), o_w)
+        # wide: the same rounded sum, kept out of inductor's mm + add -> addmm rewrite
+        x = (x.float() + o.float()).to(x.dtype) if wide else x + o
         return x, rms_norm(x, norm_w, eps)
 
     def mlp(
@@ -105,10 +109,19 @@ def glue(lin: Any) -> tuple[Any, Any, Any]:
         gate_up_w: torch.Tensor,
         down_w: torch.Tensor,
     ) -> torch.Tensor:  # [T, H]
-        gate, up = lin(h, gate_up_w).chunk(2, dim=-1)  # [T, I] each
-        return x + lin(F.silu(gate) * up, down_w)
+        return x + lin(swiglu_of(lin)(h, gate_up_w), down_w)
 
     return attn_in, attn_out, mlp
+
+
+def swiglu_of(lin: Any) -> Any:
+    """h, gate_up_w -> silu(gate) * up [T, I], multiplying through `lin`."""
+
+    def swiglu(h: torch.Tensor, gate_up_w: torch.Tensor) -> torch.Tensor:
+        gate, up = lin(h, gate_up_w).chunk(2, dim=-1)  # [T, I] each
+        return F.silu(gate) * up
+
+    return swiglu
 
 
 def head(lin: Any) -> tuple[Any, Any]:
@@ -141,7 +154,7 @@ class LayerOps:
 
 EAGER = LayerOps(*glue(linear), *head(linear))
 
-_COMPILED: tuple[tuple[frozenset[str], str, str], LayerOps] | None = None
+_COMPILED: tuple[tuple[frozenset[str], str, str, bool], LayerOps] | None = None
 
 
 GEMV_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
@@ -166,6 +179,17 @@ MANY_ROWS = "triton"
 """How 16-bit CUDA steps of 2 to rows_gemm.MAX_ROWS (64) rows run their matmuls: "triton"
 (engine/models/rows_gemm.py: per shape the timed fastest of its tilings and cuBLAS) or
 "cublas" (F.linear, inductor's extern call)."""
+
+
+COPY_FREE_RESIDUALS = True
+"""Steps of the general compilation (more than rows_gemm.MAX_ROWS rows: decode buckets of
+80-128 rows, prefill) add their residuals without a device copy. Left alone, inductor
+rewrites `x + mm` into cuBLAS' addmm (the sum in the GEMM's epilogue), which ATen runs
+as a copy of x into the output and a GEMM adding onto it: two device copies per layer,
+~2 us each with their gaps at 128 rows. Instead o's residual sum is written so that
+inductor leaves it to the RMSNorm kernel after it (the same bf16 rounding), and the
+MLP's down GEMM adds onto x in place (`x.addmm_`, outside the compiled glue: x is
+attn_out's fresh output, read by nothing else)."""
 
 
 TUNE_ROWS: frozenset[int] = frozenset()
@@ -274,12 +298,13 @@ def compiled(
     many = MANY_ROWS if many_rows is None else many_rows
     if many not in ("triton", "cublas"):
         raise ValueError(f"many_rows must be 'triton' or 'cublas', not {many!r}")
-    key = (GEMV_OPS if gemv is None else frozenset(gemv), mode, many)
+    key = (GEMV_OPS if gemv is None else frozenset(gemv), mode, many, COPY_FREE_RESIDUALS)
     if _COMPILED is None or _COMPILED[0] != key:
         names = key[0]
 
-        def fuse(fn: Any, rows_fn: Any = None) -> Any:
-            general = torch.compile(fn, fullgraph=True)
+        def fuse(fn: Any, rows_fn: Any = None, general_fn: Any = None) -> Any:
+            # general_fn: the general steps' function, compiled already (or fn compiled)
+            general = general_fn or torch.compile(fn, fullgraph=True)
             # the same glue around rows_gemm's matmul (2..MAX_ROWS rows, 16-bit, CUDA)
             many_fn = None if rows_fn is None else torch.compile(rows_fn, fullgraph=True)
             one_row_fn = None
@@ -305,7 +330,16 @@ def compiled(
         norm, logits = head(F.linear)
         r_in, r_out, r_mlp = glue(rows_gemm.linear) if many == "triton" else (None,) * 3
         r_logits = head(rows_gemm.linear)[1] if many == "triton" else None
-        f_in, f_out, f_mlp = fuse(attn_in, r_in), fuse(attn_out, r_out), fuse(mlp, r_mlp)
+        g_out = g_mlp = None
+        if COPY_FREE_RESIDUALS:
+            g_out = torch.compile(glue(F.linear, wide=True)[1], fullgraph=True)
+            act = torch.compile(swiglu_of(F.linear), fullgraph=True)
+
+            def g_mlp(x: torch.Tensor, h: torch.Tensor, gate_up_w: Any, down_w: Any) -> Any:
+                return x.addmm_(act(h, gate_up_w), down_w.t())  # x: attn_out's output
+
+        f_in, f_out = fuse(attn_in, r_in), fuse(attn_out, r_out, g_out)
+        f_mlp = fuse(mlp, r_mlp, g_mlp)
         post_attn = None
         if mode == "triton":
             one_in, one_post = triton_one_row(f_in, f_out, f_mlp)
