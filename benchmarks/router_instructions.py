@@ -18,7 +18,10 @@ code whose wall times differ (a loaded machine) agree better on it.
         [--warmup 30] [--concurrency 1] [--idle-s 10]
 
 `--chat`: /v1/chat/completions with the prompt as one user message (the chat template
-rendered per request) instead of /v1/completions.
+rendered per request) instead of /v1/completions. `--distinct`: every request's prompt
+ends with its own number, so that nothing of the prompt's text but the template's is
+seen twice (the router remembers a chat prompt's pieces between special tokens:
+router/prompt_tokens.py).
 
 Slow (the router runs ~50x slower under valgrind): a few minutes. Not run in CI. With
 `--concurrency` above 1 on a loaded machine, the router's health checks (1 s timeout)
@@ -121,15 +124,20 @@ async def _loop(
     expected: str,
     proc: subprocess.Popen[bytes],
     chat: bool = False,
+    distinct: bool = False,
 ) -> None:
-    if chat:
-        fields = client.openai_body(stream)
-        fields["messages"] = [{"role": "user", "content": fields.pop("prompt")}]
-        path, body = "/v1/chat/completions", json.dumps(fields).encode()
-    else:
-        path, body = "/v1/completions", json.dumps(client.openai_body(stream)).encode()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     done = 0
+    body = b""
     while done < count:
+        if distinct or not body:
+            fields = client.openai_body(stream)
+            if distinct:
+                client.count += 1
+                fields["prompt"] += f" ({client.count})"
+            if chat:
+                fields["messages"] = [{"role": "user", "content": fields.pop("prompt")}]
+            body = json.dumps(fields).encode()
         try:
             data = await client.post(url + path, body)
         except RuntimeError as e:
@@ -203,6 +211,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 router,
                 args.concurrency,
                 args.chat,
+                args.distinct,
             )
         wall = time.monotonic() - start
         _callgrind_control("-d", router.pid)
@@ -219,6 +228,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         return {
             "stream": args.stream,
             "chat": args.chat,
+            "distinct": args.distinct,
             "concurrency": args.concurrency,
             "requests": args.requests,
             "instructions": total,
@@ -246,6 +256,9 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true", help="SSE instead of one JSON body")
     parser.add_argument(
         "--chat", action="store_true", help="/v1/chat/completions instead of /v1/completions"
+    )
+    parser.add_argument(
+        "--distinct", action="store_true", help="a prompt of its own for every request"
     )
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=30)
