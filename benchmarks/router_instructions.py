@@ -98,10 +98,13 @@ async def _requests(
     proc: subprocess.Popen[bytes],
     concurrency: int = 1,
     chat: bool = False,
+    distinct: bool = False,
 ) -> None:
     """`count` requests in all from `concurrency` closed loops."""
     share = [count // concurrency + (i < count % concurrency) for i in range(concurrency)]
-    await asyncio.gather(*(_loop(client, url, stream, n, expected, proc, chat) for n in share if n))
+    await asyncio.gather(
+        *(_loop(client, url, stream, n, expected, proc, chat, distinct) for n in share if n)
+    )
 
 
 def chat_text(data: bytes, stream: bool) -> str:
