@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from typing import Any
 
@@ -61,7 +62,8 @@ class PromptEncoder:
     def __init__(self, tokenizer: Tokenizer, max_cached_chars: int = 8 * 1024 * 1024) -> None:
         self._tokenizer = tokenizer
         self._max_chars = max_cached_chars
-        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._pieces: OrderedDict[str, array[int]] = OrderedDict()
+        """Piece -> its ids, 4 bytes an id (a list would hold an int object per id)."""
         self._num_chars = 0
         self._lock = threading.Lock()
         self._special: dict[str, int] = {}
@@ -91,17 +93,17 @@ class PromptEncoder:
     def num_cached_chars(self) -> int:
         return self._num_chars
 
-    def _piece(self, piece: str) -> list[int]:
+    def _piece(self, piece: str) -> array[int] | list[int]:
         with self._lock:
-            ids = self._pieces.get(piece)
-            if ids is not None:
+            kept = self._pieces.get(piece)
+            if kept is not None:
                 self._pieces.move_to_end(piece)
-                return ids
+                return kept
         ids = self._tokenizer.encode(piece, add_special_tokens=False)
         if len(piece) <= self._max_chars // 4:  # one huge piece does not flush the rest
             with self._lock:
                 if piece not in self._pieces:
-                    self._pieces[piece] = ids
+                    self._pieces[piece] = array("i", ids)
                     self._num_chars += len(piece)
                     while self._num_chars > self._max_chars:
                         old, _ = self._pieces.popitem(last=False)
