@@ -83,7 +83,8 @@ class Preprocessor:
         """The format tool calls are parsed in (cluster.yaml router.tool_parser, else the
         chat template's)."""
         self._prompt_encoder = PromptEncoder(model.tokenizer)
-        """Chat prompts' token ids, the pieces between special tokens remembered."""
+        """Prompts' token ids, the pieces between special tokens remembered (chat
+        prompts; completions prompts that hold special tokens)."""
         self._tool_calls_id = model.tokenizer.token_to_id("[TOOL_CALLS]")
         """Mistral's call marker, looked up once: `token_to_id` costs tokenizers ~100 k
         instructions a call (a tenth of a whole chat request's routing)."""
@@ -169,8 +170,8 @@ class Preprocessor:
             raise InvalidRequest("best_of other than 1 is not supported", param="best_of")
         prompt = _single_prompt(req.prompt)
         if isinstance(prompt, str):
-            tokenizer = self.model.tokenizer
-            ids = await _maybe_in_thread(lambda: tokenizer.encode(prompt), len(prompt))
+            encoder = self._prompt_encoder
+            ids = await _maybe_in_thread(lambda: encoder.encode(prompt), len(prompt))
         else:
             vocab = self.model.config.vocab_size
             bad = next((t for t in prompt if not 0 <= t < vocab), None)

@@ -18,13 +18,14 @@ ids between them. `PromptEncoder` splits the same way and looks each piece up in
 of pieces seen before (bounded by their total characters); a piece not seen is
 tokenized alone. It serves only tokenizers where that identity holds: those added
 tokens without lstrip / rstrip / single_word, no truncation or padding; and, checked
-at construction, probe
-texts (spaces and newlines on either side of special tokens, pieces that are only
-whitespace, adjacent special tokens) tokenize the same both ways. Anything else, and
-any text with add_special_tokens=True, takes the tokenizer's own encode.
+at construction, probe texts (spaces and newlines on either side of special tokens,
+pieces that are only whitespace, adjacent special tokens) tokenize the same both ways.
+Anything else takes the tokenizer's own encode.
 
-Completions prompts (one piece, no template) are tokenized whole as before: caching
-them would serve only repeated identical prompts.
+A completions prompt is tokenized by pieces only when it holds a special token (the
+client templated it) and add_special_tokens=True adds only a head (BOS, or nothing:
+probed); a plain completions prompt is one piece, and remembering it would serve only
+the same prompt sent again verbatim, so it is tokenized whole as before.
 """
 
 from __future__ import annotations
@@ -68,16 +69,25 @@ class PromptEncoder:
         self._lock = threading.Lock()
         self._special: dict[str, int] = {}
         self._splitter: re.Pattern[str] | None = None
+        self._head: list[int] | None = None
+        """What add_special_tokens=True puts before a text (BOS, or nothing), when that
+        is all it adds (probed); None: such texts take the tokenizer's own encode."""
         self.by_pieces = self._setup(tokenizer.backend)
         """False: every text takes the tokenizer's own encode (the identity above was
         not shown for this tokenizer)."""
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """The token ids `tokenizer.encode` gives for `text`."""
+        """The token ids `tokenizer.encode` gives for `text`. With add_special_tokens (a
+        completions prompt), by pieces only a text that holds a special token (one the
+        client templated itself): a plain text is one piece, which would be
+        remembered only for being sent again verbatim."""
         splitter = self._splitter
-        if add_special_tokens or splitter is None:
+        if splitter is None or (
+            add_special_tokens and (self._head is None or splitter.search(text) is None)
+        ):
             return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        ids: list[int] = []
+        head = self._head
+        ids: list[int] = list(head) if add_special_tokens and head is not None else []
         special = self._special
         start = 0
         for match in splitter.finditer(text):
@@ -137,4 +147,13 @@ class PromptEncoder:
                 self._pieces.clear()
                 self._num_chars = 0
                 return False
+        head = self._tokenizer.encode("", add_special_tokens=True)
+        self._head = head
+        for probe in _PROBE_TEXTS:
+            text = probe.format(s=first, e=last)
+            if head + self._tokenizer.encode(
+                text, add_special_tokens=False
+            ) != self._tokenizer.encode(text, add_special_tokens=True):
+                self._head = None
+                break
         return True

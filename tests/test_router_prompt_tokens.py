@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from tokenizers import AddedToken, models, pre_tokenizers
+from tokenizers import AddedToken, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from modelinfo.info import load_model_info
@@ -40,7 +40,7 @@ def test_pieces_give_the_tokenizers_ids(smollm2: Tokenizer) -> None:
     enc = PromptEncoder(smollm2)
     assert enc.by_pieces
     specials = [t.content for t in smollm2.backend.get_added_tokens_decoder().values()]
-    texts = _random_texts(random.Random(7), specials, 1500)
+    texts = _random_texts(random.Random(7), specials, 800)
     for text in texts + texts[:300]:  # the second time from the remembered pieces
         assert enc.encode(text, add_special_tokens=False) == smollm2.encode(
             text, add_special_tokens=False
@@ -60,8 +60,29 @@ def test_a_chat_prompt_reuses_its_template_pieces(smollm2: Tokenizer) -> None:
     assert enc.num_cached_chars == cached + len("user\nBye")
     assert first == smollm2.encode(template.format("Hi"), add_special_tokens=False)
     assert second == smollm2.encode(template.format("Bye"), add_special_tokens=False)
-    # add_special_tokens=True is the tokenizer's own encode (post-processor included)
-    assert enc.encode("Hi", add_special_tokens=True) == smollm2.encode("Hi")
+    # a plain completions prompt is tokenized whole and not remembered
+    cached = enc.num_cached_chars
+    assert enc.encode("Hi there", add_special_tokens=True) == smollm2.encode("Hi there")
+    assert enc.num_cached_chars == cached
+
+
+@pytest.mark.parametrize("single", ["$A", "<|im_start|> $A", "<|im_start|> $A <|im_end|>"])
+def test_completions_prompts_with_special_tokens(smollm2: Tokenizer, single: str) -> None:
+    """add_special_tokens=True: by pieces after the post-processor's head when that is
+    all it adds (nothing, or a BOS), the tokenizer's own encode otherwise; the same ids
+    either way."""
+    backend = Backend.from_str(smollm2.backend.to_str())
+    specials = [("<|im_start|>", 1), ("<|im_end|>", 2)]
+    backend.post_processor = processors.TemplateProcessing(
+        single=single, special_tokens=[t for t in specials if t[0] in single]
+    )
+    tok = Tokenizer(backend, {})
+    enc = PromptEncoder(tok)
+    assert enc.by_pieces
+    assert (enc._head is not None) == (single != "<|im_start|> $A <|im_end|>")
+    names = [t.content for t in backend.get_added_tokens_decoder().values()]
+    for text in _random_texts(random.Random(11), names, 200):
+        assert enc.encode(text, add_special_tokens=True) == tok.encode(text), (single, text)
 
 
 def test_the_remembered_pieces_stay_within_their_bound(smollm2: Tokenizer) -> None:
