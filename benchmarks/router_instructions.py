@@ -14,8 +14,14 @@ valgrind) is measured after the count, the router idle for `--idle-s`, and the s
 figure printed takes that rate over the counted phase's wall time off: runs of the same
 code whose wall times differ (a loaded machine) agree better on it.
 
-    python -m benchmarks.router_instructions [--stream] [--requests 200] [--warmup 30]
-        [--concurrency 1] [--idle-s 10]
+    python -m benchmarks.router_instructions [--stream] [--chat] [--requests 200]
+        [--warmup 30] [--concurrency 1] [--idle-s 10]
+
+`--chat`: /v1/chat/completions with the prompt as one user message (the chat template
+rendered per request) instead of /v1/completions. `--distinct`: every request's prompt
+ends with its own number, so that nothing of the prompt's text but the template's is
+seen twice (the router remembers a chat prompt's pieces between special tokens:
+router/prompt_tokens.py).
 
 Slow (the router runs ~50x slower under valgrind): a few minutes. Not run in CI. With
 `--concurrency` above 1 on a loaded machine, the router's health checks (1 s timeout)
@@ -91,20 +97,52 @@ async def _requests(
     expected: str,
     proc: subprocess.Popen[bytes],
     concurrency: int = 1,
+    chat: bool = False,
+    distinct: bool = False,
 ) -> None:
     """`count` requests in all from `concurrency` closed loops."""
     share = [count // concurrency + (i < count % concurrency) for i in range(concurrency)]
-    await asyncio.gather(*(_loop(client, url, stream, n, expected, proc) for n in share if n))
+    await asyncio.gather(
+        *(_loop(client, url, stream, n, expected, proc, chat, distinct) for n in share if n)
+    )
+
+
+def chat_text(data: bytes, stream: bool) -> str:
+    """The assistant's text of a chat completion, whole or streamed."""
+    if not stream:
+        return str(json.loads(data)["choices"][0]["message"]["content"])
+    text = []
+    for line in data.split(b"\n"):
+        if line.startswith(b"data: {"):
+            for choice in json.loads(line[6:]).get("choices") or []:
+                text.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(text)
 
 
 async def _loop(
-    client: Client, url: str, stream: bool, count: int, expected: str, proc: subprocess.Popen[bytes]
+    client: Client,
+    url: str,
+    stream: bool,
+    count: int,
+    expected: str,
+    proc: subprocess.Popen[bytes],
+    chat: bool = False,
+    distinct: bool = False,
 ) -> None:
-    body = json.dumps(client.openai_body(stream)).encode()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     done = 0
+    body = b""
     while done < count:
+        if distinct or not body:
+            fields = client.openai_body(stream)
+            if distinct:
+                client.count += 1
+                fields["prompt"] += f" ({client.count})"
+            if chat:
+                fields["messages"] = [{"role": "user", "content": fields.pop("prompt")}]
+            body = json.dumps(fields).encode()
         try:
-            data = await client.post(url + "/v1/completions", body)
+            data = await client.post(url + path, body)
         except RuntimeError as e:
             # A health check that timed out under valgrind marks a worker down until the
             # next one: wait for it, then go on (a 503 costs the router little).
@@ -113,7 +151,7 @@ async def _loop(
             RETRIED[0] += 1
             await asyncio.to_thread(_wait_healthy, url, proc)
             continue
-        text = completion_text(data, stream)
+        text = chat_text(data, stream) if chat else completion_text(data, stream)
         assert text == expected, (text, expected)
         done += 1
 
@@ -162,14 +200,22 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         pool = Http1Pool(connect_timeout_s=30.0)
         client = Client(pool, url["prefill"], url["decode"], tokenizer.encode("x"))
         expected = tokenizer.decode(tokens)
-        await _requests(
-            client, url["router"], args.stream, args.warmup, expected, router, args.concurrency
-        )
-        _callgrind_control("-z", router.pid)
-        start = time.monotonic()
-        await _requests(
-            client, url["router"], args.stream, args.requests, expected, router, args.concurrency
-        )
+        start = 0.0
+        for counted, count in ((False, args.warmup), (True, args.requests)):
+            if counted:
+                _callgrind_control("-z", router.pid)
+                start = time.monotonic()
+            await _requests(
+                client,
+                url["router"],
+                args.stream,
+                count,
+                expected,
+                router,
+                args.concurrency,
+                args.chat,
+                args.distinct,
+            )
         wall = time.monotonic() - start
         _callgrind_control("-d", router.pid)
         # The same router idle for --idle-s: what it runs per second with no request
@@ -184,6 +230,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         idle_rate = _total(out_dir, router.pid, 2) / idle_wall
         return {
             "stream": args.stream,
+            "chat": args.chat,
+            "distinct": args.distinct,
             "concurrency": args.concurrency,
             "requests": args.requests,
             "instructions": total,
@@ -209,6 +257,12 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--stream", action="store_true", help="SSE instead of one JSON body")
+    parser.add_argument(
+        "--chat", action="store_true", help="/v1/chat/completions instead of /v1/completions"
+    )
+    parser.add_argument(
+        "--distinct", action="store_true", help="a prompt of its own for every request"
+    )
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument(

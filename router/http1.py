@@ -10,14 +10,16 @@ What it does: keep-alive connections pooled per (host, port); POST with a body;
 response status and body, the body streamed as it arrives (chunked or Content-Length),
 parsed by httptools (the parser uvicorn uses). A reused idle connection that turns out
 closed before any response byte is retried once on a fresh one (the server never read
-the request). Timeouts: connecting is bounded here; with a deadline, the whole exchange by one timer
-(`Response.expire_at`); cancelling closes the connection.
+the request). Timeouts: connecting is bounded here; with a deadline, the whole exchange
+(`Response.expire_at`), watched by one timer per pool for all its exchanges
+(`DeadlineClock`); cancelling closes the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import math
 from collections.abc import AsyncIterator
 from typing import cast
 from urllib.parse import urlsplit
@@ -27,6 +29,8 @@ import httptools
 _MAX_BUFFERED_CHUNKS = 256
 """Unread body chunks after which reading from the socket pauses (flow control)."""
 _STALE = "the connection closed before any response byte"
+_MAX_TARGETS = 1024
+"""URLs whose POST head is kept (Http1Pool._target)."""
 
 
 class ConnectFailed(OSError):
@@ -36,6 +40,53 @@ class ConnectFailed(OSError):
 
 class ConnectionBroken(OSError):
     """The connection failed after the request was sent, or the answer was not HTTP."""
+
+
+_EARLY_S = 0.001
+"""A timer may fire up to a millisecond early (the event loop's clock has millisecond
+ticks): a deadline within that of now counts as passed."""
+
+
+class DeadlineClock:
+    """Owns the deadlines of a pool's exchanges and one timer, armed at the earliest.
+
+    Why not a timer per exchange: arming and cancelling an event-loop timer per worker
+    call (two per request) cost more than the dict entry that replaces it. Every exchange
+    of a request shares the request's deadline and later requests have later ones, so
+    the one timer is re-armed only when it fires (at the oldest exchange's deadline,
+    which has usually ended by then: a scan of the live ones, then the timer goes to the
+    earliest of them). Event-loop thread only."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._live: dict[Response, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._at = math.inf
+
+    def add(self, resp: Response, deadline: float) -> None:
+        self._live[resp] = deadline
+        if deadline < self._at:
+            self._arm(deadline)
+
+    def discard(self, resp: Response) -> None:
+        self._live.pop(resp, None)
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._at = when
+        self._timer = self._loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._at = math.inf
+        now = self._loop.time() + _EARLY_S
+        live = self._live
+        for resp in [r for r, deadline in live.items() if deadline <= now]:
+            del live[resp]
+            resp._expire()
+        if live:
+            self._arm(min(live.values()))
 
 
 class Response:
@@ -54,17 +105,19 @@ class Response:
         self.complete = False
         self.error: Exception | None = None
         self.got_bytes = False
-        self._timer: asyncio.TimerHandle | None = None
+        self._clock: DeadlineClock | None = None
+        """Set while a deadline is watched (`expire_at`)."""
 
     def expire_at(self, deadline: float) -> None:
         """Waiting for the headers or reading the body past `deadline` (loop time) raises
-        TimeoutError: one timer for the whole response, not one per chunk (a streamed
-        answer has a chunk per token)."""
-        if self._timer is None and not self.complete:
-            self._timer = self._loop.call_at(deadline, self._expire)
+        TimeoutError: one deadline for the whole response, not one per chunk (a streamed
+        answer has a chunk per token), watched by the pool's DeadlineClock."""
+        if self._clock is None and not self.complete:
+            self._clock = self._conn.deadlines
+            self._clock.add(self, deadline)
 
     def _expire(self) -> None:
-        self._timer = None
+        self._clock = None
         self._fail(TimeoutError("the response did not end before its deadline"))
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -111,9 +164,9 @@ class Response:
         self._conn.release(self)
 
     def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self._clock is not None:
+            self._clock.discard(self)
+            self._clock = None
 
     # -- fed by the connection ---------------------------------------------------------------
 
@@ -135,6 +188,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: Http1Pool, key: tuple[str, int]) -> None:
         self.loop = asyncio.get_running_loop()
         self._pool = pool
+        self.deadlines = pool.deadlines(self.loop)
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -232,6 +286,14 @@ class Http1Pool:
         """Header lines every request carries (the cluster secret)."""
         self._idle: dict[tuple[str, int], list[_Connection]] = collections.defaultdict(list)
         self._addresses: dict[str, tuple[str, int]] = {}
+        self._targets: dict[tuple[str, bytes], tuple[tuple[str, int], bytes]] = {}
+        self._deadlines: DeadlineClock | None = None
+
+    def deadlines(self, loop: asyncio.AbstractEventLoop) -> DeadlineClock:
+        """The clock of this pool's exchanges (on the loop its connections use)."""
+        if self._deadlines is None or self._deadlines._loop is not loop:
+            self._deadlines = DeadlineClock(loop)
+        return self._deadlines
 
     async def post(
         self,
@@ -242,16 +304,16 @@ class Http1Pool:
     ) -> Response:
         """POST `body` to `url`; returns once the response headers arrived. With a
         `deadline` (loop time), connecting, the headers and the body's reading all end by
-        then (TimeoutError): one timer for the whole exchange, no timeout scope."""
-        key, path = self._split(url)
-        head = (
-            b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n"
-            % (path.encode(), key[0].encode(), key[1], content_type, len(body), self._extra_head)
-        )
+        then (TimeoutError): one deadline for the whole exchange, no timeout scope."""
+        target = self._targets.get((url, content_type))
+        if target is None:
+            target = self._target(url, content_type)
+        key, start = target
+        request = b"%scontent-length: %d\r\n%s\r\n%s" % (start, len(body), self._extra_head, body)
         conn = self._take_idle(key)
         if conn is not None:
             try:
-                return await self._exchange(conn, head + body, deadline)
+                return await self._exchange(conn, request, deadline)
             except ConnectionBroken as e:
                 if e.args[0] != _STALE:
                     raise
@@ -261,7 +323,7 @@ class Http1Pool:
         else:
             async with asyncio.timeout_at(deadline):  # new connections only: rare
                 conn = await self._connect(key)
-        return await self._exchange(conn, head + body, deadline)
+        return await self._exchange(conn, request, deadline)
 
     @staticmethod
     async def _exchange(conn: _Connection, request: bytes, deadline: float | None) -> Response:
@@ -306,6 +368,21 @@ class Http1Pool:
         except OSError as e:
             raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: {e.strerror or e}") from None
         return conn
+
+    def _target(self, url: str, content_type: bytes) -> tuple[tuple[str, int], bytes]:
+        """(host, port) of `url` and the head of a POST to it up to its Content-Length,
+        kept per URL: the serving path posts to a few URLs, over and over."""
+        key, path = self._split(url)
+        start = b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: %s\r\n" % (
+            path.encode(),
+            key[0].encode(),
+            key[1],
+            content_type,
+        )
+        if len(self._targets) >= _MAX_TARGETS:  # URLs from elsewhere: stay bounded
+            self._targets.clear()
+        self._targets[url, content_type] = (key, start)
+        return key, start
 
     def _split(self, url: str) -> tuple[tuple[str, int], str]:
         base, _, rest = url.partition("://")

@@ -31,6 +31,11 @@ class Headers:
     def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
         self._raw = raw
 
+    @property
+    def raw(self) -> list[tuple[bytes, bytes]]:
+        """(name, value) pairs in the order received (as starlette's Headers.raw)."""
+        return self._raw
+
     def get(self, name: str, default: str | None = None) -> str | None:
         key = name.lower().encode("latin-1")
         for k, v in self._raw:

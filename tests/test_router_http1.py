@@ -162,3 +162,36 @@ def test_cancelled_request_closes_its_connection(server: Any) -> None:
         return idle
 
     assert _run(go()) == 0
+
+
+def test_deadlines_of_a_pool_expire_each_at_its_own_time(server: Any) -> None:
+    """One clock watches every exchange's deadline: one that ended in time is forgotten,
+    an earlier deadline added after a later one still expires first, and each expires
+    at its own deadline, not before."""
+
+    async def go() -> tuple[float, float]:
+        pool = Http1Pool(1.0)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        done = await pool.post(server.url + "/echo", b"x", deadline=t0 + 5.0)
+        assert await done.read() == b"x"
+        done.close()
+        late = await pool.post(server.url + "/slow", b"", deadline=t0 + 0.9)
+        early = await pool.post(server.url + "/slow", b"", deadline=t0 + 0.5)
+
+        async def expiry(resp: Any) -> float:
+            try:
+                await resp.read()
+            except TimeoutError:
+                return float(loop.time() - t0)
+            finally:
+                resp.close()
+            raise AssertionError("the body ended before its deadline")
+
+        at_early, at_late = await asyncio.gather(expiry(early), expiry(late))
+        pool.close()
+        return at_early, at_late
+
+    at_early, at_late = _run(go())
+    assert 0.49 <= at_early < 0.85
+    assert 0.89 <= at_late < 1.6

@@ -1,5 +1,6 @@
-"""Router pieces on their own: routing policies, the instance registry, settings from
-cluster.yaml, and the `python -m router -c cluster.yaml` entry point."""
+"""Router pieces on their own: routing policies, the instance registry, the session a
+request names, settings from cluster.yaml, and the `python -m router -c cluster.yaml`
+entry point."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from protocol.hashing import hash_chain, namespace_seed
 from router.config import settings_from_cluster
 from router.instances import Instance, InstanceRegistry
 from router.policies import RouteContext, make_policy, policy_names
+from router.request_body import Headers
+from router.serving import ServingContext
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -211,6 +214,32 @@ def _cluster_yaml(prefill_port: int, decode_port: int, router_port: int, policy:
     )
     text = text.replace("port: 8000", f"port: {router_port}")
     return text.replace("policy: round_robin", f"policy: {policy}")
+
+
+class _Request:
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self.headers = Headers(raw)
+
+
+def test_session_is_the_first_session_header_sent_non_empty() -> None:
+    """Headers in the order of preference, each header's first occurrence, empty values
+    skipped, names case-insensitive in the settings; else the `user` field."""
+    ctx = ServingContext(
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        1.0,
+        None,
+        session_headers=("X-Session-Id", "session_id", "conversation_id"),
+    )
+    raw = [(b"host", b"h"), (b"conversation_id", b"conv"), (b"session_id", b"sess")]
+    assert ctx.session_of(_Request(raw), "u") == "sess"
+    raw = [(b"x-session-id", b""), (b"x-session-id", b"later"), (b"conversation_id", b"c")]
+    assert ctx.session_of(_Request(raw), "u") == "c"
+    assert ctx.session_of(_Request([(b"x-session-id", b"\xe9t\xe9")]), None) == "\xe9t\xe9"
+    assert ctx.session_of(_Request([(b"host", b"h")]), "u") == "u"
+    assert ctx.session_of(_Request([]), None) is None
 
 
 def test_settings_from_cluster() -> None:
