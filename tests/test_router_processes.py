@@ -110,6 +110,10 @@ def test_two_router_processes_share_the_port_and_the_budget(tmp_path: Path) -> N
 
         # Process 1 killed: the others serve meanwhile, process 0 starts it again.
         os.kill(children[0], signal.SIGKILL)
+        # Its listening socket closes when it exits; a connection the kernel queued on it
+        # before then is reset (what a client of a crashing process sees), so the others
+        # are asked once it is gone.
+        _wait("process 1 to exit", lambda: not pid_alive(children[0]), 15)
         for _ in range(10):
             assert _complete(url, 3).status_code == 200
         _wait(
