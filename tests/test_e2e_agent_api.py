@@ -144,7 +144,9 @@ def test_streamed_tool_call_deltas_reassemble_to_the_whole_response(client, clus
     assert num_argument_chunks > 1  # the arguments streamed in fragments
 
 
-def test_json_schema_output_is_valid_in_20_seeded_samples(client, cluster) -> None:
+def test_json_schema_output_is_valid_in_10_seeded_samples(client, cluster) -> None:
+    """Ten choices sampled at temperature 1 under the schema's grammar, all valid and not
+    all the same (tests/test_logits_processing.py samples the grammar on random logits)."""
     schema = {
         "type": "object",
         "properties": {
@@ -164,23 +166,21 @@ def test_json_schema_output_is_valid_in_20_seeded_samples(client, cluster) -> No
         "json_schema": {"name": "person", "schema": schema, "strict": True},
     }
     messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    r = _call(  # choice i samples with seed + i
+        client,
+        cluster,
+        messages=messages,
+        response_format=fmt,
+        temperature=1.0,
+        seed=10000,
+        n=10,
+        max_tokens=120,
+    )
+    assert len(r.choices) == 10 and sorted(c.index for c in r.choices) == list(range(10))
     texts = []
-    for seed in (100, 200):  # 2 x 10 choices: choice i samples with seed + i
-        r = _call(
-            client,
-            cluster,
-            messages=messages,
-            response_format=fmt,
-            temperature=1.0,
-            seed=seed * 100,
-            n=10,
-            max_tokens=120,
-        )
-        assert len(r.choices) == 10 and sorted(c.index for c in r.choices) == list(range(10))
-        for c in r.choices:
-            assert c.finish_reason == "stop", c
-            texts.append(c.message.content)
-    assert len(texts) == 20
+    for c in r.choices:
+        assert c.finish_reason == "stop", c
+        texts.append(c.message.content)
     for text in texts:
         jsonschema.validate(json.loads(text), schema)
     assert len(set(texts)) > 1  # temperature 1 really sampled
