@@ -118,13 +118,21 @@ def pool_section(ports: list[int], store_size: str = "64MiB") -> dict:
     }
 
 
+STOP_GRACE_S = 5
+
+
 def launch(tmp: Path, cfg: dict, timeout: float = 300) -> tuple[Path, Path]:
     """Write `cfg` to tmp/cluster.yaml and `kvserve up --detach` it with its run state in
-    tmp/state; returns (cluster file, state dir). Fails the test if `up` fails."""
+    tmp/state; returns (cluster file, state dir). Fails the test if `up` fails.
+
+    `kvserve down` then gives each component STOP_GRACE_S after SIGTERM, not the default
+    10 s: a pool store whose master stopped first can stay blocked in Mooncake's unmount
+    until it is killed (every other component stops within about a second)."""
     config = tmp / "cluster.yaml"
     config.write_text(yaml.safe_dump(cfg))
     state = tmp / "state"
-    res = kvserve("up", "-c", str(config), "--detach", "--state-dir", str(state), timeout=timeout)
+    args = ["--detach", "--state-dir", str(state), "--stop-grace", str(STOP_GRACE_S)]
+    res = kvserve("up", "-c", str(config), *args, timeout=timeout)
     assert res.returncode == 0, f"kvserve up failed:\n{res.stdout}\n{res.stderr}"
     return config, state
 

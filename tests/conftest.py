@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -25,18 +30,57 @@ def smollm2_gguf() -> Path:
     return smollm2_dir() / SMOLLM2_GGUF_NAME
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """While transformers loads the builtin GGUF: its reader and gguf's tensor-name maps
+    come from a cache. transformers parses the whole file again for the tokenizer, the
+    config and the weights (each parse of SmolLM2's vocabulary takes ~5 s on two cores)
+    and builds gguf's name map anew for each of the model's ~400 modules (~8 s); both are
+    pure functions of their arguments, so what is loaded is the same."""
+    import gguf
+
+    with (
+        mock.patch.object(gguf, "GGUFReader", _cached_gguf_reader),
+        mock.patch.object(gguf, "get_tensor_name_map", _cached_tensor_name_map),
+    ):
+        yield
+
+
+@functools.cache
+def _cached_gguf_reader(path: str | os.PathLike[str]) -> Any:  # the file is never written
+    import gguf
+
+    return gguf.gguf_reader.GGUFReader(path)
+
+
+@functools.cache
+def _cached_tensor_name_map(arch: Any, n_blocks: int) -> Any:
+    import gguf
+
+    return gguf.tensor_mapping.get_tensor_name_map(arch, n_blocks)
+
+
 @pytest.fixture(scope="session")
-def smollm2_hf(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
+def smollm2_hf_tokenizer(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
+    """transformers' tokenizer of the builtin SmolLM2 GGUF, loaded once for the session.
+    Read-only: tests never change it."""
+    from transformers import AutoTokenizer
+
+    with _gguf_parsed_once():
+        return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf: Path, smollm2_hf_tokenizer):  # type: ignore[no-untyped-def]
     """transformers' tokenizer and float32 model of the builtin SmolLM2 GGUF, loaded once
-    for the session (dequantizing the GGUF is the slow part: tens of seconds per load on
-    two cores). Read-only: tests run it under torch.no_grad and never change it."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    for the session (reading and dequantizing the GGUF takes tens of seconds on two
+    cores). Read-only: tests run it under torch.no_grad and never change it."""
+    from transformers import AutoModelForCausalLM
 
     d, name = str(smollm2_gguf.parent), smollm2_gguf.name
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    return tok, model.eval()
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    return smollm2_hf_tokenizer, model.eval()
 
 
 @pytest.fixture(scope="session")
@@ -46,13 +90,10 @@ def weights_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
-def hf_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def hf_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokenizer) -> Path:  # type: ignore[no-untyped-def]
     """SmolLM2's tokenizer saved as an HF folder (tokenizer.json + tokenizer_config.json)."""
-    from transformers import AutoTokenizer
-
     out = tmp_path_factory.mktemp("tok")
-    tok = AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_GGUF_NAME)
-    tok.save_pretrained(str(out))
+    smollm2_hf_tokenizer.save_pretrained(str(out))
     return out
 
 

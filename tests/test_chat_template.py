@@ -46,14 +46,12 @@ CUSTOM_TEMPLATE = """{{ bos_token }}{% set ns = namespace(count=0) %}
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """transformers' tokenizer for the builtin GGUF (loaded once: it takes seconds)."""
-    from transformers import AutoTokenizer
-
+def reference(smollm2_hf_tokenizer, smollm2_gguf):  # type: ignore[no-untyped-def]
+    """transformers' tokenizer for the builtin GGUF (conftest.py: once per session)."""
     from modelinfo.source import resolve_model
 
-    path = resolve_model(BUILTIN).path
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert resolve_model(BUILTIN).path == smollm2_gguf
+    return smollm2_hf_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,8 @@ def _unified(port: int, kv: str, name: str = "unified-0") -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize("topology", ["pd", "unified"])
+# CI time: the unified topology's run is `-m slow` (docs/testing.md says what covers it).
+@pytest.mark.parametrize("topology", ["pd", pytest.param("unified", marks=pytest.mark.slow)])
 def test_tiny_agentic_benchmark_matches_worker_counters(
     tmp_path: Path, tiny_llama_dir: Path, weights_cache_dir: str, topology: str
 ) -> None:

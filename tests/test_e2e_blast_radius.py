@@ -6,7 +6,8 @@ the router (engine/step_isolation.py). A test-only fault hook (cluster.yaml
   culprit), decode's batched sampler fails (rows sampled alone);
 - a PP 2 prefill (the last stage samples in its own process) and a TP 2 decode (rank 0
   samples): the batched sampler fails on the stage / rank that samples;
-- a TP 2 decode whose forward fails on both ranks (bisected by the ranks in lockstep);
+- a TP 2 decode whose forward fails on both ranks (bisected by the ranks in lockstep;
+  `-m slow`);
 - a PP 2 prefill whose second stage's forward fails (that stage bisects, the stages
   agree through the step itself) and a TP 2 decode whose forward fails on rank 1 alone,
   inside its second layer (rank 1 completes the layer's collectives, the ranks agree on
@@ -158,6 +159,7 @@ def tp_forward(tmp_path_factory, tiny_parallel_dir: Path, weights_cache_dir: str
     c.down()
 
 
+@pytest.mark.slow  # CI time: docs/testing.md says what covers this path by default
 def test_tensor_parallel_forward_failure_fails_one_request(tp_forward: ParallelCluster, reference):
     for tag in (30, 31):  # twice: the ranks are still in step after the first
         _check_batch(tp_forward.router_url, tp_forward.served_name, reference, DECODE_POISON, tag)

@@ -189,10 +189,10 @@ def test_history_restored_from_the_pool_after_a_reset(cluster, client, reference
 
 
 def test_a_short_prompt_is_not_stuck_behind_a_long_prefill(cluster, client, reference):
-    """cache.prefill_order shortest: a 1,800-token prompt prefills in 8 chunks of 256; a
+    """cache.prefill_order shortest: a 1,200-token prompt prefills in 5 chunks of 256; a
     30-token prompt sent once it is running gets its first token before the long one does
     (in admission order it would wait for the whole prefill); both are greedy-exact."""
-    long_ids, short_ids = _prompt(reference, 31, 1800), _prompt(reference, 32, 30)
+    long_ids, short_ids = _prompt(reference, 31, 1200), _prompt(reference, 32, 30)
     first: dict[str, float] = {}
 
     def stream(name: str, ids: list[int]) -> str:

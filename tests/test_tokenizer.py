@@ -44,11 +44,9 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """transformers' tokenizer for the same GGUF (loaded once: it takes seconds)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(_smollm2_dir()), gguf_file=GGUF_NAME)
+def reference(smollm2_hf_tokenizer):  # type: ignore[no-untyped-def]
+    """transformers' tokenizer for the same GGUF (conftest.py: once per session)."""
+    return smollm2_hf_tokenizer
 
 
 @pytest.fixture(scope="module")

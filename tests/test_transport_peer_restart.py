@@ -3,14 +3,25 @@
 Mooncake names a P2P peer "host:rpc_port" with the port drawn from MC_MIN/MAX_RPC_PORT,
 so a restarted peer may get its predecessor's name; the writer's Transfer Engine then
 still holds the dead process's segment (its TCP data port). Here the peer first runs
-with a four-port range, and its restarts draw from two ports, one of them its old one.
+with a four-port range, and its restarts draw from two ports, one of them its old one
+(the other is the restart's TCP data port), so a restart gets the name half the time.
+
+The dead peer's RPC port stays in TIME_WAIT for a minute (the peer closed the writer's
+handshake connection first), and Mooncake binds without SO_REUSEADDR, so no restart
+could take the name within that minute. Both peers here run with a small LD_PRELOAD
+library that sets SO_REUSEADDR before each bind (a port whose TIME_WAIT connections came
+from such a socket can be bound again at once); it is built with the C compiler, as
+kvserve/bind_narrowing.py's library is. Without a compiler the test waits the minute out.
 """
 
 from __future__ import annotations
 
 import hashlib
+import shutil
 import socket
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +30,37 @@ from transfer import TransferError, TransportConfig, create_transport
 from transfer.probe import ProbeProcess
 
 NBYTES = 1 << 20
+
+REUSEADDR_SOURCE = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stddef.h>
+#include <sys/socket.h>
+
+typedef int (*bind_fn)(int, const struct sockaddr *, socklen_t);
+
+int bind(int fd, const struct sockaddr *addr, socklen_t len) {
+    static bind_fn real_bind = NULL;
+    if (real_bind == NULL) real_bind = (bind_fn)dlsym(RTLD_NEXT, "bind");
+    int one = 1;
+    if (addr != NULL && (addr->sa_family == AF_INET || addr->sa_family == AF_INET6))
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    return real_bind(fd, addr, len);
+}
+"""
+
+
+def reuseaddr_env(tmp_path: Path) -> dict[str, str]:
+    """LD_PRELOAD of a library that binds every socket with SO_REUSEADDR ({} without a
+    C compiler)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return {}
+    src, lib = tmp_path / "reuseaddr.c", tmp_path / "reuseaddr.so"
+    src.write_text(REUSEADDR_SOURCE)
+    cmd = [compiler, "-shared", "-fPIC", "-o", str(lib), str(src), "-ldl"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return {"LD_PRELOAD": str(lib)}
 
 
 def free_port_range(n: int) -> int:
@@ -39,10 +81,11 @@ def free_port_range(n: int) -> int:
     raise RuntimeError("no free port range")
 
 
-def test_a_peer_restarted_under_its_old_name_is_written_after_note_peer() -> None:
+def test_a_peer_restarted_under_its_old_name_is_written_after_note_peer(tmp_path: Path) -> None:
     config = TransportConfig(name="mooncake", host="127.0.0.1", write_timeout_s=5)
     base = free_port_range(4)
-    env = {"MC_MIN_RPC_PORT": str(base), "MC_MAX_RPC_PORT": str(base + 3)}
+    reuse = reuseaddr_env(tmp_path)
+    env = {"MC_MIN_RPC_PORT": str(base), "MC_MAX_RPC_PORT": str(base + 3), **reuse}
     sender = create_transport(config)
     source = torch.arange(NBYTES, dtype=torch.int64).to(torch.uint8)
     sender.register_buffer(source.data_ptr(), NBYTES)
@@ -58,7 +101,7 @@ def test_a_peer_restarted_under_its_old_name_is_written_after_note_peer() -> Non
         # so it gets the name within a few tries (Mooncake refuses a one-port range).
         port = int(first.peer.rsplit(":", 1)[1])
         low = port - 1 if port > base else port
-        same = {"MC_MIN_RPC_PORT": str(low), "MC_MAX_RPC_PORT": str(low + 1)}
+        same = {"MC_MIN_RPC_PORT": str(low), "MC_MAX_RPC_PORT": str(low + 1), **reuse}
         deadline = time.monotonic() + 90
         while second is None and time.monotonic() < deadline:
             try:
