@@ -33,6 +33,26 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+HID, INTER, HQ, HKV, D = 256, 512, 4, 2, 64
+"""A small decoder layer's shapes for the compiled layer ops' tests."""
+
+
+def _layer(t: int, seed: int) -> list[torch.Tensor]:
+    """bf16 x, norm weight, q|k|v, o, gate|up, down weights and attention output of a
+    `t`-row step, then RoPE's cos and sin."""
+    return _tensors(
+        torch.bfloat16,
+        (t, HID),
+        (HID,),
+        ((HQ + 2 * HKV) * D, HID),
+        (HID, HQ * D),
+        (2 * INTER, HID),
+        (HID, INTER),
+        (t, HQ, D),
+        seed=seed,
+    ) + _tensors(torch.bfloat16, (t, 1, D), (t, 1, D), seed=seed + 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [2, 20, 64])  # row classes 16, 32, 64; rows masked
 def test_every_tiling_matches_torch(rows: int) -> None:
@@ -86,19 +106,8 @@ def test_compiled_layer_ops_many_rows_match_eager() -> None:
     """The glue around rows_gemm (a decode step of 8 rows) against the eager ops."""
     if DEVICE.type != "cuda":
         pytest.skip("needs CUDA")
-    dt, t, hid, inter, hq, hkv, d = torch.bfloat16, 8, 256, 512, 4, 2, 64
-    x, nw, qkv_w, o_w, gu_w, down_w, attn = _tensors(
-        dt,
-        (t, hid),
-        (hid,),
-        ((hq + 2 * hkv) * d, hid),
-        (hid, hq * d),
-        (2 * inter, hid),
-        (hid, inter),
-        (t, hq, d),
-        seed=5,
-    )
-    cos, sin = _tensors(dt, (t, 1, d), (t, 1, d), seed=6)
+    hq, hkv = HQ, HKV
+    x, nw, qkv_w, o_w, gu_w, down_w, attn, cos, sin = _layer(8, seed=5)
     ops = layer_ops.compiled(many_rows="triton")
     for got, want in zip(
         ops.attn_in(x, nw, qkv_w, None, None, cos, sin, 1e-5, hq, hkv),
@@ -126,20 +135,9 @@ def test_compiled_layer_ops_general_path_match_eager(
         pytest.skip("needs CUDA")
     monkeypatch.setattr(layer_ops, "COPY_FREE_RESIDUALS", copy_free)
     ops = layer_ops.compiled(many_rows="triton")
-    dt, hid, inter, hq, hkv, d = torch.bfloat16, 256, 512, 4, 2, 64
+    hq, hkv = HQ, HKV
     for t in (128, 96):
-        x, nw, qkv_w, o_w, gu_w, down_w, attn = _tensors(
-            dt,
-            (t, hid),
-            (hid,),
-            ((hq + 2 * hkv) * d, hid),
-            (hid, hq * d),
-            (2 * inter, hid),
-            (hid, inter),
-            (t, hq, d),
-            seed=t,
-        )
-        cos, sin = _tensors(dt, (t, 1, d), (t, 1, d), seed=t + 1)
+        x, nw, qkv_w, o_w, gu_w, down_w, attn, cos, sin = _layer(t, seed=t)
         got = ops.attn_in(x, nw, qkv_w, None, None, cos, sin, 1e-5, hq, hkv)
         want = EAGER.attn_in(x, nw, qkv_w, None, None, cos, sin, 1e-5, hq, hkv)
         for g, w in zip(got, want, strict=True):
