@@ -58,7 +58,9 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
         [Instance(e.name, "unified", e.url.rstrip("/")) for e in settings.unified],
     )
     client = WorkerClient(
-        connect_timeout_s=settings.connect_timeout_s, cluster_secret=settings.cluster_secret
+        connect_timeout_s=settings.connect_timeout_s,
+        health_timeout_s=settings.health_timeout_s,
+        cluster_secret=settings.cluster_secret,
     )
     metrics = RouterMetrics(policy=settings.policy)
     metrics.watch_instances(registry)

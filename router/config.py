@@ -53,6 +53,8 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Connecting to a worker; a refused connection fails at once anyway."""
     health_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     """Period of the GET /health poll of every instance."""
+    health_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    """Longest one GET /health poll waits for its answer (router/health.py)."""
     metrics_port: int | None = None
     """Also serve /metrics on this port (prometheus_client's own server); None: only on
     the API port. Router process i serves its own on metrics_port + i."""
@@ -147,6 +149,7 @@ def settings_from_cluster(cluster: ClusterConfig) -> RouterSettings:
         api_key=api_key,
         max_input_tokens=r.max_input_tokens,
         request_timeout_s=r.request_timeout_s,
+        health_timeout_s=r.health_timeout_s,
         metrics_port=r.metrics_port,
         processes=r.processes,
         prefill=tuple(

@@ -2,8 +2,8 @@
 
 A failed connection during serving marks an instance unhealthy at once (router/relay.py);
 this loop is what brings it back once it answers again, and what notices an instance that
-died while idle. One poll of all instances runs concurrently, each bounded by the
-client's control timeout, then the loop sleeps out the rest of the interval.
+died while idle. One poll of all instances runs concurrently, each bounded by
+`router.health_timeout_s`, then the loop sleeps out the rest of the interval.
 
 Every failed poll marks the instance unhealthy (no new requests go to it). A refused
 connection or an answer other than 200 also marks it down (the process is gone or says
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 TIMEOUTS_DOWN = 3
 """Timed-out health polls in a row that mark an instance down (with the default 1 s
-interval and 1 s control timeout: about 3-6 s of silence)."""
+interval and 1 s health timeout: about 3-6 s of silence)."""
 
 
 class HealthMonitor:

@@ -77,6 +77,7 @@ class WorkerClient:
         *,
         connect_timeout_s: float = 2.0,
         control_timeout_s: float = 1.0,
+        health_timeout_s: float = 1.0,
         cluster_secret: str | None = None,
     ) -> None:
         headers = auth_headers(cluster_secret)
@@ -90,6 +91,7 @@ class WorkerClient:
         )
         """Control calls: health, abort, admin."""
         self._control_timeout_s = control_timeout_s
+        self._health_timeout_s = health_timeout_s
         self._prefill_decoder = msgspec.json.Decoder(PrefillEvent)
         self._decode_decoder = msgspec.json.Decoder(DecodeEvent)
         self._generate_decoder = msgspec.json.Decoder(GenerateEvent)
@@ -164,7 +166,7 @@ class WorkerClient:
         """(None when GET /health answers 200, else what went wrong; the incarnation the
         worker named, "" if none)."""
         try:
-            resp = await self._http.get(inst.url + HEALTH_PATH, timeout=self._control_timeout_s)
+            resp = await self._http.get(inst.url + HEALTH_PATH, timeout=self._health_timeout_s)
         except httpx.HTTPError as e:
             return f"{type(e).__name__}: {e}", ""
         incarnation = resp.headers.get(INCARNATION_HEADER, "")

@@ -122,12 +122,12 @@ def test_health_poll_that_never_answers_marks_the_instance_down() -> None:
     the first timeout stops routing to it, three in a row mark it down, so a request
     bound to that decode while it waits for prefill fails with a 503 instead of waiting
     out its deadline; a prefill that stops answering is routed around."""
-    h = RouterHarness(num_prefill=2, health_interval_s=0.2)
+    h = RouterHarness(num_prefill=2, health_interval_s=0.2, health_timeout_s=0.3)
     try:
         registry = h.app.state.registry
         silent_prefill, decode = registry.instances("prefill")[0], registry.instances("decode")[0]
         h.prefill[1].prefill_delay_s = 30.0  # the request waits at prefill, bound to decode
-        h.prefill[0].health_delay_s = 5.0
+        h.prefill[0].health_delay_s = 1.0  # past the 0.3 s health timeout
         _wait_for(lambda: not silent_prefill.healthy, 5.0)
         assert "Timeout" in (silent_prefill.last_error or "")
         results: list[httpx.Response] = []
@@ -140,13 +140,16 @@ def test_health_poll_that_never_answers_marks_the_instance_down() -> None:
         waiter.start()
         _wait_for(lambda: len(h.prefill[1].received) == 1, 5.0)  # the healthy prefill
         assert h.prefill[0].received == []
-        h.decode[0].health_delay_s = 5.0
+        h.decode[0].health_delay_s = 1.0
+        silenced = time.monotonic()
         waiter.join(20)
         assert results, "the request bound to the silent decode still waits"
         r = results[0]
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "decode_instance_lost"
-        assert time.monotonic() - t0 < 15  # 3 polls of 1 s timeout, not the 30 s prefill
+        assert time.monotonic() - t0 < 15  # 3 timed-out polls, not the 30 s prefill
+        # 3 polls of router.health_timeout_s (0.3 s); with the default 1 s, at least 3 s
+        assert time.monotonic() - silenced < 2.9
         assert not decode.healthy and "3 timed-out health polls in a row" in (
             decode.last_error or ""
         )

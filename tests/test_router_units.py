@@ -252,6 +252,10 @@ def test_settings_from_cluster() -> None:
     router = msgspec.structs.replace(cluster.router, admission=admission)
     s2 = settings_from_cluster(msgspec.structs.replace(cluster, router=router))
     assert (s2.admission_order, s2.admission_pass_bound_s) == ("fits_first", 2.5)
+    assert s.health_timeout_s == 1.0
+    router = msgspec.structs.replace(cluster.router, health_timeout_s=0.25)
+    s3 = settings_from_cluster(msgspec.structs.replace(cluster, router=router))
+    assert s3.health_timeout_s == 0.25
     assert [(e.name, e.url) for e in s.prefill] == [("prefill-0", "http://127.0.0.1:8101")]
     assert [(e.name, e.url) for e in s.decode] == [("decode-0", "http://127.0.0.1:8201")]
     assert (s.host, s.port, s.request_timeout_s) == ("127.0.0.1", 8001, 300)
