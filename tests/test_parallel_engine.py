@@ -6,6 +6,7 @@ with it in rank order, idle steps poll them, held blocks are freed when released
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -122,17 +123,30 @@ def checking_connector(rank: int):  # type: ignore[no-untyped-def]
     return (CheckingScheduler() if rank == 0 else None), EchoWorker()
 
 
+RUN_ENV = "KVSERVE_TEST_RUN_ENV"
+"""Set by a test after the ranks' forkserver may already run: every rank must see it."""
+
+
+def env_checking_connector(rank: int):  # type: ignore[no-untyped-def]
+    assert os.environ.get(RUN_ENV) == "set by the test", f"rank {rank} lacks the caller's env"
+    assert os.environ.get("GLOO_SOCKET_IFNAME") == "lo"
+    return checking_connector(rank)
+
+
 @pytest.mark.parametrize("layout", ["pp2", "tp2dcp2"])
 def test_connector_runs_on_every_rank_and_stage(
-    tiny_parallel_dir, prompts, reference, weights_cache_dir, layout
+    tiny_parallel_dir, prompts, reference, weights_cache_dir, layout, monkeypatch
 ):
+    """...and every rank runs in the caller's environment of this call (the ranks'
+    forkserver started earlier, with an older one)."""
+    monkeypatch.setenv(RUN_ENV, "set by the test")
     kw = {"pp": 2} if layout == "pp2" else {"tp": 2, "dcp": 2}
     got = generate_parallel(
         str(tiny_parallel_dir),
         _config(weights_cache_dir),
         prompts,
         PARAMS,
-        connector=checking_connector,
+        connector=env_checking_connector,
         **kw,  # type: ignore[arg-type]
     )
     assert got == reference  # and every block was freed after the held ones were released
