@@ -6,6 +6,7 @@ engine's greedy text)."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import socket
 import subprocess
@@ -25,15 +26,40 @@ def internal_headers(state_dir: Path, cluster_name: str) -> dict[str, str]:
     return {"authorization": f"Bearer {secret}"}
 
 
+LOWEST_TEST_PORT = 10000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """`n` distinct ports that nothing holds now, for a cluster's components to bind.
+
+    They lie below the kernel's ephemeral range: a port of that range, free when picked,
+    can be taken as the local port of any outgoing connection (the cluster's own
+    Mooncake, torch.distributed and HTTP clients) before the component binds it; a port
+    below it only by a bind. Picked at random (not by the seeded `random` of the test
+    run), so runs sharing the machine rarely pick the same one.
+    """
+    first_ephemeral, _ = _ephemeral_range()
+    pick = random.SystemRandom()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = pick.randrange(LOWEST_TEST_PORT, max(first_ephemeral, LOWEST_TEST_PORT + 1000))
+        if port in ports:
+            continue
+        with socket.socket() as s:  # no SO_REUSEADDR: a port in TIME_WAIT is not free
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
     return ports
 
 

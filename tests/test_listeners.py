@@ -5,13 +5,14 @@ to the node's address, never the wildcard; and the bind-narrowing library alone.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import psutil
-from cluster_harness import free_ports, start_cluster
+from cluster_harness import LOWEST_TEST_PORT, _ephemeral_range, free_ports, start_cluster
 
 from kvserve.bind_narrowing import ADDRESS_VAR, narrowing_env, shim_library
 
@@ -51,6 +52,23 @@ def test_the_library_narrows_wildcard_binds_only() -> None:
     env = {**base, **narrowing_env("127.0.0.1")}
     del env[ADDRESS_VAR]
     assert _probe(env) == {"v4_any": "0.0.0.0", "v6_any": "::", "v4_loop": "127.0.0.1"}
+
+
+def test_free_ports_are_bindable_and_outside_the_ephemeral_range() -> None:
+    """The ports a test reserves for its cluster cannot be taken meanwhile as the local
+    port of an outgoing connection (a metrics port once was, before its worker bound it)."""
+    first_ephemeral, _ = _ephemeral_range()
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    assert all(LOWEST_TEST_PORT <= p < first_ephemeral for p in ports), ports
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    with socket.socket() as client, socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        client.connect(server.getsockname())
+        assert client.getsockname()[1] >= first_ephemeral  # where outgoing ports come from
 
 
 def _listeners(pid: int) -> list[str]:
