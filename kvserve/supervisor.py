@@ -3,6 +3,7 @@
     start stage 1 ─ wait /health ─ start stage 2 ─ wait /health ─ ready ─ watch ─┐
           │ a component exits / times out / signal                               │
           └──────────────────────────▶ stop every group (TERM, grace, KILL) ◀────┘
+                                       (the pool's master last)
 
 Any component that exits, or is not healthy in time, stops the whole launch: a cluster
 with a hole in it is worse than no cluster. Once the cluster runs, the pool's processes
@@ -37,6 +38,11 @@ RESTART_FIRST_DELAY_S = 1.0
 RESTART_MAX_DELAY_S = 30.0
 RESTART_STABLE_S = 60.0
 """A restarted component that ran this long starts over at the first delay."""
+STOPPED_LAST = ("pool_master",)
+"""Kinds stopped once every other component has exited: the pool's stores and the workers
+that mounted pool segments unmount them through the master, and a store whose master
+stopped first can block in Mooncake's unmount until it is killed."""
+LAST_MIN_GRACE_S = 1.0
 
 
 class LaunchError(KvserveError):
@@ -264,17 +270,27 @@ class Supervisor:
             self.run.remove()
             return
         self._write("stopping")
-        # Routers first (reverse start order), though all groups get SIGTERM at once.
-        groups = [r.proc.pid for r in reversed(self.running)]
-        killed = stop_groups(
-            groups,
-            self.stop_grace_s,
-            reap=[r.proc for r in self.running],
-            force_now=self.signals,
-        )
-        for r in self.running:
-            if r.proc.pid in killed:
-                self.say(f"{r.spec.name} ignored SIGTERM for {self.stop_grace_s:g}s: killed")
+        # Every component but the pool's master at once (routers first, reverse start
+        # order), then the master, with what is left of the grace (at least
+        # LAST_MIN_GRACE_S).
+        deadline = time.monotonic() + self.stop_grace_s
+        ordered = list(reversed(self.running))
+        for wave in (
+            [r for r in ordered if r.spec.kind not in STOPPED_LAST],
+            [r for r in ordered if r.spec.kind in STOPPED_LAST],
+        ):
+            if not wave:
+                continue
+            grace_s = max(deadline - time.monotonic(), LAST_MIN_GRACE_S)
+            killed = stop_groups(
+                [r.proc.pid for r in wave],
+                grace_s,
+                reap=[r.proc for r in wave],
+                force_now=self.signals,
+            )
+            for r in wave:
+                if r.proc.pid in killed:
+                    self.say(f"{r.spec.name} ignored SIGTERM for {grace_s:.3g}s: killed")
         self.run.remove()
 
     def _failure(self, r: _Running, what: str) -> str:

@@ -151,9 +151,10 @@ def launch(tmp: Path, cfg: dict, timeout: float = 300) -> tuple[Path, Path]:
     """Write `cfg` to tmp/cluster.yaml and `kvserve up --detach` it with its run state in
     tmp/state; returns (cluster file, state dir). Fails the test if `up` fails.
 
-    `kvserve down` then gives each component STOP_GRACE_S after SIGTERM, not the default
-    10 s: a pool store whose master stopped first can stay blocked in Mooncake's unmount
-    until it is killed (every other component stops within about a second)."""
+    `kvserve down` then gives the components STOP_GRACE_S after SIGTERM, not the default
+    10 s: a component that hangs on its way out costs a test less (every component stops
+    within about a second; the pool's master is stopped last, so a store's unmount does
+    not wait for a master that is gone)."""
     config = tmp / "cluster.yaml"
     config.write_text(yaml.safe_dump(cfg))
     state = tmp / "state"

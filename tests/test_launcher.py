@@ -380,3 +380,71 @@ def test_router_processes_in_status_and_gone_after_down(tmp_path: Path) -> None:
     log = (c.state_dir / "standin" / "logs" / "router.log").read_text()
     assert "process 1 of 2" in log  # it served
     assert "starting it again" not in log  # `down` stopped it: not a crash to restart
+
+
+STOP_RECORDER = r"""
+import os, signal, sys, time
+name, out, exit_delay_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+def on_term(*_):
+    with open(os.path.join(out, name), "w") as f:
+        f.write(f"{time.time()} ")  # SIGTERM arrived
+        time.sleep(exit_delay_s)  # e.g. a store unmounting its segment through the master
+        f.write(f"{time.time()}")  # exiting
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+open(os.path.join(out, name + ".ready"), "w").close()
+while True:
+    time.sleep(1)
+"""
+
+
+def test_the_pool_master_stops_after_every_other_component(tmp_path: Path) -> None:
+    """Stopping a cluster: every component but the pool's master gets SIGTERM at once, the
+    master only once they have exited (a store unmounts through it), all within the
+    grace."""
+    from kvserve.components import ComponentSpec
+    from kvserve.run_state import RunDir
+    from kvserve.supervisor import Supervisor
+
+    script = tmp_path / "recorder.py"
+    script.write_text(STOP_RECORDER)
+    out = tmp_path / "out"
+    out.mkdir()
+    delays = {"pool-master": 0.0, "pool-store-0": 0.5, "prefill-0": 0.3, "router": 0.0}
+    kinds = {"pool-master": "pool_master", "pool-store-0": "pool_store"}
+    specs = [
+        ComponentSpec(
+            name=name,
+            kind=kinds.get(name, name.split("-")[0]),
+            node="local",
+            host="127.0.0.1",
+            port=0,
+            argv=(sys.executable, str(script), name, str(out), str(delay)),
+        )
+        for name, delay in delays.items()
+    ]
+    run = RunDir(tmp_path / "state", "order")
+    run.logs.mkdir(parents=True)
+    sup = Supervisor(
+        run,
+        [specs],
+        cluster_name="order",
+        config_path="cluster.yaml",
+        endpoint=None,
+        health_timeout_s=5.0,
+        stop_grace_s=5.0,
+        out=io.StringIO(),
+    )
+    sup._start_stage(specs)
+    deadline = time.monotonic() + 10
+    while not all((out / f"{n}.ready").exists() for n in delays):
+        assert time.monotonic() < deadline, "the recorders did not start"
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    sup._stop_all()
+    assert time.monotonic() - t0 < 3.0  # nobody waited out the grace
+    times = {n: [float(x) for x in (out / n).read_text().split()] for n in delays}
+    master_term = times["pool-master"][0]
+    assert all(len(t) == 2 for t in times.values()), times  # each exited on SIGTERM
+    assert all(times[n][1] <= master_term for n in delays if n != "pool-master"), times
+    assert times["pool-store-0"][0] < times["prefill-0"][1]  # the others at once
