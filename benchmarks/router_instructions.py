@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -89,22 +90,23 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30
     raise RuntimeError("the router's workers did not become healthy")
 
 
-async def _requests(
-    client: Client,
-    url: str,
-    stream: bool,
-    count: int,
-    expected: str,
-    proc: subprocess.Popen[bytes],
-    concurrency: int = 1,
-    chat: bool = False,
-    distinct: bool = False,
-) -> None:
+@dataclass(frozen=True)
+class Load:
+    """What every request of a run sends and expects."""
+
+    client: Client
+    url: str
+    stream: bool
+    expected: str
+    proc: subprocess.Popen[bytes]
+    chat: bool = False
+    distinct: bool = False
+
+
+async def _requests(load: Load, count: int, concurrency: int = 1) -> None:
     """`count` requests in all from `concurrency` closed loops."""
     share = [count // concurrency + (i < count % concurrency) for i in range(concurrency)]
-    await asyncio.gather(
-        *(_loop(client, url, stream, n, expected, proc, chat, distinct) for n in share if n)
-    )
+    await asyncio.gather(*(_loop(load, n) for n in share if n))
 
 
 def chat_text(data: bytes, stream: bool) -> str:
@@ -119,16 +121,14 @@ def chat_text(data: bytes, stream: bool) -> str:
     return "".join(text)
 
 
-async def _loop(
-    client: Client,
-    url: str,
-    stream: bool,
-    count: int,
-    expected: str,
-    proc: subprocess.Popen[bytes],
-    chat: bool = False,
-    distinct: bool = False,
-) -> None:
+async def _loop(load: Load, count: int) -> None:
+    client, url, stream, chat, distinct = (
+        load.client,
+        load.url,
+        load.stream,
+        load.chat,
+        load.distinct,
+    )
     path = "/v1/chat/completions" if chat else "/v1/completions"
     done = 0
     body = b""
@@ -149,10 +149,10 @@ async def _loop(
             if "HTTP 503" not in str(e):
                 raise
             RETRIED[0] += 1
-            await asyncio.to_thread(_wait_healthy, url, proc)
+            await asyncio.to_thread(_wait_healthy, url, load.proc)
             continue
         text = chat_text(data, stream) if chat else completion_text(data, stream)
-        assert text == expected, (text, expected)
+        assert text == load.expected, (text, load.expected)
         done += 1
 
 
@@ -199,23 +199,21 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         _wait_healthy(url["router"], router)
         pool = Http1Pool(connect_timeout_s=30.0)
         client = Client(pool, url["prefill"], url["decode"], tokenizer.encode("x"))
-        expected = tokenizer.decode(tokens)
+        load = Load(
+            client,
+            url["router"],
+            args.stream,
+            tokenizer.decode(tokens),
+            router,
+            args.chat,
+            args.distinct,
+        )
         start = 0.0
         for counted, count in ((False, args.warmup), (True, args.requests)):
             if counted:
                 _callgrind_control("-z", router.pid)
                 start = time.monotonic()
-            await _requests(
-                client,
-                url["router"],
-                args.stream,
-                count,
-                expected,
-                router,
-                args.concurrency,
-                args.chat,
-                args.distinct,
-            )
+            await _requests(load, count, args.concurrency)
         wall = time.monotonic() - start
         _callgrind_control("-d", router.pid)
         # The same router idle for --idle-s: what it runs per second with no request
