@@ -10,7 +10,7 @@ import random
 from collections.abc import Sequence
 
 import pytest
-from scheduler_harness import unique_request
+from scheduler_harness import apply_step, unique_request
 
 from engine.admission import WholePromptAdmission, make_admission
 from engine.block_pool import BlockPool
@@ -19,7 +19,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import ConnectorUpdate, KVConnectorScheduler, StepKV
 from engine.prefill_order import PrefillOrder
 from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 from protocol.ids import BlockId, RequestId
 
 _req = unique_request
@@ -33,21 +33,6 @@ def _sched(admission: str, kind: str, *, blocks: int, budget: int) -> Scheduler:
         order=PrefillOrder(kind=kind),
         admission=make_admission(admission),
     )
-
-
-def _apply(sched: Scheduler, out: SchedulerOutput) -> list[str]:
-    """What a prefill instance does after the model ran: a request leaves once it sampled
-    its first token. Returns those that left."""
-    done: list[str] = []
-    for s in out.scheduled:
-        samples = s.samples
-        s.request.num_computed_tokens += s.num_new_tokens
-        sched.kv.cache_full_blocks(s.request)
-        if samples:
-            s.request.append_output(7, None)
-            sched.finish(s.request, RequestStatus.FINISHED_STOPPED)
-            done.append(s.request.request_id)
-    return done
 
 
 class _Connector(KVConnectorScheduler):
@@ -109,7 +94,7 @@ def _drain(sched: Scheduler, max_steps: int = 1000) -> tuple[int, int, list[str]
         out = sched.schedule()
         steps += 1
         tokens += out.num_tokens
-        done += _apply(sched, out)
+        done += apply_step(sched, out)
         if isinstance(conn, _Connector):
             sched.update_from_connector(conn.tick())
     return steps, tokens, done
@@ -149,7 +134,7 @@ def test_a_prompt_waits_for_held_blocks_rather_than_start_and_be_preempted() -> 
     sched = _sched("whole_prompt", "fcfs", blocks=16, budget=64)
     sched.connector = conn = _Connector(handoff_steps=3)
     sched.add(_req("first", 40))  # 10 blocks, held 3 steps after it finished
-    _apply(sched, sched.schedule())
+    apply_step(sched, sched.schedule())
     sched.update_from_connector(conn.tick())
     second = _req("second", 40)
     sched.add(second)
@@ -167,7 +152,7 @@ def test_shortest_still_passes_a_short_prompt_the_long_one_cannot_fit_beside(kin
     the front of the queue (the head of line fcfs always had)."""
     sched = _sched("whole_prompt", kind, blocks=12, budget=8)
     sched.add(_req("a", 20))
-    _apply(sched, sched.schedule())
+    apply_step(sched, sched.schedule())
     sched.max_num_batched_tokens = 16
     sched.add(_req("long", 40))
     sched.add(_req("short", 8))
@@ -177,7 +162,7 @@ def test_shortest_still_passes_a_short_prompt_the_long_one_cannot_fit_beside(kin
         assert given == [("short", 8), ("a", 8)]
     else:
         assert given == [("a", 12)] and [r.request_id for r in sched.waiting] == ["long", "short"]
-    done = _apply(sched, out) + _drain(sched)[2]
+    done = apply_step(sched, out) + _drain(sched)[2]
     assert sorted(done) == ["a", "long", "short"] and sched.counters.preemptions == 0
 
 
@@ -197,11 +182,11 @@ def test_the_bound_still_admits_a_long_prompt_under_a_stream_of_short_ones() -> 
         long = _req("long", 60)
         sched.add(long)
         sched.add(_req("s0a", 8))  # running before the long one is looked at
-        _apply(sched, sched.schedule())
+        apply_step(sched, sched.schedule())
         for step in range(1, 40):
             sched.add(_req(f"s{step}a", 8))
             sched.add(_req(f"s{step}b", 8))
-            if "long" in _apply(sched, sched.schedule()):
+            if "long" in apply_step(sched, sched.schedule()):
                 assert sched.counters.preemptions == 0
                 return step
         return None
@@ -214,7 +199,7 @@ def test_the_bound_still_admits_a_long_prompt_under_a_stream_of_short_ones() -> 
 def test_a_prompt_that_needs_the_whole_cache_waits_then_finishes_alone() -> None:
     sched = _sched("whole_prompt", "shortest", blocks=16, budget=16)
     sched.add(_req("small", 20))
-    _apply(sched, sched.schedule())  # small: 16 of 20 computed, 5 blocks reserved
+    apply_step(sched, sched.schedule())  # small: 16 of 20 computed, 5 blocks reserved
     whole = _req("whole", 64)  # 16 blocks: the whole cache
     sched.add(whole)
     out = sched.schedule()
@@ -253,7 +238,7 @@ def test_a_loading_request_counts_as_admitted(admission: str) -> None:
         assert not out.scheduled and cold.status is RequestStatus.WAITING
     else:
         assert [s.request.request_id for s in out.scheduled] == ["cold"]
-    _apply(sched, out)
+    apply_step(sched, out)
     sched.update_from_connector(conn.tick())  # warm's load is done: it runs
     assert warm.status is RequestStatus.RUNNING and warm.num_computed_tokens == 48
     _, _, done = _drain(sched)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from scheduler_harness import unique_request
+from scheduler_harness import apply_step, unique_request
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
@@ -33,22 +33,6 @@ def _sched(
     )
 
 
-def _apply(sched: Scheduler, out: SchedulerOutput, finish_sampled: bool = True) -> list[str]:
-    """What a prefill instance does after the model ran: advance progress; a request that
-    sampled its first token leaves (finish_sampled) or decodes on. Returns those sampled."""
-    sampled: list[str] = []
-    for s in out.scheduled:
-        samples = s.samples
-        s.request.num_computed_tokens += s.num_new_tokens
-        sched.kv.cache_full_blocks(s.request)
-        if samples:
-            s.request.append_output(7, None)
-            sampled.append(s.request.request_id)
-            if finish_sampled:
-                sched.finish(s.request, RequestStatus.FINISHED_STOPPED)
-    return sampled
-
-
 def _given(out: SchedulerOutput) -> list[tuple[str, int]]:
     return [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
 
@@ -58,17 +42,17 @@ def test_a_short_request_overtakes_a_long_running_prefill_only_when_shortest(kin
     sched = _sched(kind)
     long = _req("long", 100)
     sched.add(long)
-    _apply(sched, sched.schedule())
-    _apply(sched, sched.schedule())  # 20 of 100 computed
+    apply_step(sched, sched.schedule())
+    apply_step(sched, sched.schedule())  # 20 of 100 computed
     sched.add(_req("short", 5))
     out = sched.schedule()
     if kind == "shortest":  # the short one's whole prompt first, the rest to the long one
         assert _given(out) == [("short", 5), ("long", 5)]
-        assert _apply(sched, out) == ["short"] and long.num_output_tokens == 0
+        assert apply_step(sched, out) == ["short"] and long.num_output_tokens == 0
     else:  # behind the whole long prefill: 8 more steps before its first token
         assert _given(out) == [("long", 10)]
         steps = 1
-        while "short" not in _apply(sched, out):
+        while "short" not in apply_step(sched, out):
             out = sched.schedule()
             steps += 1
         assert steps == 9
@@ -88,7 +72,7 @@ def test_the_bound_finishes_a_long_prompt_under_a_stream_of_short_ones() -> None
             out = sched.schedule()
             if step < bound:  # under the bound the short ones go first
                 assert all(rid != "long" for rid, _ in _given(out))
-            if "long" in _apply(sched, out):
+            if "long" in apply_step(sched, out):
                 return step
         return None
 
@@ -104,11 +88,11 @@ def test_preemption_picks_a_request_not_given_tokens_this_step() -> None:
     sched = _sched("shortest", blocks=6, budget=8)
     long, short = _req("long", 16), _req("short", 6)
     sched.add(long)
-    _apply(sched, sched.schedule())  # long: 8 computed, 2 blocks
+    apply_step(sched, sched.schedule())  # long: 8 computed, 2 blocks
     sched.add(short)
     out = sched.schedule()  # short 6 (2 blocks), long 2 more (3rd block): 5 of 6 used
     assert _given(out) == [("short", 6), ("long", 2)]
-    _apply(sched, out, finish_sampled=False)  # short decodes on: its 7th token
+    apply_step(sched, out, finish_sampled=False)  # short decodes on: its 7th token
     grow = _req("grow", 4)
     sched.add(grow)
     out = sched.schedule()
@@ -120,11 +104,11 @@ def test_preemption_picks_a_request_not_given_tokens_this_step() -> None:
     assert sched.waiting[0] is long
     # It comes back and finishes from its cached prefix once blocks free up.
     sched.finish(short, RequestStatus.FINISHED_STOPPED)
-    _apply(sched, out)
+    apply_step(sched, out)
     for _ in range(4):
         if long.num_output_tokens:
             break
-        _apply(sched, sched.schedule())
+        apply_step(sched, sched.schedule())
     assert long.num_output_tokens == 1 and sched.counters.preemptions == 1
 
 
@@ -172,12 +156,12 @@ def test_waiting_requests_rank_by_what_the_connector_provides_and_load_off_budge
     out = sched.schedule()
     assert warm.status is RequestStatus.WAITING_FOR_KV and conn.planned == [("warm", 48)]
     assert _given(out) == [("cold", 8)]  # the load took no budget
-    _apply(sched, out)
+    apply_step(sched, out)
     sched.update_from_connector(ConnectorUpdate(finished_loads={RequestId("warm"): 48}))
     assert warm.status is RequestStatus.RUNNING and warm.num_computed_tokens == 48
     out = sched.schedule()
     assert _given(out) == [("warm", 4), ("cold", 4)]
-    assert _apply(sched, out) == ["warm"]
+    assert apply_step(sched, out) == ["warm"]
     assert sched.counters.prompt_tokens_pool == 48 and sched.counters.loads_started == 1
 
 
@@ -191,7 +175,7 @@ def test_an_undecided_lookup_stays_waiting_in_place_and_others_go_on() -> None:
     sched.add(other)
     out = sched.schedule()
     assert _given(out) == [("other", 8)] and list(sched.waiting) == [slow]
-    _apply(sched, out)
+    apply_step(sched, out)
     conn.pending.clear()
     assert _given(sched.schedule()) == [("slow", 4)]
 
@@ -201,7 +185,7 @@ def test_paused_requests_are_not_scheduled() -> None:
     a, b = _req("a", 6), _req("b", 10)
     sched.add(a)
     sched.add(b)
-    _apply(sched, sched.schedule(), finish_sampled=False)  # both prefilled, decoding
+    apply_step(sched, sched.schedule(), finish_sampled=False)  # both prefilled, decoding
     sched.paused.add(a.request_id)  # its token is still on its way back (PP)
     assert _given(sched.schedule()) == [("b", 1)]
 
