@@ -165,7 +165,8 @@ class ModelRunner:
             for n in (first, second):
                 self.execute([ScheduledRequest(cast(Any, row), n)], cast(Any, tables))
                 row.num_computed_tokens += n
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         except Exception:  # a step that fails here fails the first requests the same way
             log.exception("the prefill warm-up failed; the first requests pay for first use")
         finally:

@@ -3,6 +3,7 @@ sampling controls. Every comparison is against a cold, unbatched, unchunked run.
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
 from protocol.errors import InvalidRequestError, PromptTooLongError
 from protocol.sampling import SamplingParams
 
@@ -143,3 +145,35 @@ def test_errors(tiny_llama_dir, weights_cache_dir):
     with pytest.raises(PromptTooLongError, match="KV cache holds 128"):
         eng.add_request(_prompt(200, 1), GREEDY)
     assert not eng.has_unfinished()
+
+
+def test_warm_up_steps_leave_the_engine_as_it_was(
+    tiny_llama_dir: Path, weights_cache_dir: str, cold: LLMEngine, caplog
+) -> None:
+    """ModelRunner._warm_up (run after graph capture on CUDA, called directly here on the
+    CPU runner): its two prefill-shaped steps write KV into blocks no request holds and
+    give the device table row back, so requests afterwards get the tokens a cold engine
+    gives; a warm-up whose step fails is logged and leaves the runner serving."""
+    eng = _engine(tiny_llama_dir, weights_cache_dir, max_num_batched_tokens=512)
+    runner = eng.runner
+    assert isinstance(runner, ModelRunner)
+    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+        runner._warm_up(512)  # 512 new tokens, then 256 behind them
+    assert "prefill warm-up: 512 and 256 new tokens" in caplog.text
+    assert runner.tables._rows == {}
+    prompts = [_prompt(300, 41), _prompt(90, 42)]
+    assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == [
+        _alone(cold, p) for p in prompts
+    ]
+
+    def fails(*_a: object) -> None:
+        raise RuntimeError("step failed")
+
+    real = runner.execute
+    runner.execute = fails  # type: ignore[method-assign]
+    caplog.clear()
+    runner._warm_up(512)
+    runner.execute = real  # type: ignore[method-assign]
+    assert "the prefill warm-up failed" in caplog.text
+    assert runner.tables._rows == {}
+    assert _alone(eng, prompts[0]) == _alone(cold, prompts[0])
