@@ -9,7 +9,8 @@ is captured once at start-up over one static input buffer and replayed every ste
                  (columns n..B: padding: slot = the scratch block, KV length 1, row 0)
     ONE H2D copy into the bucket's static buffer, then replay:
         block tables = DeviceBlockTables.table[table rows]   (gathered inside the graph)
-        model forward -> logits [B, V] (rows n.. are discarded)
+        model forward -> logits [B, V] (rows n.. are discarded; float32 at B = 1, the
+                         model's dtype above: the sampler casts where it needs float32)
 
 Padding rows write their K/V into a scratch block the scheduler never hands out, so they
 touch no live sequence, and read (never write) whatever blocks table row 0 names. The
@@ -110,7 +111,10 @@ class DecodeGraphs:
             seq_lens_tensor=step[3].to(torch.int32),
         )
         hidden = self.model(step[0], step[1], self.kv_caches, meta)
-        return self.model.compute_logits(hidden)
+        # Over one row the float32 cast is fused into the lm_head's GEMV (layer_ops.py);
+        # over more it would be a kernel of its own (23 us at 128 rows of an 8B model's
+        # 128K vocabulary), and the sampler needs no float32 for greedy rows.
+        return self.model.compute_logits(hidden, float32=size == 1)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -168,7 +172,7 @@ class DecodeGraphs:
         seq_lens: list[int],
         rows: list[int],
         device_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # [n, V] float32 logits, valid until the next run
+    ) -> torch.Tensor:  # [n, V] logits (float32 at size 1), valid until the next run
         """One decode step of n = len(ids) rows in bucket `size`: the step's inputs go up
         in one copy from pinned memory (two buffers alternate; a buffer is rewritten only
         once its previous copy is done), then the graph replays. `device_ids` [n] int64

@@ -10,7 +10,7 @@ cuBLAS for the matmuls:
     attn_in:   x -> RMSNorm -> qkv matmul -> (q|k RMSNorm) -> RoPE       -> q, k, v
     attn_out:  x, attn -> o matmul -> + x -> RMSNorm                     -> x, h
     mlp:       x, h -> gate|up matmul -> silu(gate) * up -> down matmul -> + x
-    norm:      the final RMSNorm;  logits: lm_head matmul -> float32
+    norm:      the final RMSNorm;  logits: lm_head matmul (-> float32)
 
 EAGER runs them as written (the CPU path and the float32 reference: token-identical to
 transformers); `compiled()` gives the fused versions (CUDA engines with decode graphs,
@@ -125,13 +125,15 @@ def swiglu_of(lin: Any) -> Any:
 
 
 def head(lin: Any) -> tuple[Any, Any]:
-    """The final RMSNorm and the lm_head matmul (float32 logits) through `lin`."""
+    """The final RMSNorm and the lm_head matmul through `lin` (float32 logits; with
+    `float32=False` in the model's dtype, the matmul's own output)."""
 
     def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
-    def logits(h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
-        return lin(h, lm_head).float()
+    def logits(h: torch.Tensor, lm_head: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        out = lin(h, lm_head)  # [N, H] -> [N, V]
+        return out.float() if float32 else out
 
     return norm, logits
 

@@ -244,11 +244,14 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] (final-normed rows to sample from) -> logits [N, V] in float32."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [N, H] (final-normed rows to sample from) -> logits [N, V] in float32, or
+        with `float32=False` in the model's dtype (the lm_head matmul's output, uncast)."""
         if self.lm_head is None:
             raise ValueError("compute_logits runs on the last pipeline stage only")
-        return self.ops.logits(hidden, self.lm_head)
+        if float32:
+            return self.ops.logits(hidden, self.lm_head)
+        return self.ops.logits(hidden, self.lm_head, False)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Take HF-named tensors into this module's parameters, cast to its dtype and moved
