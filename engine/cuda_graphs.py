@@ -41,6 +41,11 @@ forward eagerly over the same static buffers), so the decode input path is testa
 without CUDA."""
 
 
+FLOAT32_LOGITS = False
+"""True: every bucket's graph casts its logits to float32 (what a step of more than one row
+did before they stayed 16-bit; benchmarks/gpu_engine.py compares the two)."""
+
+
 class _EagerReplay:
     def __init__(self, fn: Callable[[], torch.Tensor], out: torch.Tensor) -> None:
         self.fn, self.out = fn, out
@@ -114,7 +119,7 @@ class DecodeGraphs:
         # Over one row the float32 cast is fused into the lm_head's GEMV (layer_ops.py);
         # over more it would be a kernel of its own (23 us at 128 rows of an 8B model's
         # 128K vocabulary), and the sampler needs no float32 for greedy rows.
-        return self.model.compute_logits(hidden, float32=size == 1)
+        return self.model.compute_logits(hidden, float32=size == 1 or FLOAT32_LOGITS)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -99,6 +99,29 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
 
+    def rotates_on_write(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
+        """True when this step's `forward_rotating` applies RoPE to q and k itself, in the
+        kernel that writes the cache (one launch where the layer's RoPE and the write
+        were two): the layer then hands it q and k unrotated. False by default."""
+        return False
+
+    def forward_rotating(
+        self,
+        q: torch.Tensor,  # [T, Hq, D], not rotated yet
+        k: torch.Tensor,  # [T, Hkv, D], not rotated yet
+        v: torch.Tensor,  # [T, Hkv, D]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """`forward` of q and k rotated by cos / sin (engine/rope.py apply_rotary)."""
+        from engine.rope import apply_rotary
+
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.forward(q, k, v, kv_cache, meta, scale)
+
     def forward_mla(
         self,
         q: torch.Tensor,  # [T, Hq, C] latent-space queries

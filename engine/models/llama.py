@@ -95,6 +95,14 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         cfg, ops = self.cfg, self.ops
         eps = cfg.rms_norm_eps
+        # RoPE inside the backend's cache write (a pure-decode step of the flex backend):
+        # q, k leave attn_in unrotated. Not for one row: its q|k|v GEMV rotates for free.
+        in_write = (
+            x.shape[0] > 1
+            and self.qk_norm_weight is None
+            and cos.shape[-1] == cfg.head_dim
+            and self.backend.rotates_on_write(meta, kv_cache)
+        )
         q, k, v = ops.attn_in(
             x,
             self.input_norm,
@@ -106,8 +114,12 @@ class LlamaDecoderLayer(nn.Module):
             eps,
             cfg.num_heads,
             cfg.num_kv_heads,
+            *((False,) if in_write else ()),
         )
-        attn = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        if in_write:
+            attn = self.backend.forward_rotating(q, k, v, cos, sin, kv_cache, meta, self.scale)
+        else:
+            attn = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         if self.moe is None:
             assert self.gate_up_weight is not None and self.down_weight is not None
             if ops.post_attn is not None:  # o + norm + MLP as one op (layer_ops.py)
