@@ -106,7 +106,7 @@ class DecodeGraphs:
     def _step(self, size: int) -> torch.Tensor:
         return self.packed[: 5 * size].view(5, size)
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int, rope_in_write: bool = True) -> torch.Tensor:
         step = self._step(size)
         meta = AttentionMetadata(
             slot_mapping=step[2],
@@ -114,6 +114,7 @@ class DecodeGraphs:
             seq_lens=[1] * size,  # structure only: graph-safe backends read seq_lens_tensor
             block_tables=self.source.index_select(0, step[4]),
             seq_lens_tensor=step[3].to(torch.int32),
+            rope_in_write=rope_in_write,
         )
         hidden = self.model(step[0], step[1], self.kv_caches, meta)
         # Over one row the float32 cast is fused into the lm_head's GEMV (layer_ops.py);
@@ -142,6 +143,10 @@ class DecodeGraphs:
             for size in reversed(self.sizes):
                 self._fill_padding(self._step(size), 0)  # the buckets' views overlap
                 self._forward(size)
+                # the glue with its RoPE too (engine/attention/base.py rope_in_write):
+                # prefill and mixed steps of up to `size` tokens run it
+                if size > 1:
+                    self._forward(size, rope_in_write=False)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         for size in reversed(self.sizes):

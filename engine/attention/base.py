@@ -50,6 +50,11 @@ class AttentionMetadata:
     """[B] int32 on the device, equal to seq_lens, when the model runner keeps one (a
     static buffer under CUDA graphs): backends that build masks on the device read it
     instead of uploading seq_lens."""
+    rope_in_write: bool = True
+    """False: no backend rotates q and k on write this step (AttentionBackend.
+    rotates_on_write); the decode graphs' warm-up runs each bucket that way too, so that
+    the glue's variant with RoPE, which steps of as many tokens that are not pure decode
+    run, is compiled before serving as well."""
     dcp_size: int = 1
     dcp_rank: int = 0
     """Decode context parallel (DESIGN §6): this rank's cache holds only the tokens

@@ -185,7 +185,9 @@ class FlexAttentionBackend(LSEAttentionBackend):
     def rotates_on_write(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
         """Pure-decode steps (no prefill row, no DCP, a 16-bit or float32 cache) where
         the Triton write runs: RoPE goes into it (flex_kv_write.rope_write)."""
-        if not ROPE_IN_WRITE or meta.dcp_size > 1 or is_fp8_cache(kv_cache):
+        if not (ROPE_IN_WRITE and meta.rope_in_write) or meta.dcp_size > 1:
+            return False
+        if is_fp8_cache(kv_cache):
             return False
         if not triton_runs_on(kv_cache.device):
             return False

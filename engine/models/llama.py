@@ -96,9 +96,12 @@ class LlamaDecoderLayer(nn.Module):
         cfg, ops = self.cfg, self.ops
         eps = cfg.rms_norm_eps
         # RoPE inside the backend's cache write (a pure-decode step of the flex backend):
-        # q, k leave attn_in unrotated. Not for one row: its q|k|v GEMV rotates for free.
+        # q, k leave attn_in unrotated. Compiled glue only: the kernel rounds the rotation
+        # once from float32 as inductor's RoPE does (the eager glue rounds each op in 16
+        # bits, as transformers does). Not for one row: its q|k|v GEMV rotates for free.
         in_write = (
-            x.shape[0] > 1
+            ops.fused
+            and x.shape[0] > 1
             and self.qk_norm_weight is None
             and cos.shape[-1] == cfg.head_dim
             and self.backend.rotates_on_write(meta, kv_cache)
