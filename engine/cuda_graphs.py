@@ -106,7 +106,10 @@ class DecodeGraphs:
     def _step(self, size: int) -> torch.Tensor:
         return self.packed[: 5 * size].view(5, size)
 
-    def _forward(self, size: int, rope_in_write: bool = True) -> torch.Tensor:
+    def _forward(self, size: int, as_eager: bool = False) -> torch.Tensor:
+        """The bucket's forward; `as_eager`: as a step of `size` tokens that is not a
+        graph's runs it (RoPE in the glue, float32 logits: glue variants of their own),
+        for the warm-up to compile before serving what prefill and mixed steps run."""
         step = self._step(size)
         meta = AttentionMetadata(
             slot_mapping=step[2],
@@ -114,13 +117,13 @@ class DecodeGraphs:
             seq_lens=[1] * size,  # structure only: graph-safe backends read seq_lens_tensor
             block_tables=self.source.index_select(0, step[4]),
             seq_lens_tensor=step[3].to(torch.int32),
-            rope_in_write=rope_in_write,
+            rope_in_write=not as_eager,
         )
         hidden = self.model(step[0], step[1], self.kv_caches, meta)
         # Over one row the float32 cast is fused into the lm_head's GEMV (layer_ops.py);
         # over more it would be a kernel of its own (23 us at 128 rows of an 8B model's
         # 128K vocabulary), and the sampler needs no float32 for greedy rows.
-        return self.model.compute_logits(hidden, float32=size == 1 or FLOAT32_LOGITS)
+        return self.model.compute_logits(hidden, float32=size == 1 or FLOAT32_LOGITS or as_eager)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -143,10 +146,8 @@ class DecodeGraphs:
             for size in reversed(self.sizes):
                 self._fill_padding(self._step(size), 0)  # the buckets' views overlap
                 self._forward(size)
-                # the glue with its RoPE too (engine/attention/base.py rope_in_write):
-                # prefill and mixed steps of up to `size` tokens run it
                 if size > 1:
-                    self._forward(size, rope_in_write=False)
+                    self._forward(size, as_eager=True)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         for size in reversed(self.sizes):

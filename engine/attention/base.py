@@ -52,9 +52,9 @@ class AttentionMetadata:
     instead of uploading seq_lens."""
     rope_in_write: bool = True
     """False: no backend rotates q and k on write this step (AttentionBackend.
-    rotates_on_write); the decode graphs' warm-up runs each bucket that way too, so that
-    the glue's variant with RoPE, which steps of as many tokens that are not pure decode
-    run, is compiled before serving as well."""
+    rotates_on_write): the decode graphs' warm-up runs each bucket that way too, so that
+    the glue's variant with RoPE, which prefill and mixed steps run, is compiled before
+    serving (engine/cuda_graphs.py)."""
     dcp_size: int = 1
     dcp_rank: int = 0
     """Decode context parallel (DESIGN §6): this rank's cache holds only the tokens
