@@ -3,7 +3,8 @@ CUDA graphs on a Llama-3-8B-shaped bf16 model with random weights (built in memo
 download), against ceilings measured in the same run and against transformers.
 
     python benchmarks/gpu_engine.py [--out DIR] [--skip-hf] [--skip-prefill] [--contexts 1024,32768]
-        [--many-rows triton|cublas] [--compare unfused|gemv=OPS|one_row=inductor|many_rows=cublas]...
+        [--many-rows triton|cublas] [--repeats N]
+        [--compare unfused|gemv=OPS|one_row=inductor|many_rows=cublas|tail=float32|rope_in_write=off|before]...
 
 The model builder, the ceilings and the checks live in benchmarks/gpu_engine_setup.py.
 
@@ -52,7 +53,8 @@ from benchmarks.gpu_engine_setup import (
     sync_time,
     weight_bytes,
 )
-from engine.attention import flex_prefill
+from engine import cuda_graphs
+from engine.attention import flex, flex_kv_write, flex_prefill
 from engine.model_runner import ModelRunner
 from engine.models import gemv as row_gemv
 from engine.models import layer_ops, rows_gemm
@@ -220,8 +222,18 @@ def main() -> None:
         "engine/models/gemv.py's; batch 1), 'tuned' (the 128 bucket through inductor's "
         "max-autotune: layer_ops.TUNE_ROWS; batch 32, 128), 'blas=cublaslt' (cuBLASLt "
         "as torch's preferred BLAS; batch 32, 128) or 'many_rows=cublas' (cuBLAS for "
-        "steps of 2-64 rows instead of engine/models/rows_gemm.py; batch 32, 128); "
+        "steps of 2-64 rows instead of engine/models/rows_gemm.py; batch 32, 128), "
+        "'tail=float32' (graphs cast their logits to float32: cuda_graphs.FLOAT32_LOGITS; "
+        "batch 32, 128), 'rope_in_write=off' (RoPE in the compiled glue, the K/V write "
+        "apart: flex.ROPE_IN_WRITE; batch 32, 128) or 'before' (both; batch 32, 128); "
         "repeatable",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="time each 1K decode row (main and --compare rows) this many times, fresh "
+        "block tables each; the row reports the median",
     )
     ap.add_argument(
         "--gemv-ops",
@@ -289,9 +301,19 @@ def main() -> None:
     n_params -= model.config.vocab_size * model.config.hidden_size  # lm_head: one row only
     per_block = 2 * setup.BLOCK * 8 * 128 * 2 * 32
     num_blocks = int(args.cache_gb * 1e9 // per_block)
+    rope_calls = [0]
+    rope_write = flex_kv_write.rope_write
+
+    def counted_rope_write(*a: Any, **kw: Any) -> torch.Tensor:
+        rope_calls[0] += 1
+        return rope_write(*a, **kw)
+
+    flex_kv_write.rope_write = counted_rope_write  # layers that rotated in the write
     t0 = time.perf_counter()
     # Only the benchmarked batch sizes get graphs (each bucket compiles its own kernel).
     runner = make_runner(model, num_blocks, torch.bfloat16, True, 128, sizes=[1, 32, 128])
+    report["rope_in_write_layers_at_capture"] = rope_calls[0]
+    print(f"layers rotating in the K/V write during capture: {rope_calls[0]}", flush=True)
     start_s = time.perf_counter() - t0
     for c in runner.kv_caches:
         c.normal_()  # timing on zeros flatters kernels
@@ -307,14 +329,24 @@ def main() -> None:
     print(f"2-64-row matmuls: {layer_ops.MANY_ROWS}; chosen: {rows_gemm.chosen()}")
     print(f"decoder layers fused by torch.compile: {report['layers_fused']}", flush=True)
 
+    def repeated(batch: int, ctx: int, seed: int) -> tuple[float, int, list[float]]:
+        """Median ms, KV bytes and every repeat's ms of a decode row (repeats at 1K)."""
+        times = []
+        for i in range(args.repeats if ctx == 1024 else 1):
+            ms, kvb = time_decode(runner, batch, ctx, num_blocks, seed=seed + 1000 * i)
+            times.append(ms)
+        return sorted(times)[len(times) // 2], kvb, times
+
     rows = []
     for ctx in [int(c) for c in args.contexts.split(",") if c]:
         for batch in (1, 32, 128):
-            ms, kvb = time_decode(runner, batch, ctx, num_blocks, seed=batch + ctx)
+            ms, kvb, times = repeated(batch, ctx, batch + ctx)
             mbu = (wbytes + kvb) / (ms / 1e3) / (bw * 1e9)
             hf_ms = hf_rows.get(f"decode b{batch} ctx{ctx}")
             rows.append(("decode", batch, ctx, ms, mbu, hf_ms))
-            print(f"decode b{batch} ctx{ctx}: {ms:.2f} ms/step, MBU {mbu:.0%}", flush=True)
+            report[f"decode_b{batch}_ctx{ctx}_repeats_ms"] = times
+            each = " / ".join(f"{t:.2f}" for t in times)
+            print(f"decode b{batch} ctx{ctx}: {ms:.2f} ms/step ({each}), MBU {mbu:.0%}", flush=True)
     graphs = runner.graphs
     runner.graphs = None
     eager_ms, _ = time_decode(runner, 1, 1024, num_blocks, seed=5)
@@ -344,6 +376,10 @@ def main() -> None:
             other = compiled_layer_ops(gemv=gemv_ops, many_rows=compare.removeprefix("many_rows="))
         elif compare.startswith("one_row="):
             other = compiled_layer_ops(gemv=gemv_ops, one_row=compare.removeprefix("one_row="))
+        elif compare in ("tail=float32", "rope_in_write=off", "before"):
+            cuda_graphs.FLOAT32_LOGITS = compare in ("tail=float32", "before")
+            flex.ROPE_IN_WRITE = compare == "tail=float32"
+            other = compiled_layer_ops(gemv=gemv_ops)
         else:
             names = compare.removeprefix("gemv=")
             other = compiled_layer_ops(gemv=[n for n in names.split(",") if n])
@@ -351,16 +387,24 @@ def main() -> None:
         graphs.capture()
         alt = {}
         batches = (1, 32, 128) if compare == "unfused" else (1,)
-        if compare == "tuned" or compare.startswith(("blas=", "many_rows=")):
+        if compare in ("tuned", "tail=float32", "rope_in_write=off", "before"):
+            batches = (32, 128)
+        if compare.startswith(("blas=", "many_rows=")):
             batches = (32, 128)
         for batch in batches:
-            ms, _ = time_decode(runner, batch, 1024, num_blocks, seed=batch + 1024)
+            ms, _, times = repeated(batch, 1024, batch + 1024)
             alt[f"b{batch}"] = ms
-            print(f"decode b{batch} ctx1024, graphs of {compare}: {ms:.2f} ms/step", flush=True)
+            alt[f"b{batch}_repeats"] = times  # type: ignore[assignment]
+            each = " / ".join(f"{t:.2f}" for t in times)
+            print(
+                f"decode b{batch} ctx1024, graphs of {compare}: {ms:.2f} ms/step ({each})",
+                flush=True,
+            )
         report[f"decode_ctx1k_{compare}_ms"] = alt
         layer_ops.TUNE_ROWS = tuned_rows
         layer_ops.untune()
         torch.backends.cuda.preferred_blas_library("cublas")
+        cuda_graphs.FLOAT32_LOGITS, flex.ROPE_IN_WRITE = False, True
     if args.compare and not args.skip_prefill:
         set_layer_ops(model, compiled_layer_ops(gemv=gemv_ops))
         graphs.capture()

@@ -9,7 +9,8 @@ is captured once at start-up over one static input buffer and replayed every ste
                  (columns n..B: padding: slot = the scratch block, KV length 1, row 0)
     ONE H2D copy into the bucket's static buffer, then replay:
         block tables = DeviceBlockTables.table[table rows]   (gathered inside the graph)
-        model forward -> logits [B, V] (rows n.. are discarded)
+        model forward -> logits [B, V] (rows n.. are discarded; float32 at B = 1, the
+                         model's dtype above: the sampler casts where it needs float32)
 
 Padding rows write their K/V into a scratch block the scheduler never hands out, so they
 touch no live sequence, and read (never write) whatever blocks table row 0 names. The
@@ -38,6 +39,11 @@ CPU_EMULATION = False
 """Tests set this: on a CPU device the graphs are emulated (a replay runs the captured
 forward eagerly over the same static buffers), so the decode input path is testable
 without CUDA."""
+
+
+FLOAT32_LOGITS = False
+"""True: every bucket's graph casts its logits to float32 (what a step of more than one row
+did before they stayed 16-bit; benchmarks/gpu_engine.py compares the two)."""
 
 
 class _EagerReplay:
@@ -100,7 +106,10 @@ class DecodeGraphs:
     def _step(self, size: int) -> torch.Tensor:
         return self.packed[: 5 * size].view(5, size)
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int, as_eager: bool = False) -> torch.Tensor:
+        """The bucket's forward; `as_eager`: as a step of `size` tokens that is not a
+        graph's runs it (RoPE in the glue, float32 logits: glue variants of their own),
+        for the warm-up to compile before serving what prefill and mixed steps run."""
         step = self._step(size)
         meta = AttentionMetadata(
             slot_mapping=step[2],
@@ -108,9 +117,13 @@ class DecodeGraphs:
             seq_lens=[1] * size,  # structure only: graph-safe backends read seq_lens_tensor
             block_tables=self.source.index_select(0, step[4]),
             seq_lens_tensor=step[3].to(torch.int32),
+            rope_in_write=not as_eager,
         )
         hidden = self.model(step[0], step[1], self.kv_caches, meta)
-        return self.model.compute_logits(hidden)
+        # Over one row the float32 cast is fused into the lm_head's GEMV (layer_ops.py);
+        # over more it would be a kernel of its own (23 us at 128 rows of an 8B model's
+        # 128K vocabulary), and the sampler needs no float32 for greedy rows.
+        return self.model.compute_logits(hidden, float32=size == 1 or FLOAT32_LOGITS or as_eager)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -133,6 +146,8 @@ class DecodeGraphs:
             for size in reversed(self.sizes):
                 self._fill_padding(self._step(size), 0)  # the buckets' views overlap
                 self._forward(size)
+                if size > 1:
+                    self._forward(size, as_eager=True)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         for size in reversed(self.sizes):
@@ -168,7 +183,7 @@ class DecodeGraphs:
         seq_lens: list[int],
         rows: list[int],
         device_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # [n, V] float32 logits, valid until the next run
+    ) -> torch.Tensor:  # [n, V] logits (float32 at size 1), valid until the next run
         """One decode step of n = len(ids) rows in bucket `size`: the step's inputs go up
         in one copy from pinned memory (two buffers alternate; a buffer is rewritten only
         once its previous copy is done), then the graph replays. `device_ids` [n] int64

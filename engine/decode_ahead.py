@@ -39,7 +39,7 @@ class BlockTables(Protocol):
 @dataclass
 class DecodeAhead:
     """One launched step: its requests in row order, each one's position and KV slot, and
-    its float32 logits [n, V] (a copy: the graph's output buffer is reused)."""
+    its logits [n, V] (a copy: the graph's output buffer is reused)."""
 
     requests: list[Request]
     positions: list[int]

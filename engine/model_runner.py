@@ -48,7 +48,8 @@ class ModelExecutor(Protocol):
     """Layers per pipeline stage (part of the KV namespace); (num_layers,) without PP."""
 
     def execute(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> torch.Tensor | None:
-        """Run one step; float32 logits of the sampling requests' last tokens, or None."""
+        """Run one step; logits of the sampling requests' last tokens (float32, or the
+        model's 16-bit dtype from a decode graph of more than one row), or None."""
         ...
 
     def close(self) -> None:
@@ -317,9 +318,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> torch.Tensor | None:
-        """Run one step; return float32 logits [num_sampling_requests, V] (None if none
-        sample). A step launched ahead (launch_ahead) that computed exactly these rows is
-        not run again: its logits are returned."""
+        """Run one step; return logits [num_sampling_requests, V] (None if none sample):
+        float32, except decode steps through a graph of more than one row, which return
+        the lm_head's output in the model's dtype (the sampler casts it where it computes
+        on the values; an argmax needs no cast, engine/sampler.py). A step launched
+        ahead (launch_ahead) that computed exactly these rows is not run again: its
+        logits are returned."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             logits = ahead.take(scheduled, kv, self.layout.block_size)

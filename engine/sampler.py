@@ -13,7 +13,8 @@ Per row, in this order (the order vLLM and OpenAI use):
 Logprobs are taken from the raw logits (before penalties, masks, temperature, top-k and
 top-p), as vLLM reports them by default: they are the model's own distribution.
 
-Cost: an all-greedy batch without processing or logprobs is one argmax over [N, V]. The
+Cost: an all-greedy batch without processing or logprobs is one argmax over [N, V] (in
+the logits' own dtype: 16-bit from a decode graph, engine/model_runner.py). The
 filters, penalties and masks run vectorized over the rows that use them; only the random
 draw of a seeded row and the min_tokens mask are per row. Everything the host needs
 (tokens, logprobs, top alternatives) comes back in one device-to-host copy per step.
@@ -131,8 +132,26 @@ class SamplerOutput:
     top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
 
 
+def _argmax_only(states: Sequence[SamplingState]) -> bool:
+    """True when every row is greedy with no processing, mask or logprobs: the step's
+    tokens are the argmax of the raw logits and nothing else reads them."""
+    return all(
+        s.greedy
+        and not s.params.processes_logits
+        and not s.params.logprobs
+        and s.grammar is None
+        and not s.needs_min_tokens_mask()
+        for s in states
+    )
+
+
 class Sampler:
-    """Samples one token per row of a [N, V] float32 logits tensor.
+    """Samples one token per row of a [N, V] logits tensor: float32, or 16-bit (a decode
+    graph's output, engine/model_runner.py), which `sample` casts to float32 before it
+    computes on the values, unless the rows need only the argmax: over 16-bit logits it
+    picks the same token as over their float32 cast (the cast is exact and keeps the
+    order; ties go to the lowest id, NaN ranks highest, either way), reading half the
+    bytes, with no cast.
 
     Owns the shared generator of unseeded rows (seeded from `seed` when given, so a whole
     engine run is reproducible) and a scratch generator for seeded rows without their own. `sample` mutates only generator states: never the logits
@@ -165,6 +184,8 @@ class Sampler:
         queued there runs on the device while the tokens travel (engine/decode_ahead.py)."""
         assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
         num_rows = len(states)
+        if logits.dtype != torch.float32 and not _argmax_only(states):
+            logits = logits.float()  # exact: every 16-bit value is a float32
         raw = logits
         logits = self._process(logits, states)
 

@@ -14,6 +14,8 @@ from flex_simulator import simulate_flex
 from engine.attention.base import _BACKENDS, AttentionBackend, AttentionMetadata, get_backend
 from engine.attention.flex import FlexAttentionBackend
 from engine.attention.kv_quant import dequantize, quantize
+from engine.rope import RotaryEmbedding, apply_rotary
+from modelinfo.config import RopeScaling
 
 HQ, HKV, D = 6, 2, 16
 NUM_BLOCKS = 200
@@ -61,9 +63,12 @@ def _run_step(
     seqs: list[tuple[int, int]],
     num_layers: int = 2,
     fp8: bool = False,
+    rotating: bool = False,
 ):
     """seqs: (cached_len, new_len) per sequence, in batch order. Runs `num_layers` layers
-    sharing one metadata (so backends exercise their per-step state) and checks both."""
+    sharing one metadata (so backends exercise their per-step state) and checks both.
+    `rotating`: through forward_rotating, q and the new k unrotated (views of one
+    projection output, as the layer gives them), the checks against their rotation."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     backend, block_size = make_backend(backend_name, device)
@@ -102,9 +107,26 @@ def _run_step(
         new_k = torch.cat([k[c:] for (c, _), k in zip(seqs, full_k, strict=True)])
         new_v = torch.cat([v[c:] for (c, _), v in zip(seqs, full_v, strict=True)])
         cache = cache.to(device)
-        out = backend.forward(
-            q.to(device), new_k.to(device), new_v.to(device), cache, meta, scale
-        ).cpu()
+        if rotating:
+            positions = torch.tensor([p for c, n in seqs for p in range(c, c + n)])
+            cos, sin = RotaryEmbedding(D, 10000.0, RopeScaling(), torch.device("cpu")).cos_sin(
+                positions, torch.float32
+            )
+            qkv = torch.cat([q.flatten(1), new_k.flatten(1), new_v.flatten(1)], 1).to(device)
+            views = qkv.split([HQ * D, HKV * D, HKV * D], 1)
+            q_in, k_in, v_in = (t.view(qsl[-1], -1, D) for t in views)
+            out = backend.forward_rotating(
+                q_in, k_in, v_in, cos.to(device), sin.to(device), cache, meta, scale
+            ).cpu()
+            q, rotated = apply_rotary(q, cos, sin), apply_rotary(new_k, cos, sin)
+            at = 0
+            for b, (c, n) in enumerate(seqs):
+                full_k[b][c:] = rotated[at : at + n]
+                at += n
+        else:
+            out = backend.forward(
+                q.to(device), new_k.to(device), new_v.to(device), cache, meta, scale
+            ).cpu()
         cache = cache.cpu()
         assert out.shape == (qsl[-1], HQ, D)
         for b, ((cached, new), table) in enumerate(zip(seqs, tables, strict=True)):
@@ -115,7 +137,10 @@ def _run_step(
             )
             for p in range(cached + new):  # every position, old and new, sits at its slot
                 blk, off = table[p // block_size], p % block_size
-                assert torch.equal(cache[0, blk, off], stored(full_k[b][p], fp8))
+                if rotating:  # a kernel's float32 rotation may round differently (FMA)
+                    torch.testing.assert_close(cache[0, blk, off], full_k[b][p])
+                else:
+                    assert torch.equal(cache[0, blk, off], stored(full_k[b][p], fp8))
                 assert torch.equal(cache[1, blk, off], stored(full_v[b][p], fp8))
 
 
@@ -132,6 +157,17 @@ def test_mixed_batch_prefills_with_prefix_and_decodes(backend_name: str, device:
 @pytest.mark.parametrize("backend_name", _backend_names())
 def test_pure_decode_batch(backend_name: str, device: str) -> None:
     _run_step(backend_name, device, [(3, 1), (12, 1), (7, 1), (20, 1)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend_name", _backend_names())
+def test_forward_rotating_equals_forward_of_rotated(backend_name: str, device: str) -> None:
+    """forward_rotating (q, k unrotated: the layer's call where the backend rotates on
+    write, flex_kv_write.rope_write under the flex backend on CUDA) against the dense
+    attention of the rotated q, k: a pure-decode step, and a mixed one (the default
+    path: rotation first, then forward)."""
+    _run_step(backend_name, device, [(3, 1), (12, 1), (7, 1), (20, 1)], rotating=True)
+    _run_step(backend_name, device, [(8, 1), (5, 7), (0, 1)], rotating=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

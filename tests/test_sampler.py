@@ -43,6 +43,43 @@ def test_greedy_is_argmax_lowest_index_on_ties() -> None:
     assert out.logprobs == [None] * 5
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_logits_sample_as_their_float32_cast(device: str, dtype: torch.dtype) -> None:
+    """A decode graph returns 16-bit logits (engine/model_runner.py): rows that need only
+    the argmax take it over them, every other row is sampled from their float32 cast. The
+    outputs equal those of the float32 logits, ties (which 16 bits make common) included."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    logits = _logits(6, seed=21, vocab=4096).to(dtype)
+    logits[1, 100] = logits[1, 900] = logits[1].max() + 1  # a tie: the lowest id wins
+    logits = logits.to(device)
+    before = logits.clone()
+    cases = [
+        [_state(temperature=0.0) for _ in range(6)],  # the argmax over 16 bits
+        [_state(temperature=0.0, logprobs=True, top_logprobs=3)] + [_state()] * 5,
+        [_state(temperature=0.0, repetition_penalty=1.3, logit_bias=((900, -5.0),))] * 6,
+        [_state(temperature=0.0, min_tokens=2)] + [_state(temperature=0.0)] * 5,
+        [_state(temperature=0.9, top_k=50, top_p=0.9, seed=7)] * 3 + [_state(temperature=0.7)] * 3,
+    ]
+    cases[2] = [
+        SamplingState(s.params, 0, None, (EOS,), prompt_token_ids=[100, 5]) for s in cases[2]
+    ]
+    for states in cases:
+        got = Sampler(device, seed=0).sample(logits, states)
+        want = Sampler(device, seed=0).sample(logits.float(), states)
+        assert got == want
+        assert torch.equal(logits, before)
+    assert Sampler(device, seed=0).sample(logits, cases[0]).token_ids[1] == 100
+    # a penalty computed in bfloat16 would tie 10 / 1.012 with 9.875 (id 5) and pick 5
+    row = torch.full((1, 64), -1.0, dtype=dtype)
+    row[0, 5], row[0, 10] = 9.875, 10.0
+    state = SamplingState(
+        SamplingParams(temperature=0.0, repetition_penalty=1.012), 0, None, (), [10]
+    )
+    assert Sampler(device, seed=0).sample(row.to(device), [state]).token_ids == [10]
+
+
 def test_sample_does_not_modify_logits_or_state_counts() -> None:
     logits = _logits(3)
     before = logits.clone()

@@ -50,6 +50,11 @@ class AttentionMetadata:
     """[B] int32 on the device, equal to seq_lens, when the model runner keeps one (a
     static buffer under CUDA graphs): backends that build masks on the device read it
     instead of uploading seq_lens."""
+    rope_in_write: bool = True
+    """False: no backend rotates q and k on write this step (AttentionBackend.
+    rotates_on_write): the decode graphs' warm-up runs each bucket that way too, so that
+    the glue's variant with RoPE, which prefill and mixed steps run, is compiled before
+    serving (engine/cuda_graphs.py)."""
     dcp_size: int = 1
     dcp_rank: int = 0
     """Decode context parallel (DESIGN §6): this rank's cache holds only the tokens
@@ -98,6 +103,29 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
+
+    def rotates_on_write(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
+        """True when this step's `forward_rotating` applies RoPE to q and k itself, in the
+        kernel that writes the cache (one launch where the layer's RoPE and the write
+        were two): the layer then hands it q and k unrotated. False by default."""
+        return False
+
+    def forward_rotating(
+        self,
+        q: torch.Tensor,  # [T, Hq, D], not rotated yet
+        k: torch.Tensor,  # [T, Hkv, D], not rotated yet
+        v: torch.Tensor,  # [T, Hkv, D]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """`forward` of q and k rotated by cos / sin (engine/rope.py apply_rotary)."""
+        from engine.rope import apply_rotary
+
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.forward(q, k, v, kv_cache, meta, scale)
 
     def forward_mla(
         self,

@@ -51,6 +51,7 @@ from engine.attention import flex_kv_write, flex_prefill
 from engine.attention.base import AttentionMetadata, LSEAttentionBackend, register_backend
 from engine.attention.kv_quant import is_fp8_cache
 from engine.attention.torch_lse import TorchLSEAttentionBackend
+from engine.triton_support import triton_runs_on
 
 _Q_BLOCK = 128
 """Query rows per BlockMask row (FlexAttention's default tile; decode uses one)."""
@@ -59,6 +60,11 @@ DECODE_STAGES = 3
 """Software-pipelining stages of the decode kernel's KV loop: with one-block (16-slot) KV
 tiles, three loads in flight read the paged cache at ~3.8 TB/s on an H200 (batch 128 x
 1K: 140 us per layer against 175 us with the template's default; docs/benchmarks.md)."""
+
+ROPE_IN_WRITE = True
+"""Pure-decode steps of more than one row rotate q and k in the K/V write's kernel
+(rotates_on_write, flex_kv_write.rope_write); False: the layer's compiled glue rotates
+them and the write is a kernel of its own (benchmarks/gpu_engine.py compares the two)."""
 
 DECODE_LSE_ALWAYS = False
 """Benchmarks set this to compare: the decode kernel returns its LSE even where the step
@@ -176,6 +182,48 @@ class FlexAttentionBackend(LSEAttentionBackend):
         assert lse is not None
         return out, lse
 
+    def rotates_on_write(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
+        """Pure-decode steps (no prefill row, no DCP, a 16-bit or float32 cache) where
+        the Triton write runs: RoPE goes into it (flex_kv_write.rope_write)."""
+        if not (ROPE_IN_WRITE and meta.rope_in_write) or meta.dcp_size > 1:
+            return False
+        if is_fp8_cache(kv_cache):
+            return False
+        if not triton_runs_on(kv_cache.device):
+            return False
+        if self._kernel is None and kv_cache.device.type != "cuda":
+            return False
+        plan = self._plan(meta, kv_cache)
+        return not plan.prefills and plan.decode_mask is not None and plan.write_rows is None
+
+    def forward_rotating(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if self.rotates_on_write(meta, kv_cache) and flex_kv_write.rope_usable(
+            q, k, v, cos, sin, kv_cache
+        ):
+            slots = self._plan(meta, kv_cache).write_slots
+            q = flex_kv_write.rope_write(q, k, v, cos, sin, kv_cache, slots)
+            return self._run(q, k, v, kv_cache, meta, scale, DECODE_LSE_ALWAYS, written=True)[0]
+        return super().forward_rotating(q, k, v, cos, sin, kv_cache, meta, scale)
+
+    def _plan(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> _Plan:
+        """The step's plan, built on first use (the first layer) and shared by all."""
+        plan = meta.backend_state.get(self.name)
+        if plan is None:
+            _, num_blocks, block_size = kv_cache.shape[:3]
+            plan = self._build_plan(meta, block_size, num_blocks, kv_cache.device)
+            meta.backend_state[self.name] = plan
+        return plan
+
     def _run(
         self,
         q: torch.Tensor,
@@ -185,22 +233,23 @@ class FlexAttentionBackend(LSEAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         need_lse: bool = True,
+        written: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Out for every row, and LSE for every row when the step has no prefill rows
-        and `need_lse` (without it the decode kernel skips the LSE's own kernel)."""
+        and `need_lse` (without it the decode kernel skips the LSE's own kernel).
+        `written`: k and v are in the cache already (forward_rotating)."""
         if self._kernel is None and q.device.type != "cuda":
             raise RuntimeError(
                 "the flex attention backend runs on CUDA only; use attention_backend='torch' on CPU"
             )
-        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         if block_size < 16:
             raise ValueError(f"the flex backend needs block_size >= 16, got {block_size}")
         num_tokens, num_heads, _ = q.shape
-        plan = meta.backend_state.get(self.name)
-        if plan is None:
-            plan = self._build_plan(meta, block_size, num_blocks, q.device)
-            meta.backend_state[self.name] = plan
-        if plan.write_rows is None and flex_kv_write.usable(k, v, kv_cache):
+        plan = self._plan(meta, kv_cache)
+        if written:
+            pass
+        elif plan.write_rows is None and flex_kv_write.usable(k, v, kv_cache):
             flex_kv_write.write(k, v, kv_cache, plan.write_slots)  # K and V in one launch
         else:
             flat = kv_cache.view(2, -1, num_kv_heads, head_dim)

@@ -8,9 +8,10 @@ torch.compile (inductor, Triton kernels on CUDA) fuses each into ~2 kernels and 
 cuBLAS for the matmuls:
 
     attn_in:   x -> RMSNorm -> qkv matmul -> (q|k RMSNorm) -> RoPE       -> q, k, v
+               (RoPE left to the attention backend's cache write where it takes it)
     attn_out:  x, attn -> o matmul -> + x -> RMSNorm                     -> x, h
     mlp:       x, h -> gate|up matmul -> silu(gate) * up -> down matmul -> + x
-    norm:      the final RMSNorm;  logits: lm_head matmul -> float32
+    norm:      the final RMSNorm;  logits: lm_head matmul (-> float32)
 
 EAGER runs them as written (the CPU path and the float32 reference: token-identical to
 transformers); `compiled()` gives the fused versions (CUDA engines with decode graphs,
@@ -79,7 +80,11 @@ def glue(lin: Any, wide: bool = False) -> tuple[Any, Any, Any]:
         eps: float,
         hq: int,
         hkv: int,
+        rotate: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k, v [T, Hkv, D]
+        """rotate=False: q and k returned unrotated (views of the projection's output: the
+        attention backend rotates them as it writes the cache, AttentionBackend.
+        rotates_on_write)."""
         num_tokens = x.shape[0]
         d = qkv_w.shape[0] // (hq + 2 * hkv)
         h = rms_norm(x, norm_w, eps)
@@ -88,7 +93,8 @@ def glue(lin: Any, wide: bool = False) -> tuple[Any, Any, Any]:
         v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)  # [T, Hkv, D]
         if qk_norm_w is not None:
             qk = rms_norm(qk, qk_norm_w, eps)
-        qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass
+        if rotate:
+            qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass
         return qk[:, :hq], qk[:, hq:], v
 
     def attn_out(
@@ -125,13 +131,15 @@ def swiglu_of(lin: Any) -> Any:
 
 
 def head(lin: Any) -> tuple[Any, Any]:
-    """The final RMSNorm and the lm_head matmul (float32 logits) through `lin`."""
+    """The final RMSNorm and the lm_head matmul through `lin` (float32 logits; with
+    `float32=False` in the model's dtype, the matmul's own output)."""
 
     def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
-    def logits(h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
-        return lin(h, lm_head).float()
+    def logits(h: torch.Tensor, lm_head: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        out = lin(h, lm_head)  # [N, H] -> [N, V]
+        return out.float() if float32 else out
 
     return norm, logits
 
@@ -235,9 +243,12 @@ def triton_one_row(attn_in: Any, attn_out: Any, mlp: Any) -> tuple[Any, Any]:
         eps: float,
         hq: int,
         hkv: int,
+        rotate: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = qkv_w.shape[0]
         d = n // (hq + 2 * hkv)
+        if not rotate:
+            return attn_in(x, norm_w, qkv_w, qkv_b, qk_norm_w, cos, sin, eps, hq, hkv, rotate)
         if (
             qk_norm_w is None
             and cos.shape[-1] == d

@@ -95,6 +95,17 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         cfg, ops = self.cfg, self.ops
         eps = cfg.rms_norm_eps
+        # RoPE inside the backend's cache write (a pure-decode step of the flex backend):
+        # q, k leave attn_in unrotated. Compiled glue only: the kernel rounds the rotation
+        # once from float32 as inductor's RoPE does (the eager glue rounds each op in 16
+        # bits, as transformers does). Not for one row: its q|k|v GEMV rotates for free.
+        in_write = (
+            ops.fused
+            and x.shape[0] > 1
+            and self.qk_norm_weight is None
+            and cos.shape[-1] == cfg.head_dim
+            and self.backend.rotates_on_write(meta, kv_cache)
+        )
         q, k, v = ops.attn_in(
             x,
             self.input_norm,
@@ -106,8 +117,12 @@ class LlamaDecoderLayer(nn.Module):
             eps,
             cfg.num_heads,
             cfg.num_kv_heads,
+            *((False,) if in_write else ()),
         )
-        attn = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        if in_write:
+            attn = self.backend.forward_rotating(q, k, v, cos, sin, kv_cache, meta, self.scale)
+        else:
+            attn = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         if self.moe is None:
             assert self.gate_up_weight is not None and self.down_weight is not None
             if ops.post_attn is not None:  # o + norm + MLP as one op (layer_ops.py)
@@ -244,11 +259,14 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] (final-normed rows to sample from) -> logits [N, V] in float32."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [N, H] (final-normed rows to sample from) -> logits [N, V] in float32, or
+        with `float32=False` in the model's dtype (the lm_head matmul's output, uncast)."""
         if self.lm_head is None:
             raise ValueError("compute_logits runs on the last pipeline stage only")
-        return self.ops.logits(hidden, self.lm_head)
+        if float32:
+            return self.ops.logits(hidden, self.lm_head)
+        return self.ops.logits(hidden, self.lm_head, False)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Take HF-named tensors into this module's parameters, cast to its dtype and moved
