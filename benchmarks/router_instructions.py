@@ -15,13 +15,15 @@ figure printed takes that rate over the counted phase's wall time off: runs of t
 code whose wall times differ (a loaded machine) agree better on it.
 
     python -m benchmarks.router_instructions [--stream] [--chat] [--requests 200]
-        [--warmup 30] [--concurrency 1] [--idle-s 10]
+        [--warmup 30] [--concurrency 1] [--idle-s 10] [--router-path DIR]
 
 `--chat`: /v1/chat/completions with the prompt as one user message (the chat template
 rendered per request) instead of /v1/completions. `--distinct`: every request's prompt
 ends with its own number, so that nothing of the prompt's text but the template's is
 seen twice (the router remembers a chat prompt's pieces between special tokens:
 router/prompt_tokens.py).
+`--router-path DIR`: the router imports router/ from DIR (another build of it, such as
+benchmarks/router_mypyc.py's compiled one) instead of this repository's.
 
 Slow (the router runs ~50x slower under valgrind): a few minutes. Not run in CI. With
 `--concurrency` above 1 on a loaded machine, the router's health checks (1 s timeout)
@@ -35,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import subprocess
 import sys
@@ -54,6 +55,7 @@ from benchmarks.router_overhead import (
     _free_port,
     _wait_up,
     completion_text,
+    process_env,
 )
 from router.http1 import Http1Pool
 
@@ -167,8 +169,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     ]
     ports = {k: _free_port() for k in ("prefill", "decode", "router")}
     url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    me = [sys.executable, "-m", "benchmarks.router_overhead"]
+    env = process_env(args.router_path)
+    # -P: modules from PYTHONPATH only (process_env), not from the working directory first.
+    me = [sys.executable, "-P", "-m", "benchmarks.router_overhead"]
     canned = json.dumps({"tokens": tokens, "pieces": pieces, "ttft_s": args.ttft_ms / 1e3})
     out_dir = tempfile.mkdtemp(prefix="router-callgrind-")
     procs: list[subprocess.Popen[bytes]] = []
@@ -269,6 +272,11 @@ def main() -> None:
     parser.add_argument("--ttft-ms", type=float, default=20.0)
     parser.add_argument(
         "--idle-s", type=float, default=10.0, help="idle phase that measures the per-second rate"
+    )
+    parser.add_argument(
+        "--router-path",
+        default=None,
+        help="a directory with another build of router/, imported before the repository's",
     )
     args = parser.parse_args()
     import uvloop

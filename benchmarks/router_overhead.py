@@ -277,6 +277,15 @@ def serve_router(
     run_router(settings, log_level="warning")
 
 
+def process_env(router_path: str | None = None) -> dict[str, str]:
+    """The environment of the processes a benchmark starts: this repository on PYTHONPATH,
+    after `router_path` when given (a directory holding another build of router/ to measure
+    instead of the repository's own, e.g. a compiled one: benchmarks/router_mypyc.py)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    path = root if router_path is None else os.pathsep.join([router_path, root])
+    return {**os.environ, "PYTHONPATH": path}
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from modelinfo.info import load_model_info
 
@@ -292,8 +301,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     ports = {k: _free_port() for k in ("prefill", "decode", *systems)}
     url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    me = [sys.executable, "-m", "benchmarks.router_overhead"]
+    env = process_env(args.router_path)
+    # -P: modules from PYTHONPATH only (process_env), not from the working directory first.
+    me = [sys.executable, "-P", "-m", "benchmarks.router_overhead"]
     canned = json.dumps({"tokens": tokens, "pieces": pieces, "ttft_s": args.ttft_ms / 1e3})
     procs: dict[str, subprocess.Popen[bytes]] = {}
     router_pids: dict[str, list[int]] = {}
@@ -435,6 +445,11 @@ def main() -> None:
     parser.add_argument("--sequential", type=int, default=300, help="requests on one connection")
     parser.add_argument("--ttft-ms", type=float, default=20.0)
     parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument(
+        "--router-path",
+        default=None,
+        help="a directory with another build of router/, imported before the repository's",
+    )
     args = parser.parse_args()
     import uvloop
 
