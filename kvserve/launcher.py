@@ -2,7 +2,8 @@
 
     up      load cluster.yaml → plan this host's components → free-port check → lock the
             run dir → Supervisor (foreground, or forked into the background with --detach)
-    down    state file → SIGTERM the launcher → stop whatever process group is left
+    down    state file → SIGTERM the launcher → stop whatever process group is left (in
+            the launcher's order: the pool's master last)
     status  GET /health (+ /status for workers) of every component → table, exit 1 if any
             is down
     check   validate and summarise, start nothing
@@ -32,9 +33,9 @@ from kvserve.cluster_status import status
 from kvserve.cluster_summary import summarize
 from kvserve.components import ComponentSpec, plan_components, with_secret
 from kvserve.gpu_probe import probe_gpu_memory
-from kvserve.process_groups import group_members, pid_alive, stop_groups
+from kvserve.process_groups import group_members, pid_alive
 from kvserve.run_state import ComponentState, RunDir, RunState
-from kvserve.supervisor import LaunchError, Supervisor
+from kvserve.supervisor import LaunchError, Supervisor, stop_in_order
 from modelinfo.info import load_model_config
 from protocol.cluster import ClusterConfig, load_cluster, local_nodes
 from protocol.cluster_checks import cluster_ports
@@ -279,11 +280,12 @@ def down(
                 print("[kvserve] the launcher did not stop; stopping components directly", file=out)
                 break
             time.sleep(0.05)
-    # Whatever is left (the launcher was killed, or hung): stop the groups directly.
+    # Whatever is left (the launcher was killed, or hung): stop the groups directly, in the
+    # launcher's own order (the pool's master last).
     left = _leftover_groups(state)
     if left:
         print(f"[kvserve] stopping {', '.join(c.name for c in left)}", file=out, flush=True)
-        stop_groups([c.pid for c in left], stop_grace_s)
+        stop_in_order([(c.kind, c.pid) for c in left], stop_grace_s)
     run.remove()
     print(f"[kvserve] cluster {cluster.name!r} stopped", file=out)
     return 0

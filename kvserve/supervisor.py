@@ -20,7 +20,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -47,6 +47,37 @@ LAST_MIN_GRACE_S = 1.0
 
 class LaunchError(KvserveError):
     """The cluster could not be started (a component failed, a port is busy, ...)."""
+
+
+def stop_in_order(
+    groups: Sequence[tuple[str, int]],
+    grace_s: float,
+    reap: Mapping[int, subprocess.Popen[bytes]] | None = None,
+    force_now: object = None,
+) -> dict[int, float]:
+    """Stop components' process groups, given as (kind, pgid) in start order; the one stop
+    order of the launcher (`Supervisor`, and `kvserve down` when the launcher is gone).
+
+    Every group but the STOPPED_LAST kinds at once, signalled in reverse start order (the
+    router first: no new request reaches a worker being stopped); then the STOPPED_LAST
+    ones, once the others have exited, with what is left of `grace_s` (at least
+    LAST_MIN_GRACE_S). `reap`: our own children by pgid (see `stop_groups`). Returns the
+    groups that needed SIGKILL, each with the grace it was given.
+    """
+    deadline = time.monotonic() + grace_s
+    ordered = list(reversed(groups))
+    killed: dict[int, float] = {}
+    for wave in (
+        [pgid for kind, pgid in ordered if kind not in STOPPED_LAST],
+        [pgid for kind, pgid in ordered if kind in STOPPED_LAST],
+    ):
+        if not wave:
+            continue
+        wave_grace_s = max(deadline - time.monotonic(), LAST_MIN_GRACE_S)
+        children = [reap[g] for g in wave if reap and g in reap]
+        for pgid in stop_groups(wave, wave_grace_s, reap=children, force_now=force_now):
+            killed[pgid] = wave_grace_s
+    return killed
 
 
 def log_tail(path: os.PathLike[str] | str, num_lines: int = LOG_TAIL_LINES) -> str:
@@ -270,27 +301,15 @@ class Supervisor:
             self.run.remove()
             return
         self._write("stopping")
-        # Every component but the pool's master at once (routers first, reverse start
-        # order), then the master, with what is left of the grace (at least
-        # LAST_MIN_GRACE_S).
-        deadline = time.monotonic() + self.stop_grace_s
-        ordered = list(reversed(self.running))
-        for wave in (
-            [r for r in ordered if r.spec.kind not in STOPPED_LAST],
-            [r for r in ordered if r.spec.kind in STOPPED_LAST],
-        ):
-            if not wave:
-                continue
-            grace_s = max(deadline - time.monotonic(), LAST_MIN_GRACE_S)
-            killed = stop_groups(
-                [r.proc.pid for r in wave],
-                grace_s,
-                reap=[r.proc for r in wave],
-                force_now=self.signals,
-            )
-            for r in wave:
-                if r.proc.pid in killed:
-                    self.say(f"{r.spec.name} ignored SIGTERM for {grace_s:.3g}s: killed")
+        killed = stop_in_order(
+            [(r.spec.kind, r.proc.pid) for r in self.running],
+            self.stop_grace_s,
+            reap={r.proc.pid: r.proc for r in self.running},
+            force_now=self.signals,
+        )
+        for r in self.running:
+            if r.proc.pid in killed:
+                self.say(f"{r.spec.name} ignored SIGTERM for {killed[r.proc.pid]:.3g}s: killed")
         self.run.remove()
 
     def _failure(self, r: _Running, what: str) -> str:
