@@ -262,6 +262,13 @@ def _check_router(c: ClusterConfig) -> None:
             "there would answer for one of them at random; set metrics_port (process i serves "
             "its metrics on metrics_port + i)",
         )
+    if r.health_interval_s < r.health_timeout_s:
+        raise ConfigError(
+            "router.health_interval_s",
+            f"{r.health_interval_s:g} is below router.health_timeout_s "
+            f"({r.health_timeout_s:g}): a poll may last the whole timeout, so the polls would "
+            "run back to back; set health_interval_s >= health_timeout_s",
+        )
     _check_env("router.env", r.env)
 
 

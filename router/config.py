@@ -52,7 +52,7 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True):
     connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
     """Connecting to a worker; a refused connection fails at once anyway."""
     health_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
-    """Period of the GET /health poll of every instance."""
+    """Period of the GET /health poll of every instance (router/health.py)."""
     health_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     """Longest one GET /health poll waits for its answer (router/health.py)."""
     metrics_port: int | None = None
@@ -149,6 +149,7 @@ def settings_from_cluster(cluster: ClusterConfig) -> RouterSettings:
         api_key=api_key,
         max_input_tokens=r.max_input_tokens,
         request_timeout_s=r.request_timeout_s,
+        health_interval_s=r.health_interval_s,
         health_timeout_s=r.health_timeout_s,
         metrics_port=r.metrics_port,
         processes=r.processes,

@@ -211,6 +211,14 @@ BAD = [
     ("metrics", _set("router.metrics_port", 8000), "router.metrics_port", "also router.port"),
     ("processes", _set("router.processes", 2), "router.metrics_port", "set metrics_port"),
     ("no-processes", _set("router.processes", 0), "router.processes", ">= 1"),
+    ("health-every", _set("router.health_interval_s", 0), "router.health_interval_s", "> 0"),
+    (
+        "health-faster-than-timeout",
+        _set("router.health_interval_s", 0.5),
+        "router.health_interval_s",
+        "0.5 is below router.health_timeout_s (1)",
+    ),
+    ("health-every-5s", _set("router.health_interval_s", 5), None, None),  # valid
 ]
 
 

@@ -256,6 +256,11 @@ def test_settings_from_cluster() -> None:
     router = msgspec.structs.replace(cluster.router, health_timeout_s=0.25)
     s3 = settings_from_cluster(msgspec.structs.replace(cluster, router=router))
     assert s3.health_timeout_s == 0.25
+    assert s.health_interval_s == 1.0
+    text = _cluster_yaml(8101, 8201, 8001, "kv_aware").replace(
+        "\nrouter:\n", "\nrouter:\n  health_interval_s: 2.5\n"
+    )
+    assert settings_from_cluster(parse_cluster_yaml(text)).health_interval_s == 2.5
     assert [(e.name, e.url) for e in s.prefill] == [("prefill-0", "http://127.0.0.1:8101")]
     assert [(e.name, e.url) for e in s.decode] == [("decode-0", "http://127.0.0.1:8201")]
     assert (s.host, s.port, s.request_timeout_s) == ("127.0.0.1", 8001, 300)
