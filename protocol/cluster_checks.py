@@ -262,7 +262,7 @@ def _check_router(c: ClusterConfig) -> None:
             "there would answer for one of them at random; set metrics_port (process i serves "
             "its metrics on metrics_port + i)",
         )
-    if r.health_interval_s < r.health_timeout_s:
+    if r.health_interval_s is not None and r.health_interval_s < r.health_timeout_s:
         raise ConfigError(
             "router.health_interval_s",
             f"{r.health_interval_s:g} is below router.health_timeout_s "

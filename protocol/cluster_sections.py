@@ -187,10 +187,11 @@ class RouterConfig(Section, frozen=True, kw_only=True):
     """Longest prompt accepted; None: the model's context length."""
     request_timeout_s: Seconds = 600.0
     """End-to-end limit of one request."""
-    health_interval_s: Seconds = 1.0
+    health_interval_s: Seconds | None = None
     """Period of the router's GET /health poll of every instance: how soon it notices an
     instance that died while idle, or one that answers again. At least health_timeout_s
-    (a poll may last that long, so a shorter period would only poll back to back)."""
+    (a poll may last that long, so a shorter period would only poll back to back); None:
+    1 s, or health_timeout_s where that is longer."""
     health_timeout_s: Seconds = 1.0
     """Longest one GET /health poll of an instance waits for its answer (polled every
     health_interval_s): one timed-out poll stops routing to the instance, three in a row

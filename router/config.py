@@ -149,7 +149,9 @@ def settings_from_cluster(cluster: ClusterConfig) -> RouterSettings:
         api_key=api_key,
         max_input_tokens=r.max_input_tokens,
         request_timeout_s=r.request_timeout_s,
-        health_interval_s=r.health_interval_s,
+        health_interval_s=(
+            max(1.0, r.health_timeout_s) if r.health_interval_s is None else r.health_interval_s
+        ),
         health_timeout_s=r.health_timeout_s,
         metrics_port=r.metrics_port,
         processes=r.processes,

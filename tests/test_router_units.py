@@ -261,6 +261,12 @@ def test_settings_from_cluster() -> None:
         "\nrouter:\n", "\nrouter:\n  health_interval_s: 2.5\n"
     )
     assert settings_from_cluster(parse_cluster_yaml(text)).health_interval_s == 2.5
+    # unset, the period follows a timeout longer than its 1 s default (a cluster.yaml that
+    # set only the timeout stays valid)
+    text = _cluster_yaml(8101, 8201, 8001, "kv_aware").replace(
+        "\nrouter:\n", "\nrouter:\n  health_timeout_s: 3\n"
+    )
+    assert settings_from_cluster(parse_cluster_yaml(text)).health_interval_s == 3.0
     assert [(e.name, e.url) for e in s.prefill] == [("prefill-0", "http://127.0.0.1:8101")]
     assert [(e.name, e.url) for e in s.decode] == [("decode-0", "http://127.0.0.1:8201")]
     assert (s.host, s.port, s.request_timeout_s) == ("127.0.0.1", 8001, 300)
