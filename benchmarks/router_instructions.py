@@ -171,7 +171,11 @@ async def _loop(load: Load, count: int) -> None:
         done += 1
 
 
-async def run(args: argparse.Namespace) -> dict[str, object]:
+async def run(
+    args: argparse.Namespace, router_module: str = "benchmarks.router_overhead"
+) -> dict[str, object]:
+    """`router_module`: the module whose `--serve-router` runs the router under valgrind
+    (benchmarks/router_phases.py's wraps the router's functions first)."""
     from modelinfo.info import load_model_info
 
     tokenizer = load_model_info(MODEL).tokenizer
@@ -201,7 +205,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 "--tool=callgrind",
                 "--skip-plt=no",  # the dump's cost lines: the counted phase only (_total)
                 f"--callgrind-out-file={out_dir}/callgrind.out.%p",
-                *me,
+                *me[:-1],
+                router_module,
                 "--serve-router",
                 str(ports["router"]),
                 url["prefill"],

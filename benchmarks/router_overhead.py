@@ -180,12 +180,14 @@ def _pct(samples: list[float], q: float) -> float:
     return 1e3 * samples[min(len(samples) - 1, int(len(samples) * q))]
 
 
-def _cpu_s(pids: Sequence[int]) -> float:
-    total = 0.0
+def _cpu_s(pids: Sequence[int]) -> tuple[float, float]:
+    """User and system CPU time of `pids` (all threads), seconds."""
+    user = system = 0.0
     for pid in pids:
         t = psutil.Process(pid).cpu_times()
-        total += t.user + t.system
-    return total
+        user += t.user
+        system += t.system
+    return user, system
 
 
 async def measure(
@@ -206,10 +208,11 @@ async def measure(
             await fn()
             samples.append(time.perf_counter() - t)
 
-    start, cpu = time.perf_counter(), _cpu_s(pids)
+    start, (user, system) = time.perf_counter(), _cpu_s(pids)
     await asyncio.gather(*(loop() for _ in range(concurrency)))
     wall = time.perf_counter() - start
-    cpu = _cpu_s(pids) - cpu
+    user_end, system_end = _cpu_s(pids)
+    cpu = user_end - user + system_end - system
     samples.sort()
     return {
         "p50_ms": _pct(samples, 0.5),
@@ -217,6 +220,7 @@ async def measure(
         "req_per_s": len(samples) / wall,
         "requests": len(samples),
         "cpu_us_per_req": 1e6 * cpu / len(samples),
+        "cpu_system_us_per_req": 1e6 * (system_end - system) / len(samples),
     }
 
 
