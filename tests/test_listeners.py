@@ -12,7 +12,13 @@ from pathlib import Path
 
 import httpx
 import psutil
-from cluster_harness import LOWEST_TEST_PORT, _ephemeral_range, free_ports, start_cluster
+from cluster_harness import (
+    LOWEST_TEST_PORT,
+    MOONCAKE_RPC_PORTS,
+    _ephemeral_range,
+    free_ports,
+    start_cluster,
+)
 
 from kvserve.bind_narrowing import ADDRESS_VAR, narrowing_env, shim_library
 
@@ -61,6 +67,10 @@ def test_free_ports_are_bindable_and_outside_the_ephemeral_range() -> None:
     ports = free_ports(8)
     assert len(set(ports)) == 8
     assert all(LOWEST_TEST_PORT <= p < first_ephemeral for p in ports), ports
+    # None where Mooncake's engines pick their RPC ports (over enough picks that ~9% of
+    # the range falling there would show).
+    low, high = MOONCAKE_RPC_PORTS
+    assert not [p for p in free_ports(300) if low <= p <= high]
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
