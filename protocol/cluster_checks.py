@@ -405,11 +405,26 @@ def cluster_ports(c: ClusterConfig) -> Iterator[tuple[str, str, int]]:
                 yield c.node(s.node).host, f"pool.stores[{i}].{field}", getattr(s, field)
 
 
+MOONCAKE_RPC_PORTS = (15000, 17000)
+"""Mooncake's default MC_MIN_RPC_PORT..MC_MAX_RPC_PORT (inclusive): every Transfer Engine
+(a pool store's, a worker's) binds its RPC port at random in it when it starts."""
+
+
 def _check_ports(c: ClusterConfig) -> None:
     used: dict[tuple[str, int], str] = {}
+    envs = [c.router.env, *(inst.env for _, inst in _instances(c))]
+    mooncake_range_moved = any("MC_MIN_RPC_PORT" in e or "MC_MAX_RPC_PORT" in e for e in envs)
+    low, high = MOONCAKE_RPC_PORTS
     for host, path, port in cluster_ports(c):
         if port > 65535:
             raise ConfigError(path, f"port {port} is beyond 65535")
+        if low <= port <= high and not mooncake_range_moved:
+            raise ConfigError(
+                path,
+                f"port {port} is inside {low}-{high}, where every Mooncake Transfer Engine "
+                "(pool stores, workers) binds its RPC port at random: one may take it before "
+                "this component starts; choose a port outside that range",
+            )
         key = (host, port)
         if key in used:
             raise ConfigError(

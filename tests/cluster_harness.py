@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from protocol.cluster_checks import MOONCAKE_RPC_PORTS
+
 
 def internal_headers(state_dir: Path, cluster_name: str) -> dict[str, str]:
     """The cluster secret's header (what the router sends every worker), read from the
@@ -27,10 +29,6 @@ def internal_headers(state_dir: Path, cluster_name: str) -> dict[str, str]:
 
 
 LOWEST_TEST_PORT = 10000
-MOONCAKE_RPC_PORTS = (15000, 17000)
-"""Where each Mooncake Transfer Engine picks its RPC port at random when it starts
-(MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, inclusive): a port there, free when picked, can be
-taken by a store's or a worker's engine before the component it was meant for binds it."""
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -48,8 +46,8 @@ def free_ports(n: int) -> list[int]:
     They lie below the kernel's ephemeral range: a port of that range, free when picked,
     can be taken as the local port of any outgoing connection (the cluster's own
     Mooncake, torch.distributed and HTTP clients) before the component binds it; a port
-    below it only by a bind. None in Mooncake's RPC port range (MOONCAKE_RPC_PORTS),
-    which its engines pick from by themselves. Picked at random (not by the seeded
+    below it only by a bind. None in Mooncake's RPC port range (MOONCAKE_RPC_PORTS: a
+    port there, free when picked, can be taken by a store's or a worker's engine first). Picked at random (not by the seeded
     `random` of the test run), so runs sharing the machine rarely pick the same one.
     """
     first_ephemeral, _ = _ephemeral_range()

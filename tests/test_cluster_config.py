@@ -219,6 +219,10 @@ BAD = [
         "0.5 is below router.health_timeout_s (1)",
     ),
     ("health-every-5s", _set("router.health_interval_s", 5), None, None),  # valid
+    # Mooncake's engines bind RPC ports at random in 15000-17000
+    ("mooncake-range", _set("decode.0.port", 16000), "decode[0].port", "inside 15000-17000"),
+    ("mooncake-top", _set("router.port", 17000), "router.port", "inside 15000-17000"),
+    ("mooncake-above", _set("router.port", 17001), None, None),  # valid
 ]
 
 
@@ -246,6 +250,9 @@ def _all_cases() -> list[tuple[str, Any, str | None, str | None]]:
         d["pool"]["enabled"] = False
         d["pool"]["master"]["port"] = 8000
 
+    def mooncake_moved(d: dict[str, Any]) -> None:  # the range moved: 16000 is fine
+        d["decode"][0].update(port=16000, env={"MC_MIN_RPC_PORT": "20000"})
+
     def two_routers(port: int) -> Any:
         def mutate(d: dict[str, Any]) -> None:
             d["router"].update(processes=2, metrics_port=port)
@@ -265,6 +272,7 @@ def _all_cases() -> list[tuple[str, Any, str | None, str | None]]:
         ("shared-gpu", shared, "decode[1].devices[0]", "cuda:1 on host 127.0.0.1 is already used"),
         ("pool-collision", pool_on, "pool.master.port", "also router.port"),
         ("pool-port", pool_off, None, None),  # disabled pool: no port
+        ("mooncake-moved", mooncake_moved, None, None),
     ]
     return cases
 
