@@ -130,6 +130,20 @@ class _Plan:
     prefills: list[tuple[int, int, int]] = field(default_factory=list)  # q_start, q_end, b
 
 
+def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan) -> None:
+    """The step's new K and V rows into the paged cache at the plan's slots: one Triton
+    launch where it runs (flex_kv_write.write), index_copy_ otherwise."""
+    if plan.write_rows is None and flex_kv_write.usable(k, v, kv_cache):
+        flex_kv_write.write(k, v, kv_cache, plan.write_slots)  # K and V in one launch
+        return
+    num_kv_heads, head_dim = kv_cache.shape[3:]
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    k_new = k if plan.write_rows is None else k.index_select(0, plan.write_rows)
+    v_new = v if plan.write_rows is None else v.index_select(0, plan.write_rows)
+    flat[0].index_copy_(0, plan.write_slots, k_new.to(kv_cache.dtype))
+    flat[1].index_copy_(0, plan.write_slots, v_new.to(kv_cache.dtype))
+
+
 @register_backend
 class FlexAttentionBackend(LSEAttentionBackend):
     """Paged FlexAttention decode + flash prefill (CUDA only); no state between steps."""
@@ -242,21 +256,13 @@ class FlexAttentionBackend(LSEAttentionBackend):
             raise RuntimeError(
                 "the flex attention backend runs on CUDA only; use attention_backend='torch' on CPU"
             )
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        _, _, block_size, _, head_dim = kv_cache.shape
         if block_size < 16:
             raise ValueError(f"the flex backend needs block_size >= 16, got {block_size}")
         num_tokens, num_heads, _ = q.shape
         plan = self._plan(meta, kv_cache)
-        if written:
-            pass
-        elif plan.write_rows is None and flex_kv_write.usable(k, v, kv_cache):
-            flex_kv_write.write(k, v, kv_cache, plan.write_slots)  # K and V in one launch
-        else:
-            flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-            k_new = k if plan.write_rows is None else k.index_select(0, plan.write_rows)
-            v_new = v if plan.write_rows is None else v.index_select(0, plan.write_rows)
-            flat[0].index_copy_(0, plan.write_slots, k_new.to(kv_cache.dtype))
-            flat[1].index_copy_(0, plan.write_slots, v_new.to(kv_cache.dtype))
+        if not written:
+            _write_kv(k, v, kv_cache, plan)
 
         o_dec = lse_dec = None
         if plan.decode_mask is not None:
