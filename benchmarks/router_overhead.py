@@ -256,6 +256,7 @@ def serve_router(
     processes: int = 1,
     process_index: int = 0,
     metrics_port: int | None = None,
+    model: str = MODEL,
 ) -> None:
     """`quiet`: health checks every 30 s and KV polls once an hour, so that what the
     router executes is nearly all the requests' work (benchmarks/router_instructions.py).
@@ -265,7 +266,7 @@ def serve_router(
     from router.server import run_router
 
     settings = RouterSettings(
-        model=MODEL,
+        model=model,
         served_model_name=SERVED,
         port=port,
         prefill=(InstanceEndpoint(name="p0", url=prefill_url),),
@@ -286,14 +287,16 @@ def process_env(router_path: str | None = None) -> dict[str, str]:
     after `router_path` when given (a directory holding another build of router/ to measure
     instead of the repository's own, e.g. a compiled one: benchmarks/router_mypyc.py)."""
     root = str(Path(__file__).resolve().parent.parent)
-    path = root if router_path is None else os.pathsep.join([router_path, root])
-    return {**os.environ, "PYTHONPATH": path}
+    paths = [root] if router_path is None else [router_path, root]
+    if os.environ.get("PYTHONPATH"):  # the caller's own packages (e.g. wheels in a target dir)
+        paths.append(os.environ["PYTHONPATH"])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from modelinfo.info import load_model_info
 
-    tokenizer = load_model_info(MODEL).tokenizer
+    tokenizer = load_model_info(args.model).tokenizer
     tokens = tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False)[:NUM_OUTPUT_TOKENS]
     expected = tokenizer.decode(tokens)
     pieces = [
@@ -323,6 +326,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if name.startswith("kvserve"):
                 num = _num_processes(name)
                 cmd = [*me, "--serve-router", str(ports[name]), url["prefill"], url["decode"]]
+                cmd.append(f"--model={args.model}")
                 metrics = _free_port()
                 for i in range(num):
                     key = name if i == 0 else f"{name}/{i}"
@@ -334,7 +338,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 peer = PEERS[name]
                 cmd = peer.command(
-                    peer.ensure(), ports[name], _free_port(), url["prefill"], url["decode"]
+                    peer.ensure(args.peer_wheels),
+                    ports[name],
+                    _free_port(),
+                    url["prefill"],
+                    url["decode"],
                 )
                 procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
                 router_pids[name] = [procs[name].pid]
@@ -424,14 +432,16 @@ def main() -> None:
         serve(sys.argv[2], int(sys.argv[3]), canned["tokens"], canned["pieces"], canned["ttft_s"])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-router":
-        index, num, metrics = 0, 1, None
+        index, num, metrics, model = 0, 1, None, MODEL
         for arg in sys.argv[5:]:
+            if arg.startswith("--model="):
+                model = arg.removeprefix("--model=")
             if arg.startswith("--process="):
                 index, num = map(int, arg.removeprefix("--process=").split("/"))
             if arg.startswith("--metrics-port="):
                 metrics = int(arg.removeprefix("--metrics-port="))
         quiet = "--quiet" in sys.argv[5:]
-        serve_router(int(sys.argv[2]), sys.argv[3], sys.argv[4], quiet, num, index, metrics)
+        serve_router(int(sys.argv[2]), sys.argv[3], sys.argv[4], quiet, num, index, metrics, model)
         return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -449,6 +459,18 @@ def main() -> None:
     parser.add_argument("--sequential", type=int, default=300, help="requests on one connection")
     parser.add_argument("--ttft-ms", type=float, default=20.0)
     parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument(
+        "--model",
+        default=MODEL,
+        help="the model whose tokenizer the routers use: a spec or a Hugging Face folder "
+        "(benchmarks/tokenizer_folder.py writes one without weights)",
+    )
+    parser.add_argument(
+        "--peer-wheels",
+        default=None,
+        help="install sglang-router / vllm-router from this folder of wheels (no index), "
+        "for a machine without a package registry",
+    )
     parser.add_argument(
         "--router-path",
         default=None,

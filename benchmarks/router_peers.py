@@ -28,8 +28,9 @@ class Peer:
     def venv(self) -> Path:
         return CACHE / self.name
 
-    def ensure(self) -> Path:
-        """The venv's python with `package==version` installed (created once)."""
+    def ensure(self, wheels: str | None = None) -> Path:
+        """The venv's python with `package==version` installed (created once); `wheels`: a
+        folder holding it and its dependencies, for a machine without a package registry."""
         py = self.venv / "bin" / "python"
         check = [str(py), "-m", "pip", "show", "-q", self.package]
         version_ok = False
@@ -41,6 +42,8 @@ class Peer:
         if not version_ok:
             subprocess.run([sys.executable, "-m", "venv", str(self.venv)], check=True)
             pip = [str(py), "-m", "pip", "install", "-q"]
+            if wheels is not None:
+                pip += ["--no-index", "--find-links", wheels]
             subprocess.run([*pip, f"{self.package}=={self.version}"], check=True)
             subprocess.run(check, check=True)
         return py
