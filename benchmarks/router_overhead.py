@@ -40,6 +40,7 @@ import functools
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -352,37 +353,44 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             _wait_up(url[name], procs[name], "/health")
         for key, metrics_url in metrics_urls.items():
             _wait_up(metrics_url, procs[key], "/metrics")
-            for stream in (False, True):  # correctness before speed
+        for name in systems:  # correctness before speed: every router, both modes
+            for stream in (False, True):
                 text = await client.via_router(url[name], stream)
                 assert text == expected, (name, stream, text, expected)
         assert await client.direct_kvserve() == " ".join(map(str, tokens))
-        result: dict[str, Any] = {"output_tokens": len(tokens), "ttft_ms": args.ttft_ms, "rows": []}
-        for name in systems:
-            for stream in (False, True):
-                direct: Call = functools.partial(
-                    {
-                        "kvserve": lambda _s: client.direct_kvserve(),
-                        "sglang-router": client.direct_sglang,
-                        "vllm-router": client.direct_vllm,
-                    }[name.partition("-x")[0] if name.startswith("kvserve") else name],
-                    stream,
-                )
-                routed: Call = functools.partial(client.via_router, url[name], stream)
-                row: dict[str, Any] = {"system": name, "stream": stream}
-                for label, fn, pids in (
-                    ("direct", direct, []),
-                    ("router", routed, router_pids[name]),
-                ):
-                    row[f"{label}_seq"] = await measure(fn, 1, 60.0, args.sequential, pids)
-                    row[f"{label}_load"] = await measure(
-                        fn, args.concurrency, args.seconds, None, pids
-                    )
-                for phase in ("seq", "load"):
-                    r, d = row[f"router_{phase}"], row[f"direct_{phase}"]
-                    row[f"added_{phase}_p50_ms"] = r["p50_ms"] - d["p50_ms"]
-                    row[f"added_{phase}_p99_ms"] = r["p99_ms"] - d["p99_ms"]
-                print(table_row(row), file=sys.stderr, flush=True)
-                result["rows"].append(row)
+        result: dict[str, Any] = {
+            "output_tokens": len(tokens),
+            "ttft_ms": args.ttft_ms,
+            "repeats": args.repeats,
+            "rows": [],
+        }
+        # Rounds interleave the systems, so that a slow minute of the machine falls on
+        # every router alike rather than on one.
+        rounds = [(r, n, s) for r in range(args.repeats) for n in systems for s in (False, True)]
+        for repeat, name, stream in rounds:
+            direct: Call = functools.partial(
+                {
+                    "kvserve": lambda _s: client.direct_kvserve(),
+                    "sglang-router": client.direct_sglang,
+                    "vllm-router": client.direct_vllm,
+                }[name.partition("-x")[0] if name.startswith("kvserve") else name],
+                stream,
+            )
+            routed: Call = functools.partial(client.via_router, url[name], stream)
+            row: dict[str, Any] = {"system": name, "stream": stream, "repeat": repeat}
+            for label, fn, pids in (
+                ("direct", direct, []),
+                ("router", routed, router_pids[name]),
+            ):
+                row[f"{label}_seq"] = await measure(fn, 1, 60.0, args.sequential, pids)
+                row[f"{label}_load"] = await measure(fn, args.concurrency, args.seconds, None, pids)
+            for phase in ("seq", "load"):
+                r, d = row[f"router_{phase}"], row[f"direct_{phase}"]
+                row[f"added_{phase}_p50_ms"] = r["p50_ms"] - d["p50_ms"]
+                row[f"added_{phase}_p99_ms"] = r["p99_ms"] - d["p99_ms"]
+            print(table_row(row), file=sys.stderr, flush=True)
+            result["rows"].append(row)
+        result["medians"] = medians(result["rows"])
         pool.close()
         return result
     finally:
@@ -393,6 +401,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def medians(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per system and mode, the median over its repeats of each table figure."""
+    groups: dict[tuple[str, bool], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["system"], row["stream"]), []).append(row)
+    out = []
+    for (system, stream), group in groups.items():
+        med = {"system": system, "stream": stream, "repeats": len(group)}
+        for key in (
+            "added_seq_p50_ms",
+            "added_seq_p99_ms",
+            "added_load_p50_ms",
+            "added_load_p99_ms",
+        ):
+            med[key] = statistics.median(r[key] for r in group)
+        for phase in ("router_load", "direct_load"):
+            med[phase] = {
+                k: statistics.median(r[phase][k] for r in group)
+                for k in ("req_per_s", "cpu_us_per_req")
+            }
+        out.append(med)
+    return out
 
 
 def _kvserve_systems(name: str, processes: Sequence[int]) -> list[str]:
@@ -458,6 +490,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="load phase per path")
     parser.add_argument("--sequential", type=int, default=300, help="requests on one connection")
     parser.add_argument("--ttft-ms", type=float, default=20.0)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds over every system and mode, interleaved; medians printed at the end",
+    )
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument(
         "--model",
@@ -486,6 +524,10 @@ def main() -> None:
     print(TABLE_HEAD)
     for row in result["rows"]:
         print(table_row(row))
+    if args.repeats > 1:
+        print(f"\nmedians of {args.repeats} interleaved rounds:\n{TABLE_HEAD}")
+        for row in result["medians"]:
+            print(table_row(row))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
 
