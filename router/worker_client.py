@@ -268,27 +268,40 @@ def merge_batches(events: list[_E]) -> list[_E]:
     out: list[Any] = []
     run: list[TokenBatch] = []
     for event in events:
-        if (
-            isinstance(event, TokenBatch)
-            and run
-            and run[-1].finish_reason is None
-            and run[-1].request_id == event.request_id
-        ):
-            run.append(event)
+        if isinstance(event, TokenBatch):
+            if run:
+                prev = run[-1]
+                if prev.finish_reason is None and prev.request_id == event.request_id:
+                    run.append(event)
+                    continue
+                out.append(prev if len(run) == 1 else _join(run))
+            run = [event]
             continue
         if run:
             out.append(run[0] if len(run) == 1 else _join(run))
-        if isinstance(event, TokenBatch):
-            run = [event]
-        else:
             run = []
-            out.append(event)
+        out.append(event)
     if run:
         out.append(run[0] if len(run) == 1 else _join(run))
     return out
 
 
 def _join(batches: list[TokenBatch]) -> TokenBatch:
+    last = batches[-1]
+    token_ids: list[int] = []
+    logprobs: list[float | None] = []
+    for b in batches:  # the usual batches: logprobs aligned, no alternatives
+        if b.top_logprobs is not None or len(b.logprobs) != len(b.token_ids):
+            return _join_aligning(batches)
+        token_ids += b.token_ids
+        logprobs += b.logprobs
+    return TokenBatch(
+        last.request_id, token_ids, logprobs, last.finish_reason, last.num_output_tokens
+    )
+
+
+def _join_aligning(batches: list[TokenBatch]) -> TokenBatch:
+    """`_join` for batches with alternatives, or with fewer logprobs than tokens."""
     token_ids: list[int] = []
     logprobs: list[float | None] = []
     tops: list[list[tuple[int, float]] | None] | None = None
