@@ -8,7 +8,7 @@ httpx stays for the low-rate control calls (health, abort, admin).
 
 What it does: keep-alive connections pooled per (host, port); POST with a body;
 response status and body, the body streamed as it arrives (chunked or Content-Length),
-parsed by httptools (the parser uvicorn uses). A reused idle connection that turns out
+parsed by httptools (the parser uvicorn uses), one parser per connection. A reused idle connection that turns out
 closed before any response byte is retried once on a fresh one (the server never read
 the request). Timeouts: connecting is bounded here; with a deadline, the whole exchange
 (`Response.expire_at`), watched by one timer per pool for all its exchanges
@@ -193,6 +193,10 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self._parser = httptools.HttpResponseParser(self)
+        """One parser for the connection's responses, as llhttp reads a keep-alive
+        connection's messages one after another; a fresh one only after a message began
+        outside an exchange (`on_message_begin`), which may have left it mid-message."""
+        self._parser_dirty = False
         self._response: Response | None = None
         self._paused = False
         self._keep_alive = False
@@ -217,6 +221,11 @@ class _Connection(asyncio.Protocol):
             )
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        resp = self._response
+        if resp is None or resp.complete:  # bytes the server sent unasked
+            self._parser_dirty = True
+
     def on_headers_complete(self) -> None:
         resp = self._response
         if resp is not None:
@@ -261,7 +270,9 @@ class _Connection(asyncio.Protocol):
 
     def send(self, request: bytes) -> Response:
         assert self.transport is not None and self._response is None
-        self._parser = httptools.HttpResponseParser(self)
+        if self._parser_dirty:
+            self._parser = httptools.HttpResponseParser(self)
+            self._parser_dirty = False
         self._keep_alive = False
         self._response = Response(self)
         self.transport.write(request)
@@ -311,38 +322,29 @@ class Http1Pool:
         key, start = target
         request = b"%scontent-length: %d\r\n%s\r\n%s" % (start, len(body), self._extra_head, body)
         conn = self._take_idle(key)
-        if conn is not None:
+        reused = conn is not None
+        while True:
+            if conn is None:
+                conn = await self._connect(key, deadline)
+            resp = conn.send(request)
+            if deadline is not None:
+                resp.expire_at(deadline)
             try:
-                return await self._exchange(conn, request, deadline)
-            except ConnectionBroken as e:
-                if e.args[0] != _STALE:
+                await resp._headers_done
+            except ConnectionBroken:
+                resp._disarm()
+                conn._abandon(None)
+                if resp.got_bytes:
                     raise
-                # A stale keep-alive connection: the server never read the request.
-        if deadline is None:
-            conn = await self._connect(key)
-        else:
-            async with asyncio.timeout_at(deadline):  # new connections only: rare
-                conn = await self._connect(key)
-        return await self._exchange(conn, request, deadline)
-
-    @staticmethod
-    async def _exchange(conn: _Connection, request: bytes, deadline: float | None) -> Response:
-        resp = conn.send(request)
-        if deadline is not None:
-            resp.expire_at(deadline)
-        try:
-            await resp._headers_done
-        except ConnectionBroken:
-            resp._disarm()
-            conn._abandon(None)
-            if not resp.got_bytes:
+                if reused:  # a stale keep-alive connection: the server never read it
+                    conn, reused = None, False
+                    continue
                 raise ConnectionBroken(_STALE) from None
-            raise
-        except BaseException:  # deadline, cancelled (client gone): the exchange is lost
-            resp._disarm()
-            conn._abandon(None)
-            raise
-        return resp
+            except BaseException:  # deadline, cancelled (client gone): the exchange is lost
+                resp._disarm()
+                conn._abandon(None)
+                raise
+            return resp
 
     def close(self) -> None:
         for conns in self._idle.values():
@@ -358,7 +360,14 @@ class Http1Pool:
                 return conn
         return None
 
-    async def _connect(self, key: tuple[str, int]) -> _Connection:
+    async def _connect(self, key: tuple[str, int], deadline: float | None) -> _Connection:
+        """A new connection (rare: most exchanges reuse one), by `deadline` if given."""
+        if deadline is None:
+            return await self._connect_in_time(key)
+        async with asyncio.timeout_at(deadline):
+            return await self._connect_in_time(key)
+
+    async def _connect_in_time(self, key: tuple[str, int]) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout_s):
