@@ -8,11 +8,11 @@ httpx stays for the low-rate control calls (health, abort, admin).
 
 What it does: keep-alive connections pooled per (host, port); POST with a body;
 response status and body, the body streamed as it arrives (chunked or Content-Length),
-parsed by httptools (the parser uvicorn uses), one parser per connection. A reused idle connection that turns out
-closed before any response byte is retried once on a fresh one (the server never read
-the request). Timeouts: connecting is bounded here; with a deadline, the whole exchange
-(`Response.expire_at`), watched by one timer per pool for all its exchanges
-(`DeadlineClock`); cancelling closes the connection.
+parsed by httptools (the parser uvicorn uses), one parser per connection. A reused idle
+connection that turns out closed before any response byte is retried once on a fresh one
+(the server never read the request). Timeouts: connecting is bounded here; with a
+deadline, the whole exchange (`Response.expire_at`), watched by one timer per pool for
+all its exchanges (`DeadlineClock`); cancelling closes the connection.
 """
 
 from __future__ import annotations
@@ -139,22 +139,31 @@ class Response:
     async def read_some(self) -> bytes:
         """Every body byte that arrived since the last call (waiting for some), b"" once
         the body is complete. One await per socket read, where `chunks()` is one async
-        generator step per parser callback: the serving path reads streams this way."""
-        while not self._chunks:
+        generator step per parser callback. The serving path inlines this loop (`take`,
+        `arrival`): a coroutine less per read."""
+        while (data := self.take()) is None:
+            await self.arrival()
+        return data
+
+    def take(self) -> bytes | None:
+        """Every body byte that arrived since the last call; b"" once the body is
+        complete; None while nothing came yet (await `arrival()`, then take again).
+        Raises the exchange's error once what arrived before it was taken."""
+        chunks = self._chunks
+        if not chunks:
             if self.error is not None:
                 raise self.error
-            if self.complete:
-                return b""
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        chunks = self._chunks
+            return b"" if self.complete else None
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
         self._conn.resume()
         return data
+
+    def arrival(self) -> asyncio.Future[None]:
+        """Done when more of the body, its end or an error arrives. A waiter left
+        cancelled (the reader was) is never set: `_wake` skips done ones."""
+        self._waiter = waiter = self._loop.create_future()
+        return waiter
 
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.chunks()])
