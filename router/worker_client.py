@@ -191,27 +191,13 @@ class WorkerClient:
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    async def _post(
-        self, inst: Instance, path: str, msg: msgspec.Struct, deadline: float
-    ) -> Response:
-        """POST `msg`; the 200 response with its body unread (the caller closes it).
-        Typed errors out; a non-200 answer is read, closed and raised."""
+    async def _refused(self, inst: Instance, path: str, resp: Response) -> Exception:
+        """The error a non-200 answer stands for, its body read (the caller raises it and
+        closes `resp`)."""
         try:
-            resp = await self._pool.post(
-                inst.url + path, msgspec.json.encode(msg), deadline=deadline
-            )
-        except ConnectFailed as e:
-            raise InstanceUnreachable(inst, e) from None
+            return _error_answer(inst, path, resp.status, await resp.read())
         except ConnectionBroken as e:
-            raise _failed(inst, path, e) from None
-        if resp.status == 200:
-            return resp
-        try:
-            raise _error_answer(inst, path, resp.status, await resp.read())
-        except ConnectionBroken as e:
-            raise _failed(inst, path, e) from None
-        finally:
-            resp.close()
+            return _failed(inst, path, e)
 
     async def _events(
         self,
@@ -224,8 +210,17 @@ class WorkerClient:
         """Decoded NDJSON events of a streaming POST, each read bounded by `deadline`.
         TokenBatches that arrive in one socket read are yielded as one (see
         `merge_batches`)."""
-        resp = await self._post(inst, path, msg, deadline)  # `deadline` bounds its reading
+        try:  # the POST (in this frame: a coroutine less per call)
+            resp = await self._pool.post(
+                inst.url + path, msgspec.json.encode(msg), deadline=deadline
+            )  # `deadline` bounds its reading too
+        except ConnectFailed as e:
+            raise InstanceUnreachable(inst, e) from None
+        except ConnectionBroken as e:
+            raise _failed(inst, path, e) from None
         try:
+            if resp.status != 200:
+                raise await self._refused(inst, path, resp)
             pending = b""
             while True:
                 data = resp.take()  # resp.read_some() inline: a coroutine less per read
