@@ -8,11 +8,11 @@ httpx stays for the low-rate control calls (health, abort, admin).
 
 What it does: keep-alive connections pooled per (host, port); POST with a body;
 response status and body, the body streamed as it arrives (chunked or Content-Length),
-parsed by httptools (the parser uvicorn uses). A reused idle connection that turns out
-closed before any response byte is retried once on a fresh one (the server never read
-the request). Timeouts: connecting is bounded here; with a deadline, the whole exchange
-(`Response.expire_at`), watched by one timer per pool for all its exchanges
-(`DeadlineClock`); cancelling closes the connection.
+parsed by httptools (the parser uvicorn uses), one parser per connection. A reused idle
+connection that turns out closed before any response byte is retried once on a fresh one
+(the server never read the request). Timeouts: connecting is bounded here; with a
+deadline, the whole exchange (`Response.expire_at`), watched by one timer per pool for
+all its exchanges (`DeadlineClock`); cancelling closes the connection.
 """
 
 from __future__ import annotations
@@ -139,22 +139,31 @@ class Response:
     async def read_some(self) -> bytes:
         """Every body byte that arrived since the last call (waiting for some), b"" once
         the body is complete. One await per socket read, where `chunks()` is one async
-        generator step per parser callback: the serving path reads streams this way."""
-        while not self._chunks:
+        generator step per parser callback. The serving path inlines this loop (`take`,
+        `arrival`): a coroutine less per read."""
+        while (data := self.take()) is None:
+            await self.arrival()
+        return data
+
+    def take(self) -> bytes | None:
+        """Every body byte that arrived since the last call; b"" once the body is
+        complete; None while nothing came yet (await `arrival()`, then take again).
+        Raises the exchange's error once what arrived before it was taken."""
+        chunks = self._chunks
+        if not chunks:
             if self.error is not None:
                 raise self.error
-            if self.complete:
-                return b""
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        chunks = self._chunks
+            return b"" if self.complete else None
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
         self._conn.resume()
         return data
+
+    def arrival(self) -> asyncio.Future[None]:
+        """Done when more of the body, its end or an error arrives. A waiter left
+        cancelled (the reader was) is never set: `_wake` skips done ones."""
+        self._waiter = waiter = self._loop.create_future()
+        return waiter
 
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.chunks()])
@@ -193,6 +202,10 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self._parser = httptools.HttpResponseParser(self)
+        """One parser for the connection's responses, as llhttp reads a keep-alive
+        connection's messages one after another; a fresh one only after a message began
+        outside an exchange (`on_message_begin`), which may have left it mid-message."""
+        self._parser_dirty = False
         self._response: Response | None = None
         self._paused = False
         self._keep_alive = False
@@ -217,6 +230,11 @@ class _Connection(asyncio.Protocol):
             )
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        resp = self._response
+        if resp is None or resp.complete:  # bytes the server sent unasked
+            self._parser_dirty = True
+
     def on_headers_complete(self) -> None:
         resp = self._response
         if resp is not None:
@@ -261,7 +279,9 @@ class _Connection(asyncio.Protocol):
 
     def send(self, request: bytes) -> Response:
         assert self.transport is not None and self._response is None
-        self._parser = httptools.HttpResponseParser(self)
+        if self._parser_dirty:
+            self._parser = httptools.HttpResponseParser(self)
+            self._parser_dirty = False
         self._keep_alive = False
         self._response = Response(self)
         self.transport.write(request)
@@ -311,38 +331,29 @@ class Http1Pool:
         key, start = target
         request = b"%scontent-length: %d\r\n%s\r\n%s" % (start, len(body), self._extra_head, body)
         conn = self._take_idle(key)
-        if conn is not None:
+        reused = conn is not None
+        while True:
+            if conn is None:
+                conn = await self._connect(key, deadline)
+            resp = conn.send(request)
+            if deadline is not None:
+                resp.expire_at(deadline)
             try:
-                return await self._exchange(conn, request, deadline)
-            except ConnectionBroken as e:
-                if e.args[0] != _STALE:
+                await resp._headers_done
+            except ConnectionBroken:
+                resp._disarm()
+                conn._abandon(None)
+                if resp.got_bytes:
                     raise
-                # A stale keep-alive connection: the server never read the request.
-        if deadline is None:
-            conn = await self._connect(key)
-        else:
-            async with asyncio.timeout_at(deadline):  # new connections only: rare
-                conn = await self._connect(key)
-        return await self._exchange(conn, request, deadline)
-
-    @staticmethod
-    async def _exchange(conn: _Connection, request: bytes, deadline: float | None) -> Response:
-        resp = conn.send(request)
-        if deadline is not None:
-            resp.expire_at(deadline)
-        try:
-            await resp._headers_done
-        except ConnectionBroken:
-            resp._disarm()
-            conn._abandon(None)
-            if not resp.got_bytes:
+                if reused:  # a stale keep-alive connection: the server never read it
+                    conn, reused = None, False
+                    continue
                 raise ConnectionBroken(_STALE) from None
-            raise
-        except BaseException:  # deadline, cancelled (client gone): the exchange is lost
-            resp._disarm()
-            conn._abandon(None)
-            raise
-        return resp
+            except BaseException:  # deadline, cancelled (client gone): the exchange is lost
+                resp._disarm()
+                conn._abandon(None)
+                raise
+            return resp
 
     def close(self) -> None:
         for conns in self._idle.values():
@@ -358,7 +369,14 @@ class Http1Pool:
                 return conn
         return None
 
-    async def _connect(self, key: tuple[str, int]) -> _Connection:
+    async def _connect(self, key: tuple[str, int], deadline: float | None) -> _Connection:
+        """A new connection (rare: most exchanges reuse one), by `deadline` if given."""
+        if deadline is None:
+            return await self._connect_in_time(key)
+        async with asyncio.timeout_at(deadline):
+            return await self._connect_in_time(key)
+
+    async def _connect_in_time(self, key: tuple[str, int]) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout_s):

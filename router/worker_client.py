@@ -191,27 +191,13 @@ class WorkerClient:
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    async def _post(
-        self, inst: Instance, path: str, msg: msgspec.Struct, deadline: float
-    ) -> Response:
-        """POST `msg`; the 200 response with its body unread (the caller closes it).
-        Typed errors out; a non-200 answer is read, closed and raised."""
+    async def _refused(self, inst: Instance, path: str, resp: Response) -> Exception:
+        """The error a non-200 answer stands for, its body read (the caller raises it and
+        closes `resp`)."""
         try:
-            resp = await self._pool.post(
-                inst.url + path, msgspec.json.encode(msg), deadline=deadline
-            )
-        except ConnectFailed as e:
-            raise InstanceUnreachable(inst, e) from None
+            return _error_answer(inst, path, resp.status, await resp.read())
         except ConnectionBroken as e:
-            raise _failed(inst, path, e) from None
-        if resp.status == 200:
-            return resp
-        try:
-            raise _error_answer(inst, path, resp.status, await resp.read())
-        except ConnectionBroken as e:
-            raise _failed(inst, path, e) from None
-        finally:
-            resp.close()
+            return _failed(inst, path, e)
 
     async def _events(
         self,
@@ -224,10 +210,25 @@ class WorkerClient:
         """Decoded NDJSON events of a streaming POST, each read bounded by `deadline`.
         TokenBatches that arrive in one socket read are yielded as one (see
         `merge_batches`)."""
-        resp = await self._post(inst, path, msg, deadline)  # `deadline` bounds its reading
+        try:  # the POST (in this frame: a coroutine less per call)
+            resp = await self._pool.post(
+                inst.url + path, msgspec.json.encode(msg), deadline=deadline
+            )  # `deadline` bounds its reading too
+        except ConnectFailed as e:
+            raise InstanceUnreachable(inst, e) from None
+        except ConnectionBroken as e:
+            raise _failed(inst, path, e) from None
         try:
+            if resp.status != 200:
+                raise await self._refused(inst, path, resp)
             pending = b""
-            while data := await resp.read_some():
+            while True:
+                data = resp.take()  # resp.read_some() inline: a coroutine less per read
+                if data is None:
+                    await resp.arrival()
+                    continue
+                if not data:
+                    break
                 pending += data
                 # find, not `in`: bytes.__contains__ tries the operand as an integer
                 # first and builds (then drops) a TypeError for every bytes operand.
@@ -268,27 +269,40 @@ def merge_batches(events: list[_E]) -> list[_E]:
     out: list[Any] = []
     run: list[TokenBatch] = []
     for event in events:
-        if (
-            isinstance(event, TokenBatch)
-            and run
-            and run[-1].finish_reason is None
-            and run[-1].request_id == event.request_id
-        ):
-            run.append(event)
+        if isinstance(event, TokenBatch):
+            if run:
+                prev = run[-1]
+                if prev.finish_reason is None and prev.request_id == event.request_id:
+                    run.append(event)
+                    continue
+                out.append(prev if len(run) == 1 else _join(run))
+            run = [event]
             continue
         if run:
             out.append(run[0] if len(run) == 1 else _join(run))
-        if isinstance(event, TokenBatch):
-            run = [event]
-        else:
             run = []
-            out.append(event)
+        out.append(event)
     if run:
         out.append(run[0] if len(run) == 1 else _join(run))
     return out
 
 
 def _join(batches: list[TokenBatch]) -> TokenBatch:
+    last = batches[-1]
+    token_ids: list[int] = []
+    logprobs: list[float | None] = []
+    for b in batches:  # the usual batches: logprobs aligned, no alternatives
+        if b.top_logprobs is not None or len(b.logprobs) != len(b.token_ids):
+            return _join_aligning(batches)
+        token_ids += b.token_ids
+        logprobs += b.logprobs
+    return TokenBatch(
+        last.request_id, token_ids, logprobs, last.finish_reason, last.num_output_tokens
+    )
+
+
+def _join_aligning(batches: list[TokenBatch]) -> TokenBatch:
+    """`_join` for batches with alternatives, or with fewer logprobs than tokens."""
     token_ids: list[int] = []
     logprobs: list[float | None] = []
     tops: list[list[tuple[int, float]] | None] | None = None

@@ -149,6 +149,46 @@ def test_garbage_answer_is_connection_broken() -> None:
         _run(go())
 
 
+def test_one_parser_per_connection_and_a_fresh_one_after_stray_bytes() -> None:
+    """A keep-alive connection's responses go through one parser; bytes the server sends
+    between exchanges (the start of a response nobody asked for) leave that parser
+    mid-message, so the next exchange on the connection parses with a fresh one."""
+
+    async def go() -> list[bytes]:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            for i in range(4):
+                await reader.readuntil(b"\r\n\r\n")
+                answer = b"answer %d" % i
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(answer), answer)
+                )
+                if i == 1:
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-le")
+                await writer.drain()
+            await asyncio.sleep(0.2)
+            writer.close()
+
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        pool = Http1Pool(1.0)
+        out = []
+        try:
+            for i in range(4):
+                resp = await pool.post(f"http://127.0.0.1:{port}/x", b"")
+                out.append(await resp.read())
+                resp.close()
+                if i == 1:
+                    await asyncio.sleep(0.05)  # the stray bytes arrive while it is idle
+            conns = pool._idle[("127.0.0.1", port)]
+            assert len(conns) == 1 and conns[0]._parser_dirty is False
+        finally:
+            pool.close()
+            srv.close()
+        return out
+
+    assert _run(go()) == [b"answer %d" % i for i in range(4)]
+
+
 def test_cancelled_request_closes_its_connection(server: Any) -> None:
     async def go() -> int:
         pool = Http1Pool(1.0)
