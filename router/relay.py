@@ -107,6 +107,8 @@ class RequestRun:
         self._completed = False
         self._closed = False
         self._reservation: Reservation | None = None
+        self._prefill_stream: AsyncIterator[PrefillEvent] | None = None
+        """Prefill's event stream while it is open (`_open_prefill`)."""
 
     @property
     def request_id(self) -> str:
@@ -160,40 +162,46 @@ class RequestRun:
     async def _run(self) -> AsyncGenerator[WorkerTokens, None]:
         """The P/D serving path (subclasses serve other instance kinds). One frame from the
         worker streams to `events`: a streamed token passes this one, the worker
-        client's and the caller's."""
+        client's and the caller's; prefill's events are read here too (`_open_prefill`,
+        `_read_prefill`: coroutines, no generator of their own)."""
         decode_events: AsyncIterator[DecodeEvent] | None = None
         try:
             ready: DecodeReady | None = None
             if self.params.max_tokens > 1:
                 decode_events, ready = await self._open_decode()
-            first = None
-            prefill_events = self._prefill_events(ready)
+            opening = self._open_prefill(ready)
             if ready is not None and self.decode is not None:  # router/decode_bindings.py
                 bindings = self._s.registry.bindings
                 binding = bindings.bind(self.decode, ready.incarnation, self.request_id)
-                prefill_events = binding.guard(prefill_events)
-            async for event in prefill_events:
-                if isinstance(event, FirstToken):
-                    first = event
-                    self.usage = event.usage
-                    self._done(self.prefill)
-                    if event.finish_reason is not None:
-                        self._release(self.decode)  # its pages and landing are not needed
-                        self._completed = True
-                    top: list[list[tuple[int, float]] | None] | None = None
-                    if event.top_logprobs is not None:
-                        top = [event.top_logprobs]
-                    yield WorkerTokens([event.token_id], [event.logprob], event.finish_reason, top)
-                else:
+                event = await binding.watch(opening)
+            else:
+                event = await opening
+            prefill = self.prefill
+            first = None
+            while event is not None:
+                if not isinstance(event, FirstToken):
                     raise WorkerError(event.status, event.message)
-            self._done(self.prefill)
+                assert prefill is not None
+                first = event
+                self.usage = event.usage
+                self._prefilled(prefill, event.usage)
+                self._done(prefill)
+                if event.finish_reason is not None:
+                    self._release(self.decode)  # its pages and landing are not needed
+                    self._completed = True
+                top: list[list[tuple[int, float]] | None] | None = None
+                if event.top_logprobs is not None:
+                    top = [event.top_logprobs]
+                yield WorkerTokens([event.token_id], [event.logprob], event.finish_reason, top)
+                event = await self._read_prefill()
+            self._done(prefill)
             if first is None:
-                raise WorkerFailed(f"{_name(self.prefill)} ended its stream without a FirstToken")
+                raise WorkerFailed(f"{_name(prefill)} ended its stream without a FirstToken")
             if first.finish_reason is not None:
                 self._completed = True
                 return
             if decode_events is None:
-                raise WorkerFailed(f"{_name(self.prefill)} did not finish a max_tokens=1 request")
+                raise WorkerFailed(f"{_name(prefill)} did not finish a max_tokens=1 request")
             decode = self.decode
             assert decode is not None
             incarnation = ready.incarnation if ready is not None else ""
@@ -219,8 +227,11 @@ class RequestRun:
                     return
             raise WorkerFailed(f"{_name(decode)} ended its stream without a finish_reason")
         finally:
-            if decode_events is not None:
-                await decode_events.aclose()  # type: ignore[attr-defined]
+            try:
+                await self._close_prefill()
+            finally:
+                if decode_events is not None:
+                    await decode_events.aclose()  # type: ignore[attr-defined]
 
     async def _open_decode(self) -> tuple[AsyncIterator[DecodeEvent], DecodeReady]:
         """Open decode's stream and read its DecodeReady (the request then waits there)."""
@@ -280,7 +291,10 @@ class RequestRun:
         self._reservation = reservation
         return reservation.instance
 
-    async def _prefill_events(self, ready: DecodeReady | None) -> AsyncIterator[PrefillEvent]:
+    async def _open_prefill(self, ready: DecodeReady | None) -> PrefillEvent | None:
+        """Send prefill the request (another instance while one cannot be connected to)
+        and read its first event (None: its stream ended). The stream stays open in
+        `_prefill_stream` until `_close_prefill`."""
         req = PrefillRequest(
             version=PROTOCOL_VERSION,
             request_id=self.request_id,
@@ -289,33 +303,42 @@ class RequestRun:
             landing=ready.landing if ready is not None else [],
             notify_url=ready.notify_url if ready is not None else "",
         )
+        view = self._s.view
         tried: set[str] = set()
         while True:
             inst = self._pick("prefill", tried)
             self.prefill = inst
             self._start(inst)
-            started = False
-            view = self._s.view
             n = self.ctx.predicted_compute_tokens
             view.on_prefill_sent(inst, self.request_id, n or len(self.ctx.prompt_token_ids))
-            usage: PromptUsage | None = None
+            self._prefill_stream = self._s.client.prefill(inst, req, self.deadline)
             try:
-                async for event in self._s.client.prefill(inst, req, self.deadline):
-                    started = True
-                    if isinstance(event, FirstToken):
-                        usage = event.usage
-                        self._prefilled(inst, usage)
-                    yield event
-                return
-            except WorkerFailed as e:  # the worker broke mid-stream
-                self._broken(inst, e)
-                raise
-            except InstanceUnreachable as e:
-                assert not started
+                return await self._read_prefill()
+            except InstanceUnreachable as e:  # it never got the request
+                self._prefill_stream = None
+                view.on_prefill_done(inst, self.request_id, [], None, None)
                 self._forget(inst, e, tried)
-            finally:
-                if usage is None:
-                    view.on_prefill_done(inst, self.request_id, [], None, None)
+
+    async def _read_prefill(self) -> PrefillEvent | None:
+        """Prefill's next event, None at the stream's end."""
+        assert self._prefill_stream is not None and self.prefill is not None
+        try:
+            return await anext(self._prefill_stream, None)
+        except WorkerFailed as e:  # the worker broke mid-stream
+            self._broken(self.prefill, e)
+            raise
+
+    async def _close_prefill(self) -> None:
+        """Close prefill's stream if one is open; a prefill that never answered with its
+        first token no longer counts as the instance's queued work."""
+        events, self._prefill_stream = self._prefill_stream, None
+        if events is None:
+            return
+        try:
+            await events.aclose()  # type: ignore[attr-defined]
+        finally:
+            if self.usage is None and self.prefill is not None:
+                self._s.view.on_prefill_done(self.prefill, self.request_id, [], None, None)
 
     def _prefilled(self, inst: Instance, usage: PromptUsage) -> None:
         """Prefill answered: its cache (and pool) now hold the prompt's full blocks."""
