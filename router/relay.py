@@ -247,7 +247,8 @@ class RequestRun:
                 raise WorkerFailed(f"{_name(decode)} ended its stream without a finish_reason")
             finally:
                 try:
-                    await self._close_prefill()
+                    if self._prefill_stream is not None:
+                        await self._close_prefill()
                 finally:
                     if decode_events is not None:
                         await decode_events.aclose()  # type: ignore[attr-defined]
@@ -386,7 +387,7 @@ class RequestRun:
         return self._choose(role, self._candidates(role, tried))
 
     def _candidates(self, role: Role, tried: set[str]) -> list[Instance]:
-        candidates = self._s.registry.candidates(role, frozenset(tried))
+        candidates = self._s.registry.candidates(role, tried)
         if not candidates:
             total = len(self._s.registry.instances(role))
             raise WorkerUnavailable(
