@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.admission_order import AdmissionOrder, Waiter, make_order
-from router.cluster_view import ClusterView
+from router.cluster_view import ClusterView, InstanceState
 from router.errors import APIError, InvalidRequest
 from router.instances import Instance
 from router.lean_counter import LeanGauge
@@ -115,7 +115,10 @@ class AdmissionGate:
 
     def budget(self, inst: Instance) -> int | None:
         """Tokens the gate may hand out on `inst`; None when its capacity is unknown."""
-        info = self.view.state(inst).info
+        return self._budget_of(self.view.state(inst))
+
+    def _budget_of(self, st: InstanceState) -> int | None:
+        info = st.info
         if info is None:
             return None
         return int(info.kv_capacity_tokens * self.settings.headroom)
@@ -150,22 +153,36 @@ class AdmissionGate:
         """`admit` without waiting: the reservation when nobody waits and an instance has
         room, else None (the caller then awaits `admit`). Raises as `admit` does for a
         request no budget can hold."""
+        # One pass over the candidates: each one's budget and room read once.
+        room: list[Instance] = []
+        largest: int | None = None
+        too_large = True  # for every candidate (none when one's budget is unknown)
+        view = self.view
         cands = candidates()
-        budgets = [self.budget(i) for i in cands]
-        if cands and all(b is not None and tokens > b for b in budgets):
+        for inst in cands:
+            st = view.state(inst)
+            budget = self._budget_of(st)
+            if budget is None:
+                too_large = False
+                room.append(inst)
+                continue
+            if tokens <= budget:
+                too_large = False
+            if largest is None or budget > largest:
+                largest = budget
+            if st.reserved_tokens + tokens <= budget:
+                room.append(inst)
+        if cands and too_large:
             self.metrics.on_rejected("kv_headroom")
-            largest = max(b for b in budgets if b is not None)
             raise InvalidRequest(
                 f"the request needs decode KV for {tokens} tokens (prompt + max_tokens) but "
                 f"the largest decode budget is {largest} tokens; shorten the prompt or "
                 "max_tokens",
                 code="kv_budget_exceeded",
             )
-        if not self._waiters or self._may_pass(time.monotonic()):
-            room = [i for i in cands if self.fits(i, tokens)]
-            if room:
-                self.metrics.admission_wait.observe(0.0)
-                return self._reserve(choose(room), request_id, tokens)
+        if (not self._waiters or self._may_pass(time.monotonic())) and room:
+            self.metrics.admission_wait.observe(0.0)
+            return self._reserve(choose(room), request_id, tokens)
         return None
 
     def _may_pass(self, now: float) -> bool:

@@ -2,14 +2,14 @@
 to them when that process goes.
 
     relay: DecodeReady from decode d (incarnation i) ─▶ bind(d, i, request)
-           prefill's events are read through Binding.guard
+           prefill's call and first event are awaited through Binding.watch
            first token from prefill (decode has the request now) ─▶ Binding.release
     the router learns d is down:
       a connection to d refused or broken, GET /health refused or not 200
                                      (InstanceRegistry.mark_unhealthy, down=True)
       GET /health names a new incarnation (the supervisor restarted d)
                                      (InstanceRegistry.mark_healthy)
-    ─▶ every binding of d's dead process is lost: its guard raises DecodeLost at once, the
+    ─▶ every binding of d's dead process is lost: its `watch` raises DecodeLost at once, the
        run fails with a 503 (retry-after), and its failure path aborts the request on
        every instance that was sent it (prefill's /abort drops it from the queue or the
        engine: no prompt is computed and sent to a landing that no longer exists)
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, TypeVar
 
 from router.errors import WorkerUnavailable
@@ -47,8 +47,8 @@ class DecodeLost(WorkerUnavailable):
 class Binding:
     """One request reserved on one decode process, waiting for prefill.
 
-    No task of its own: while its guard waits for prefill's first event, a loss cancels
-    the task that iterates the guard (the request's own), and the guard turns that
+    No task of its own: while `watch` waits for prefill's first event, a loss cancels
+    the task that awaits it (the request's own), and `watch` turns that
     cancellation into DecodeLost (Task.uncancel: a cancellation from elsewhere, such as
     the client leaving, still propagates)."""
 
@@ -62,7 +62,7 @@ class Binding:
         self.lost_reason: str | None = None
         """Set once the decode process is known to be gone."""
         self._waiting: asyncio.Task[object] | None = None
-        """The task suspended in the guard's first read (the one to cancel on a loss)."""
+        """The task suspended in `watch` (the one to cancel on a loss)."""
         self._cancelled = False
 
     def release(self) -> None:
@@ -70,7 +70,7 @@ class Binding:
         self._owner._drop(self)
 
     def lose(self, reason: str) -> None:
-        """The decode process is gone: the guard raises DecodeLost now or at its entry."""
+        """The decode process is gone: `watch` raises DecodeLost now or at its entry."""
         if self.lost_reason is not None:
             return
         self.lost_reason = reason
@@ -78,20 +78,19 @@ class Binding:
             self._cancelled = True
             self._waiting.cancel(f"decode lost: {reason}")
 
-    async def guard(self, events: AsyncIterator[_T]) -> AsyncIterator[_T]:
-        """`events` (prefill's) until they end, or DecodeLost as soon as the decode
-        process is lost (the pending read is cancelled and unwinds first). The binding is
-        released at prefill's first event (its first token: decode holds the request from
-        then on, and a break of decode's stream is the relay's to see) or at the end."""
-        it = aiter(events)
+    async def watch(self, first: Coroutine[object, object, _T]) -> _T:
+        """`first`'s result (the relay's call to prefill and its first event), or
+        DecodeLost as soon as the decode process is lost (`first` is cancelled and
+        unwinds first). The binding is released when `first` ends, however it ends:
+        decode holds the request from prefill's first token on, and a break of decode's
+        stream is the relay's to see."""
         try:
             if self.lost_reason is not None:
+                first.close()
                 raise self._error()
             self._waiting = asyncio.current_task()
             try:
-                first = await anext(it)
-            except StopAsyncIteration:
-                return
+                result = await first
             except BaseException as e:
                 if not self._cancelled:
                     raise
@@ -107,8 +106,18 @@ class Binding:
                 if task is not None:
                     task.uncancel()
                 raise self._error()
+            return result
         finally:
             self.release()
+
+    async def guard(self, events: AsyncIterator[_T]) -> AsyncIterator[_T]:
+        """`events` until they end, their first one read through `watch` (DecodeLost as
+        soon as the decode process is lost while it is awaited)."""
+        it = aiter(events)
+        try:
+            first = await self.watch(_first(it))
+        except StopAsyncIteration:
+            return
         yield first
         async for event in it:
             yield event
@@ -121,6 +130,10 @@ class Binding:
             code="decode_instance_lost",
             headers={"retry-after": "1"},
         )
+
+
+async def _first(events: AsyncIterator[_T]) -> _T:
+    return await anext(events)
 
 
 class DecodeBindings:

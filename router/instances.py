@@ -10,7 +10,7 @@ does not mark the new process.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -69,7 +69,7 @@ class InstanceRegistry:
     def all(self) -> list[Instance]:
         return [*self._by_role["prefill"], *self._by_role["decode"], *self._by_role["unified"]]
 
-    def candidates(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[Instance]:
+    def candidates(self, role: Role, exclude: Collection[str] = ()) -> list[Instance]:
         """Healthy instances of `role`, minus those named in `exclude` (already tried)."""
         return [i for i in self._by_role[role] if i.healthy and i.name not in exclude]
 

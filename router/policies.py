@@ -42,10 +42,13 @@ class RouteContext:
     predicted_compute_tokens: int | None = None
     """Set by a pricing policy for the prefill it chose: prompt tokens it expects that
     instance to compute (the router counts them as that instance's queued work)."""
-    _hashes: dict[tuple[int, bytes], list[BlockHash]] = field(default_factory=dict, repr=False)
+    _hashes: dict[tuple[int, bytes], list[BlockHash]] | None = field(default=None, repr=False)
+    """Built on the first `block_hashes` (a policy or a view that knows a block size)."""
 
     def block_hashes(self, block_size: int, root: BlockHash) -> list[BlockHash]:
         """The prompt's hash chain (protocol/hashing.py), computed once per (size, root)."""
+        if self._hashes is None:
+            self._hashes = {}
         key = (block_size, bytes(root))
         if key not in self._hashes:
             self._hashes[key] = hash_chain(self.prompt_token_ids, block_size, root)

@@ -27,7 +27,7 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -53,8 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
-
 
 @dataclass(slots=True)
 class WorkerTokens:
@@ -79,6 +77,46 @@ class RelayServices:
     on_route: Callable[[Instance], None] = lambda _: None
     view: ClusterView = field(default_factory=ClusterView)
     gate: AdmissionGate | None = None
+
+
+class RunEnd:
+    """How a run ends, whatever its serving path: `_run` (every kind's) runs inside
+    `with RunEnd(self):`. A run that did not complete (failed, timed out, closed before
+    its finish: the client left) aborts every instance that was sent it, a timeout
+    becomes UpstreamTimeout (504), and the decode reservation is released however it
+    ends. A context manager, not a generator around `_run`: a streamed token passes one
+    frame fewer."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: RequestRun) -> None:
+        self.run = run
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        run = self.run
+        reason: AbortReason = "error"
+        try:
+            if exc_type is None:
+                pass
+            elif issubclass(exc_type, (asyncio.CancelledError, GeneratorExit)):
+                reason = "client_disconnected"
+            elif issubclass(exc_type, TimeoutError):
+                reason = "timeout"
+                raise UpstreamTimeout(
+                    f"request {run.request_id} did not finish within {run.timeout_s:g} s "
+                    "(router.request_timeout_s)"
+                ) from None
+        finally:
+            if not run._completed:
+                run.close(reason)
+            run._closed = True
+            if run._reservation is not None:
+                run._reservation.release()
 
 
 class RequestRun:
@@ -107,38 +145,20 @@ class RequestRun:
         self._completed = False
         self._closed = False
         self._reservation: Reservation | None = None
+        self._prefill_stream: AsyncIterator[PrefillEvent] | None = None
+        """Prefill's event stream while it is open (`_open_prefill`)."""
 
     @property
     def request_id(self) -> str:
         return self.ctx.request_id
 
-    async def events(self) -> AsyncGenerator[WorkerTokens, None]:
-        """First token, then decode's token batches, until a worker reports a finish.
-        Closing it closes `_run` in the closing task (not in a task of the event loop's
-        async-generator finalizer, one more task and a wake-up of the loop per request)."""
-        reason: AbortReason = "error"
-        run = self._run()
-        try:
-            async for tokens in run:
-                yield tokens
-        except (asyncio.CancelledError, GeneratorExit):
-            reason = "client_disconnected"
-            raise
-        except TimeoutError:
-            reason = "timeout"
-            raise UpstreamTimeout(
-                f"request {self.request_id} did not finish within {self.timeout_s:g} s "
-                "(router.request_timeout_s)"
-            ) from None
-        finally:
-            try:
-                await run.aclose()  # nothing once it ended; else its finally runs now
-            finally:
-                if not self._completed:
-                    self.close(reason)
-                self._closed = True
-                if self._reservation is not None:
-                    self._reservation.release()
+    def events(self) -> AsyncGenerator[WorkerTokens, None]:
+        """First token, then decode's token batches, until a worker reports a finish:
+        the serving path itself (`_run`, which ends inside `RunEnd`: no generator frame
+        around it). Closing it ends the run in the closing task (not in a task of the
+        event loop's async-generator finalizer, one more task and a wake-up of the loop
+        per request)."""
+        return self._run()
 
     def close(self, reason: AbortReason) -> None:
         """The run failed: abort every instance that was sent it. Idempotent."""
@@ -158,25 +178,33 @@ class RequestRun:
     # -- the serving path -------------------------------------------------------------------
 
     async def _run(self) -> AsyncGenerator[WorkerTokens, None]:
-        """The P/D serving path (subclasses serve other instance kinds). One frame from the
-        worker streams to `events`: a streamed token passes this one, the worker
-        client's and the caller's."""
-        decode_events: AsyncIterator[DecodeEvent] | None = None
-        try:
-            ready: DecodeReady | None = None
-            if self.params.max_tokens > 1:
-                decode_events, ready = await self._open_decode()
-            first = None
-            prefill_events = self._prefill_events(ready)
-            if ready is not None and self.decode is not None:  # router/decode_bindings.py
-                bindings = self._s.registry.bindings
-                binding = bindings.bind(self.decode, ready.incarnation, self.request_id)
-                prefill_events = binding.guard(prefill_events)
-            async for event in prefill_events:
-                if isinstance(event, FirstToken):
+        """The P/D serving path (subclasses serve other instance kinds, each inside
+        `RunEnd` too). One frame from the worker streams to the caller: a streamed token
+        passes this one and the worker client's; prefill's events are read here too
+        (`_open_prefill`, `_read_prefill`: coroutines, no generator of their own)."""
+        with RunEnd(self):
+            decode_events: AsyncIterator[DecodeEvent] | None = None
+            try:
+                ready: DecodeReady | None = None
+                if self.params.max_tokens > 1:
+                    decode_events, ready = await self._open_decode()
+                opening = self._open_prefill(ready)
+                if ready is not None and self.decode is not None:  # router/decode_bindings.py
+                    bindings = self._s.registry.bindings
+                    binding = bindings.bind(self.decode, ready.incarnation, self.request_id)
+                    event = await binding.watch(opening)
+                else:
+                    event = await opening
+                prefill = self.prefill
+                first = None
+                while event is not None:
+                    if not isinstance(event, FirstToken):
+                        raise WorkerError(event.status, event.message)
+                    assert prefill is not None
                     first = event
                     self.usage = event.usage
-                    self._done(self.prefill)
+                    self._prefilled(prefill, event.usage)
+                    self._done(prefill)
                     if event.finish_reason is not None:
                         self._release(self.decode)  # its pages and landing are not needed
                         self._completed = True
@@ -184,43 +212,46 @@ class RequestRun:
                     if event.top_logprobs is not None:
                         top = [event.top_logprobs]
                     yield WorkerTokens([event.token_id], [event.logprob], event.finish_reason, top)
-                else:
-                    raise WorkerError(event.status, event.message)
-            self._done(self.prefill)
-            if first is None:
-                raise WorkerFailed(f"{_name(self.prefill)} ended its stream without a FirstToken")
-            if first.finish_reason is not None:
-                self._completed = True
-                return
-            if decode_events is None:
-                raise WorkerFailed(f"{_name(self.prefill)} did not finish a max_tokens=1 request")
-            decode = self.decode
-            assert decode is not None
-            incarnation = ready.incarnation if ready is not None else ""
-            next_batch = decode_events.__anext__
-            while True:
-                try:
-                    batch = await next_batch()
-                except StopAsyncIteration:
-                    break
-                except WorkerFailed as e:  # the worker broke mid-stream
-                    self._broken(decode, e, incarnation)
-                    raise
-                if isinstance(batch, ErrorEvent):
-                    raise WorkerError(batch.status, batch.message)
-                if not isinstance(batch, TokenBatch):
-                    raise WorkerFailed(f"{_name(decode)} sent a second DecodeReady")
-                finish = batch.finish_reason
-                if finish is not None:
-                    self._done(decode)
+                    event = await self._read_prefill()
+                self._done(prefill)
+                if first is None:
+                    raise WorkerFailed(f"{_name(prefill)} ended its stream without a FirstToken")
+                if first.finish_reason is not None:
                     self._completed = True
-                yield WorkerTokens(batch.token_ids, batch.logprobs, finish, batch.top_logprobs)
-                if finish is not None:
                     return
-            raise WorkerFailed(f"{_name(decode)} ended its stream without a finish_reason")
-        finally:
-            if decode_events is not None:
-                await decode_events.aclose()  # type: ignore[attr-defined]
+                if decode_events is None:
+                    raise WorkerFailed(f"{_name(prefill)} did not finish a max_tokens=1 request")
+                decode = self.decode
+                assert decode is not None
+                incarnation = ready.incarnation if ready is not None else ""
+                next_batch = decode_events.__anext__
+                while True:
+                    try:
+                        batch = await next_batch()
+                    except StopAsyncIteration:
+                        break
+                    except WorkerFailed as e:  # the worker broke mid-stream
+                        self._broken(decode, e, incarnation)
+                        raise
+                    if isinstance(batch, ErrorEvent):
+                        raise WorkerError(batch.status, batch.message)
+                    if not isinstance(batch, TokenBatch):
+                        raise WorkerFailed(f"{_name(decode)} sent a second DecodeReady")
+                    finish = batch.finish_reason
+                    if finish is not None:
+                        self._done(decode)
+                        self._completed = True
+                    yield WorkerTokens(batch.token_ids, batch.logprobs, finish, batch.top_logprobs)
+                    if finish is not None:
+                        return
+                raise WorkerFailed(f"{_name(decode)} ended its stream without a finish_reason")
+            finally:
+                try:
+                    if self._prefill_stream is not None:
+                        await self._close_prefill()
+                finally:
+                    if decode_events is not None:
+                        await decode_events.aclose()  # type: ignore[attr-defined]
 
     async def _open_decode(self) -> tuple[AsyncIterator[DecodeEvent], DecodeReady]:
         """Open decode's stream and read its DecodeReady (the request then waits there)."""
@@ -280,7 +311,10 @@ class RequestRun:
         self._reservation = reservation
         return reservation.instance
 
-    async def _prefill_events(self, ready: DecodeReady | None) -> AsyncIterator[PrefillEvent]:
+    async def _open_prefill(self, ready: DecodeReady | None) -> PrefillEvent | None:
+        """Send prefill the request (another instance while one cannot be connected to)
+        and read its first event (None: its stream ended). The stream stays open in
+        `_prefill_stream` until `_close_prefill`."""
         req = PrefillRequest(
             version=PROTOCOL_VERSION,
             request_id=self.request_id,
@@ -289,33 +323,42 @@ class RequestRun:
             landing=ready.landing if ready is not None else [],
             notify_url=ready.notify_url if ready is not None else "",
         )
+        view = self._s.view
         tried: set[str] = set()
         while True:
             inst = self._pick("prefill", tried)
             self.prefill = inst
             self._start(inst)
-            started = False
-            view = self._s.view
             n = self.ctx.predicted_compute_tokens
             view.on_prefill_sent(inst, self.request_id, n or len(self.ctx.prompt_token_ids))
-            usage: PromptUsage | None = None
+            self._prefill_stream = self._s.client.prefill(inst, req, self.deadline)
             try:
-                async for event in self._s.client.prefill(inst, req, self.deadline):
-                    started = True
-                    if isinstance(event, FirstToken):
-                        usage = event.usage
-                        self._prefilled(inst, usage)
-                    yield event
-                return
-            except WorkerFailed as e:  # the worker broke mid-stream
-                self._broken(inst, e)
-                raise
-            except InstanceUnreachable as e:
-                assert not started
+                return await self._read_prefill()
+            except InstanceUnreachable as e:  # it never got the request
+                self._prefill_stream = None
+                view.on_prefill_done(inst, self.request_id, [], None, None)
                 self._forget(inst, e, tried)
-            finally:
-                if usage is None:
-                    view.on_prefill_done(inst, self.request_id, [], None, None)
+
+    async def _read_prefill(self) -> PrefillEvent | None:
+        """Prefill's next event, None at the stream's end."""
+        assert self._prefill_stream is not None and self.prefill is not None
+        try:
+            return await anext(self._prefill_stream, None)
+        except WorkerFailed as e:  # the worker broke mid-stream
+            self._broken(self.prefill, e)
+            raise
+
+    async def _close_prefill(self) -> None:
+        """Close prefill's stream if one is open; a prefill that never answered with its
+        first token no longer counts as the instance's queued work."""
+        events, self._prefill_stream = self._prefill_stream, None
+        if events is None:
+            return
+        try:
+            await events.aclose()  # type: ignore[attr-defined]
+        finally:
+            if self.usage is None and self.prefill is not None:
+                self._s.view.on_prefill_done(self.prefill, self.request_id, [], None, None)
 
     def _prefilled(self, inst: Instance, usage: PromptUsage) -> None:
         """Prefill answered: its cache (and pool) now hold the prompt's full blocks."""
@@ -326,18 +369,6 @@ class RequestRun:
         self._s.view.on_prefill_done(
             inst, self.request_id, self.ctx.prompt_token_ids, hashes, usage
         )
-
-    async def _guard(
-        self, inst: Instance, events: AsyncIterator[_T], incarnation: str = ""
-    ) -> AsyncIterator[_T]:
-        """Pass events through; a worker that broke mid-stream is marked unhealthy (see
-        `_broken`)."""
-        try:
-            async for event in events:
-                yield event
-        except WorkerFailed as e:
-            self._broken(inst, e, incarnation)
-            raise
 
     def _broken(self, inst: Instance, error: WorkerFailed, incarnation: str = "") -> None:
         """`inst` broke mid-stream: unhealthy, unless the stream was `incarnation`'s and
@@ -356,7 +387,7 @@ class RequestRun:
         return self._choose(role, self._candidates(role, tried))
 
     def _candidates(self, role: Role, tried: set[str]) -> list[Instance]:
-        candidates = self._s.registry.candidates(role, frozenset(tried))
+        candidates = self._s.registry.candidates(role, tried)
         if not candidates:
             total = len(self._s.registry.instances(role))
             raise WorkerUnavailable(
