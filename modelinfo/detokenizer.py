@@ -156,8 +156,7 @@ def _byte_stream(
     if not isinstance(table, TokenBytes):
         return None
     stream = ByteStream(table, skip_special_tokens=skip_special_tokens)
-    for token_id in context:
-        stream.append(token_id)
+    stream.extend(context)  # one call: `extend` is `append` of each id
     return None if stream.pending else stream
 
 
