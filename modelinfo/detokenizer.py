@@ -283,7 +283,7 @@ class RequestOutputText:
         if room <= take:
             take, finish = room, "length"
         stop_ids = self.stop_checker._stop_ids
-        if stop_ids:
+        if not stop_ids.isdisjoint(token_ids[:take]):  # one C call when none is there
             min_tokens = self.params.min_tokens
             for i in range(take):  # a stop id wins over "length" on the same token
                 token_id = token_ids[i]
