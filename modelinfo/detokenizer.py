@@ -156,8 +156,7 @@ def _byte_stream(
     if not isinstance(table, TokenBytes):
         return None
     stream = ByteStream(table, skip_special_tokens=skip_special_tokens)
-    for token_id in context:
-        stream.append(token_id)
+    stream.extend(context)  # one call: `extend` is `append` of each id
     return None if stream.pending else stream
 
 
@@ -284,7 +283,7 @@ class RequestOutputText:
         if room <= take:
             take, finish = room, "length"
         stop_ids = self.stop_checker._stop_ids
-        if stop_ids:
+        if not stop_ids.isdisjoint(token_ids[:take]):  # one C call when none is there
             min_tokens = self.params.min_tokens
             for i in range(take):  # a stop id wins over "length" on the same token
                 token_id = token_ids[i]

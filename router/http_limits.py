@@ -121,13 +121,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._parsed_header_bytes = 0
         super().on_message_begin()
 
+    # on_url and on_header do what uvicorn's do, inline rather than through super(): a
+    # Python call less per header line (httptools calls them for every request).
+
     def on_url(self, url: bytes) -> None:
         self._parsed_header_bytes += len(url)
-        super().on_url(url)
+        self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._parsed_header_bytes += len(name) + len(value) + 4  # ": " and CRLF
-        super().on_header(name, value)
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         if self._refused:

@@ -91,7 +91,8 @@ class ResponseFormatter:
 
     def add_delta(self, delta: OutputDelta) -> None:
         """Non-streaming: collect text and logprobs as deltas arrive."""
-        self._collect(delta)
+        if self.req.logprobs:
+            self._collect(delta)
         self._text += delta.text
 
     def choice(self, finish_reason: str | None) -> dict[str, Any]:

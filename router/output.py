@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -94,17 +93,20 @@ class OutputStream:
         """Deltas until a finish; the last one carries the finish reason. Closing this
         generator closes the run's event stream (which aborts the workers if unfinished)."""
         # Runs once this task first waits on a worker (the loop's next turn).
+        events = self.run.events()
         build = asyncio.get_running_loop().call_soon(self._build_text)
-        try:
-            async with aclosing(self.run.events()) as events:
-                async for batch in events:
-                    delta = self._convert(batch)
-                    yield delta
-                    if delta.finish_reason is not None:
-                        self.finish_reason = delta.finish_reason
-                        return
+        try:  # what `async with aclosing(...)` does, without its three Python calls
+            async for batch in events:
+                delta = self._convert(batch)
+                yield delta
+                if delta.finish_reason is not None:
+                    self.finish_reason = delta.finish_reason
+                    return
         finally:
-            build.cancel()
+            try:
+                await events.aclose()
+            finally:
+                build.cancel()
 
     def _convert(self, batch: WorkerTokens) -> OutputDelta:
         token_ids = batch.token_ids
@@ -114,7 +116,8 @@ class OutputStream:
         finish: str | None = by_rules
         if taken < len(token_ids):
             token_ids = token_ids[:taken]
-        logprobs = _fit(batch.logprobs, taken)
+        logprobs = batch.logprobs
+        logprobs = list(logprobs) if len(logprobs) == taken else _fit(logprobs, taken)
         top = batch.top_logprobs
         tops: list[list[tuple[int, float]] | None] = (
             [None] * taken if top is None else _fit(top, taken)

@@ -170,8 +170,13 @@ class Preprocessor:
             raise InvalidRequest("best_of other than 1 is not supported", param="best_of")
         prompt = _single_prompt(req.prompt)
         if isinstance(prompt, str):
+            # Not _maybe_in_thread: no template here to fail, and a short prompt (the
+            # rule) then costs no coroutine and closure of its own.
             encoder = self._prompt_encoder
-            ids = await _maybe_in_thread(lambda: encoder.encode(prompt), len(prompt))
+            if len(prompt) > _THREAD_TOKENIZE_CHARS:
+                ids = await asyncio.to_thread(encoder.encode, prompt)
+            else:
+                ids = encoder.encode(prompt)
         else:
             vocab = self.model.config.vocab_size
             bad = next((t for t in prompt if not 0 <= t < vocab), None)

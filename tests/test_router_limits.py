@@ -215,3 +215,32 @@ def test_deeply_nested_json_is_400(h: RouterHarness, depth: int) -> None:
     )
     assert r.status_code == 400 and r.json()["error"]["code"] == "json_too_deep"
     assert _server_errors(h) == before
+
+
+def test_the_header_callbacks_record_what_uvicorns_do() -> None:
+    """GuardedHttpToolsProtocol's on_url / on_header do uvicorn's work inline (no super()
+    call per header): the same URL, headers (names lower-cased, order and case of values
+    kept) and 100-continue flag as uvicorn's own callbacks."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from router.http_limits import GuardedHttpToolsProtocol
+
+    lines = [
+        (b"Host", b"x"),
+        (b"Content-Type", b"Application/JSON"),
+        (b"EXPECT", b"100-Continue"),
+        (b"x-a", b"1"),
+        (b"X-A", b"2"),
+    ]
+    states = []
+    for cls in (GuardedHttpToolsProtocol, HttpToolsProtocol):
+        proto = object.__new__(cls)
+        proto.url, proto.headers, proto.expect_100_continue = b"", [], False
+        proto._parsed_header_bytes = 0
+        for part in (b"/v1/comp", b"letions"):
+            cls.on_url(proto, part)
+        for name, value in lines:
+            cls.on_header(proto, name, value)
+        states.append((proto.url, proto.headers, proto.expect_100_continue))
+    assert states[0] == states[1]
+    assert states[0][2] is True and states[0][1][1] == (b"content-type", b"Application/JSON")

@@ -120,3 +120,35 @@ def test_stripping_added_tokens_keep_the_tokenizers_encode(smollm2: Tokenizer) -
     backend.add_special_tokens([AddedToken("<tool>", special=True, lstrip=True)])
     enc = PromptEncoder(Tokenizer(backend, {}))
     assert not enc.by_pieces
+
+
+def test_plain_prompts_give_the_tokenizers_ids(smollm2: Tokenizer) -> None:
+    """A plain text is tokenized whole by `encode_batch_fast` (no char offsets): the
+    same ids as `encode`, with and without the special tokens added, on texts of every
+    kind of character the byte-level pre-tokenizer splits on."""
+    enc = PromptEncoder(smollm2)
+    assert enc._fast is not None
+    rng = random.Random(13)
+    alphabet = [
+        *"abcXYZ 019 \n\t\r.,;:!?'\"()[]{}<>/\\|_-+=*&^%$#@~`é漢字ßøñ",
+        "🙂",
+        "👩‍💻",
+        "\u200b",
+    ]
+    texts = ["", " ", "  leading", "trailing  ", "Write one short sentence about caching."]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60))) for _ in range(1500)]
+    for text in texts:
+        for add in (True, False):
+            assert enc.encode(text, add_special_tokens=add) == smollm2.encode(
+                text, add_special_tokens=add
+            ), text
+
+
+def test_a_padding_tokenizer_keeps_its_own_encode(smollm2: Tokenizer) -> None:
+    backend = Backend.from_str(smollm2.backend.to_str())
+    backend.enable_padding(length=16)
+    tok = Tokenizer(backend, {})
+    enc = PromptEncoder(tok)
+    assert enc._fast is None
+    assert enc.encode("Hi there") == tok.encode("Hi there")
+    assert len(enc.encode("Hi there")) == 16

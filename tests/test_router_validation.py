@@ -154,6 +154,14 @@ CASES: list[tuple[str, Any, int, str | None, str | None, str]] = [
         "context_length_exceeded",
         str(MAX_INPUT),
     ),
+    (  # text past 16 K characters: tokenized in a worker thread, then counted
+        COMPLETION,
+        _completion(prompt="hello " * 5000),
+        400,
+        "prompt",
+        "context_length_exceeded",
+        "has 5001 tokens",  # 5,000 "hello" and the last space
+    ),
     (COMPLETION, _completion(prompt=""), 400, "prompt", None, "empty"),
     (COMPLETION, _completion(prompt=[]), 400, "prompt", None, "empty"),
     (COMPLETION, _completion(prompt=["a", "b"]), 400, "prompt", None, "batched"),
