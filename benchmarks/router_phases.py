@@ -337,7 +337,7 @@ def install() -> None:
     patch(serving, "prepare", "choice_request", "_open_stream", "formatter_for")
     patch(prompt_tokens.PromptEncoder, "tokenize", "encode")
     patch(relay.RequestRun, "policy", "_pick", "_admit_decode")
-    patch(relay.RequestRun, "relay", "events")
+    patch(relay.RequestRun, "relay", "_run")
     patch(worker_client.WorkerClient, "worker_http", "_events")
     patch(http1._Connection, "worker_http", "data_received")
     patch(worker_client, "events", "merge_batches", "_decode_event")
