@@ -101,11 +101,11 @@ class RunEnd:
         run = self.run
         reason: AbortReason = "error"
         try:
-            if exc_type is None:
-                pass
-            elif issubclass(exc_type, (asyncio.CancelledError, GeneratorExit)):
+            if exc_type is not None and issubclass(
+                exc_type, (asyncio.CancelledError, GeneratorExit)
+            ):
                 reason = "client_disconnected"
-            elif issubclass(exc_type, TimeoutError):
+            elif exc_type is not None and issubclass(exc_type, TimeoutError):
                 reason = "timeout"
                 raise UpstreamTimeout(
                     f"request {run.request_id} did not finish within {run.timeout_s:g} s "
