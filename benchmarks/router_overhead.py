@@ -40,7 +40,6 @@ import functools
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -54,6 +53,7 @@ import psutil
 
 from benchmarks.cpu_peer import cpu_model
 from benchmarks.router_peers import PEERS
+from benchmarks.router_table import TABLE_HEAD, medians, table_row
 from protocol.messages import (
     PROTOCOL_VERSION,
     DecodeReady,
@@ -403,30 +403,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 p.kill()
 
 
-def medians(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per system and mode, the median over its repeats of each table figure."""
-    groups: dict[tuple[str, bool], list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault((row["system"], row["stream"]), []).append(row)
-    out = []
-    for (system, stream), group in groups.items():
-        med = {"system": system, "stream": stream, "repeats": len(group)}
-        for key in (
-            "added_seq_p50_ms",
-            "added_seq_p99_ms",
-            "added_load_p50_ms",
-            "added_load_p99_ms",
-        ):
-            med[key] = statistics.median(r[key] for r in group)
-        for phase in ("router_load", "direct_load"):
-            med[phase] = {
-                k: statistics.median(r[phase][k] for r in group)
-                for k in ("req_per_s", "cpu_us_per_req")
-            }
-        out.append(med)
-    return out
-
-
 def _kvserve_systems(name: str, processes: Sequence[int]) -> list[str]:
     """kvserve's router once per process count: "kvserve", "kvserve-x2", ..."""
     if name != "kvserve":
@@ -437,23 +413,6 @@ def _kvserve_systems(name: str, processes: Sequence[int]) -> list[str]:
 def _num_processes(name: str) -> int:
     _, _, num = name.partition("-x")
     return int(num) if num else 1
-
-
-TABLE_HEAD = (
-    "| router | mode | added p50 / p99, 1 conn (ms) | added p50 / p99 at 64 (ms) "
-    "| req/s at 64 | direct req/s at 64 | router CPU µs/req at 64 |"
-    "\n|---|---|---:|---:|---:|---:|---:|"
-)
-
-
-def table_row(row: dict[str, Any]) -> str:
-    return (
-        f"| {row['system']} | {'stream' if row['stream'] else 'JSON'} "
-        f"| {row['added_seq_p50_ms']:+.2f} / {row['added_seq_p99_ms']:+.2f} "
-        f"| {row['added_load_p50_ms']:+.2f} / {row['added_load_p99_ms']:+.2f} "
-        f"| {row['router_load']['req_per_s']:,.0f} | {row['direct_load']['req_per_s']:,.0f} "
-        f"| {row['router_load']['cpu_us_per_req']:,.0f} |"
-    )
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The router benchmarks' own tools: the tokenizer-only model folder the GPU machine's
 router loads (benchmarks/tokenizer_folder.py) and the medians of interleaved rounds
-(benchmarks/router_overhead.py)."""
+(benchmarks/router_table.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.router_overhead import medians
+from benchmarks.router_table import medians
 from benchmarks.tokenizer_folder import write
 from modelinfo.info import load_model_info
 
