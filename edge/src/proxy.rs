@@ -1,0 +1,1 @@
+//! Requests the edge does not serve natively, passed to the Python router unchanged.

@@ -1,0 +1,1 @@
+//! Calls to the workers: /decode, /prefill and /generate NDJSON streams, /abort.
