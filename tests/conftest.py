@@ -202,3 +202,11 @@ def tiny_parallel_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_d
         num_attention_heads=8,
         num_key_value_heads=4,
     )
+
+
+@pytest.fixture(scope="session")
+def edge_bin() -> Path:
+    """The kvserve-edge binary of this tree, built if needed (docs/edge.md)."""
+    from router.edge_binary import edge_binary
+
+    return edge_binary(build=True)
