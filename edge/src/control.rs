@@ -142,3 +142,8 @@ impl Control {
         todo!("control")
     }
 }
+
+/// `kvserve-edge control --socket PATH`: test driver (JSON lines: one call each).
+pub fn cli(_args: &[String]) -> i32 {
+    todo!("control cli")
+}

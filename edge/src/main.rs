@@ -1,7 +1,7 @@
 //! kvserve-edge: the router's native data plane (docs/edge.md).
 //!
 //!     kvserve-edge serve --config FILE     serve clients (started by router/edge.py)
-//!     kvserve-edge tokenize|detok|openai|chat ...   test drivers of one module each,
+//!     kvserve-edge tokenize|detok|openai|chat|control ...   test drivers of one module each,
 //!                                          reading JSON lines on stdin (tests/test_edge_*.py)
 
 mod chat;
@@ -25,8 +25,9 @@ fn main() {
         Some("detok") => detok::cli(rest),
         Some("openai") => openai::cli(rest),
         Some("chat") => chat::cli(rest),
+        Some("control") => control::cli(rest),
         _ => {
-            eprintln!("usage: kvserve-edge serve --config FILE | tokenize | detok | openai | chat");
+            eprintln!("usage: kvserve-edge serve --config FILE | tokenize | detok | openai | chat | control");
             2
         }
     };
