@@ -255,6 +255,18 @@ def _check_router(c: ClusterConfig) -> None:
             f"{r.host!r} opens the API on every interface, so it needs router.api_key or "
             "router.api_key_env; or bind the router node's address",
         )
+    if r.data_plane == "native" and r.processes > 1:
+        raise ConfigError(
+            "router.processes",
+            f"is {r.processes}, but router.data_plane native needs 1: the edge serves "
+            "router.port on every core itself; set processes: 1 (or data_plane: python)",
+        )
+    if r.data_plane != "native" and r.edge_threads:
+        raise ConfigError(
+            "router.edge_threads",
+            "sets the native data plane's threads, but router.data_plane is python; "
+            "remove it or set data_plane: native",
+        )
     if r.processes > 1 and r.metrics_port is None:
         raise ConfigError(
             "router.metrics_port",

@@ -22,6 +22,7 @@ from protocol.cluster_types import (
 Protocol = Literal["tcp", "rdma"]
 RoutingPolicy = Literal["round_robin", "random", "session", "kv_aware"]
 ToolParserName = Literal["hermes", "llama3_json", "mistral"]
+DataPlane = Literal["python", "native"]
 
 
 class CacheConfig(Section, frozen=True, kw_only=True):
@@ -206,6 +207,13 @@ class RouterConfig(Section, frozen=True, kw_only=True):
     1/processes of every decode instance's KV budget (docs/router.md)."""
     tool_parser: ToolParserName | None = None
     """Format of the model's tool calls (docs/router.md); None: read from the chat template."""
+    data_plane: DataPlane = "python"
+    """Who serves `port`: "python": the router itself; "native": kvserve-edge (edge/, a
+    Rust process the router starts) serves plain completions and chat natively and passes
+    everything else to the router, which stays the control plane (docs/edge.md). native
+    needs processes 1 and a built edge (scripts/setup.sh builds it)."""
+    edge_threads: NonNegativeInt = 0
+    """data_plane native: the edge's worker threads; 0: one per core."""
     env: dict[str, str] = msgspec.field(default_factory=dict)
     """Extra environment for the router process."""
 

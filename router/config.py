@@ -98,6 +98,11 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Request headers naming the client's session (first present wins), else `user`."""
     http_limits: HttpLimits = HttpLimits()
     """Sizes and timeouts of a request's headers and body (router/http_limits.py)."""
+    data_plane: Literal["python", "native"] = "python"
+    """native: kvserve-edge serves `host`:`port` and this router listens on loopback only,
+    as its control plane (router/edge.py)."""
+    edge_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """The edge's worker threads; 0: one per core."""
 
     @property
     def own_metrics_port(self) -> int | None:
@@ -175,6 +180,8 @@ def settings_from_cluster(cluster: ClusterConfig) -> RouterSettings:
         admission_pass_bound_s=adm.pass_bound_s,
         max_output_tokens=adm.max_output_tokens,
         tool_parser=r.tool_parser,
+        data_plane=r.data_plane,
+        edge_threads=r.edge_threads,
     )
 
 

@@ -16,9 +16,10 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import start_http_server
 
-from modelinfo.info import load_model_info
+from modelinfo.info import ModelInfo, load_model_info
 from router.app import create_app
 from router.config import RouterSettings
+from router.edge import INTERNAL_HOST, EdgeError, NativeDataPlane
 from router.generation_cycle import GenerationRoutes
 from router.http_limits import GuardedHttpToolsProtocol, HttpLimits, guarded_protocol
 from router.write_coalescing import CoalescingTransport
@@ -120,6 +121,9 @@ def run_router(
         len(settings.decode),
         process,
     )
+    if settings.data_plane == "native":
+        _run_native(app, settings, model, log_level)
+        return
     config = uvicorn_config(app, settings.host, settings.port, log_level, settings.http_limits)
     sockets = None
     if settings.processes > 1:  # every process binds the port itself (router/processes.py)
@@ -129,6 +133,54 @@ def run_router(
     if on_server is not None:
         on_server(server)
     server.run(sockets=sockets)
+
+
+class NativeServer(uvicorn.Server):
+    """uvicorn's Server on the internal listener, with the edge started once it serves
+    and stopped before it stops (router/edge.py): the edge's in-flight requests still
+    reach the control plane and the internal listener while it drains."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, native: NativeDataPlane) -> None:
+        super().__init__(config)
+        self._app = app
+        self.native = native
+        self.failure: EdgeError | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.should_exit:
+            return
+        try:
+            await self.native.start(self._app, stopping=lambda: bool(self.should_exit))
+        except EdgeError as e:
+            self.failure = e
+            self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await self.native.stop_edge()
+        await super().shutdown(sockets)
+        await self.native.close()
+
+
+def _run_native(app: FastAPI, settings: RouterSettings, model: ModelInfo, log_level: str) -> None:
+    """Serve on loopback for the edge, which serves settings.host:settings.port."""
+    config = uvicorn_config(app, INTERNAL_HOST, 0, log_level, settings.http_limits)
+    native = NativeDataPlane(settings, model, config.backlog)
+    server = NativeServer(config, app, native)
+    log.info(
+        "kvserve-edge serves http://%s:%d; this router is its control plane on %s",
+        settings.host,
+        settings.port,
+        native.python_url,
+    )
+    tune_gc()
+    try:
+        server.run(sockets=[native.listener])
+    finally:
+        native.listener.close()
+        native.remove_files()
+    if server.failure is not None:
+        raise server.failure
 
 
 def shared_listener(host: str, port: int, backlog: int) -> socket.socket:

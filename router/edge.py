@@ -1,0 +1,431 @@
+"""The native data plane's process, run by the router (`router.data_plane: native`).
+
+    python -m router -c cluster.yaml     the control plane: admission, policy, cluster view,
+      │                                  health, metrics (router/edge_control.py on a Unix
+      │                                  socket), and HTTP on 127.0.0.1:<ephemeral> for
+      │                                  every request the edge passes on
+      └─ kvserve-edge serve --config F   router.host:router.port: plain completions and chat
+                                         served natively, everything else proxied
+                                         (docs/edge.md)
+
+At start (before anything is served) the router checks that the edge can run at all (a
+built binary, a tokenizer the edge implements) and writes what the edge loads into a
+private directory: the tokenizer (Hugging Face's tokenizer.json), the chat template as a
+program of pieces where one can be derived, and the EdgeConfig JSON (edge/src/config.rs).
+Once the router serves on its internal listener it starts EdgeControl, then the edge,
+and waits for its "kvserve-edge listening on HOST:PORT" line. An edge that exits is
+logged and started again after a back-off (1 s, doubling to 30 s while it keeps dying
+young); meanwhile router.port refuses connections. When the router stops, the edge is
+stopped first (SIGTERM, then SIGKILL after STOP_GRACE_S), so that the requests it is
+serving can still reach the control plane and the internal listener; the edge also gets
+SIGTERM from the kernel should the router die (PR_SET_PDEATHSIG), and it exits when its
+control socket closes.
+
+Network: the edge binds router.host only, the internal listener 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import ctypes
+import importlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from modelinfo.info import ModelInfo
+from protocol.errors import KvserveError
+from protocol.internal_auth import SECRET_ENV
+from router.config import RouterSettings
+from router.edge_binary import EdgeUnavailable, edge_binary
+
+log = logging.getLogger(__name__)
+
+INTERNAL_HOST = "127.0.0.1"
+READY_TIMEOUT_S = 30.0
+"""Longest the edge may take from its start to its "listening" line."""
+RESTART_FIRST_DELAY_S = 1.0
+RESTART_MAX_DELAY_S = 30.0
+RESTART_STABLE_S = 60.0
+"""An edge that ran this long is restarted after the first delay again."""
+STOP_GRACE_S = 10.0
+"""From SIGTERM to SIGKILL: the edge lets its in-flight requests finish meanwhile."""
+LISTENING_PREFIX = "kvserve-edge listening on "
+_POLL_S = 0.2
+_PR_SET_PDEATHSIG = 1
+
+
+class EdgeError(KvserveError):
+    """The native data plane cannot run: what is missing and what to do."""
+
+
+class EdgeFiles(msgspec.Struct, frozen=True, kw_only=True):
+    """What the edge reads, in a private directory (mode 0700) removed at stop."""
+
+    directory: Path
+    config: Path
+    tokenizer: Path
+    chat_template: Path | None
+    control_socket: Path
+
+
+def check_native(model: ModelInfo) -> Path:
+    """The edge's binary, once it is sure the edge can serve `model`; EdgeError naming
+    what to do otherwise."""
+    try:
+        binary = edge_binary()
+    except EdgeUnavailable as e:
+        raise EdgeError(
+            f"router.data_plane is native but there is no kvserve-edge binary ({e}); build "
+            "it (scripts/setup.sh), or set router.data_plane: python"
+        ) from e
+    reason = _tokenizer_unsupported(model)
+    if reason is not None:
+        raise EdgeError(
+            f"router.data_plane is native but the edge cannot tokenize for model "
+            f"{model.source.spec!r}: {reason}; set router.data_plane: python for this model"
+        )
+    return binary
+
+
+def served_model_names(settings: RouterSettings, model: ModelInfo) -> list[str]:
+    """The names a request's `model` may carry, as router/preprocess.py accepts them (the
+    first is the one answered with)."""
+    served = settings.served_model_name or model.served_name
+    return list(dict.fromkeys((served, model.source.spec, model.served_name)))
+
+
+def edge_config(
+    settings: RouterSettings, model: ModelInfo, files: EdgeFiles, python_url: str
+) -> dict[str, Any]:
+    """The EdgeConfig JSON (edge/src/config.rs), field for field. The cluster secret is
+    not in it: the edge reads it from its environment."""
+    return {
+        "listen_host": settings.host,
+        "listen_port": settings.port,
+        "python_url": python_url,
+        "control_socket": str(files.control_socket),
+        "tokenizer_path": str(files.tokenizer),
+        "chat_template_path": None if files.chat_template is None else str(files.chat_template),
+        "served_model_names": served_model_names(settings, model),
+        "eos_token_ids": list(model.eos_token_ids),
+        "max_model_len": model.max_context_len,
+        "api_key": settings.api_key,
+        "session_headers": [h.lower() for h in settings.session_headers],
+        "request_timeout_s": settings.request_timeout_s,
+        "max_body_bytes": settings.http_limits.max_body_bytes,
+        "worker_threads": settings.edge_threads,
+        # The router's own limits (router/preprocess.py); the edge passes requests it
+        # cannot judge by them on to the router.
+        "max_input_tokens": settings.max_input_tokens,
+        "max_output_tokens": settings.max_output_tokens,
+    }
+
+
+def write_edge_files(settings: RouterSettings, model: ModelInfo, python_url: str) -> EdgeFiles:
+    """Write the tokenizer, the chat template program (when the template has one) and the
+    config into a new private directory."""
+    directory = Path(tempfile.mkdtemp(prefix="kvserve-edge-"))  # mode 0700
+    try:
+        tokenizer = directory / "tokenizer.json"
+        _write_tokenizer(model, tokenizer)
+        template = directory / "chat_template.json"
+        has_template = _write_template(model, template)
+        files = EdgeFiles(
+            directory=directory,
+            config=directory / "edge.json",
+            tokenizer=tokenizer,
+            chat_template=template if has_template else None,
+            control_socket=directory / "control.sock",
+        )
+        config = edge_config(settings, model, files, python_url)
+        fd = os.open(files.config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(config, f)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return files
+
+
+def internal_listener(backlog: int) -> socket.socket:
+    """The router's own listening socket on loopback, at a port the kernel picks. Bound
+    before the edge starts, so a request the edge passes on waits in the backlog rather
+    than being refused while the router is still starting."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((INTERNAL_HOST, 0))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _edge_module(name: str) -> Any:
+    """router/edge_tokenizer.py or router/edge_template.py, when this tree has it."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise
+        return None
+
+
+def _tokenizer_unsupported(model: ModelInfo) -> str | None:
+    module = _edge_module("router.edge_tokenizer")
+    if module is None:
+        return None
+    reason: str | None = module.edge_can_tokenize(model.tokenizer)
+    return reason
+
+
+def _write_tokenizer(model: ModelInfo, path: Path) -> None:
+    module = _edge_module("router.edge_tokenizer")
+    if module is not None:
+        module.write_tokenizer_json(model.tokenizer, path)
+    else:
+        path.write_text(model.tokenizer.backend.to_str())
+
+
+def _write_template(model: ModelInfo, path: Path) -> bool:
+    """Whether the model's chat template became a program the edge runs; without one the
+    edge passes every chat request on to the router."""
+    module = _edge_module("router.edge_template")
+    if module is None or model.chat_template is None:
+        return False
+    program = module.derive_template(model)
+    if program is None:
+        return False
+    module.write_template(program, path)
+    return True
+
+
+def _set_parent_death_signal(prctl: Callable[..., int]) -> Callable[[], None]:
+    """The edge's pre-exec step: SIGTERM it when the router's main thread (which starts
+    every edge) ends, even by SIGKILL. `prctl` is looked up before the fork."""
+
+    def before_exec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+    return before_exec
+
+
+class EdgeProcess:
+    """One kvserve-edge at a time: started, waited for, restarted when it exits, stopped.
+    Lives on the router's event loop (the main thread: the parent-death signal is tied
+    to the thread that forks)."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        *,
+        stopping: Callable[[], bool] = lambda: False,
+        ready_timeout_s: float = READY_TIMEOUT_S,
+    ) -> None:
+        self._argv = argv
+        self._env = env
+        self._stopping = stopping
+        self._ready_timeout_s = ready_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._started_s = 0.0
+        self._delay_s = RESTART_FIRST_DELAY_S
+        self._watch_task: asyncio.Task[None] | None = None
+        self._stopped = False
+        self.address: str | None = None
+        """HOST:PORT of the running edge's listener (None while there is none)."""
+        try:
+            self._prctl: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            self._prctl = None
+
+    @property
+    def pid(self) -> int | None:
+        """The running edge's pid (None while there is none)."""
+        p = self._proc
+        return p.pid if p is not None and p.poll() is None else None
+
+    async def start(self) -> str:
+        """Start the edge and wait for its listening line: its HOST:PORT. EdgeError when it
+        exits first or takes longer than the ready timeout. Then it is watched."""
+        address = await self._spawn()
+        self._watch_task = asyncio.get_running_loop().create_task(self._watch())
+        return address
+
+    async def stop(self) -> None:
+        """SIGTERM the edge, SIGKILL it after STOP_GRACE_S; no restart after this."""
+        self._stopped = True
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if proc.poll() is None:
+            log.warning(
+                "kvserve-edge (pid %d) did not stop in %g s: killing it", proc.pid, STOP_GRACE_S
+            )
+            proc.kill()
+            proc.wait()
+
+    async def _spawn(self) -> str:
+        self.address = None
+        preexec = None if self._prctl is None else _set_parent_death_signal(self._prctl)
+        proc = subprocess.Popen(
+            self._argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            env=self._env,
+            close_fds=True,
+            preexec_fn=preexec,
+        )
+        self._proc = proc
+        self._started_s = time.monotonic()
+        listening: concurrent.futures.Future[str] = concurrent.futures.Future()
+        assert proc.stdout is not None
+        threading.Thread(
+            target=_read_stdout,
+            args=(proc.stdout, listening),
+            name="kvserve-edge-stdout",
+            daemon=True,
+        ).start()
+        try:
+            address = await asyncio.wait_for(asyncio.wrap_future(listening), self._ready_timeout_s)
+        except (TimeoutError, EOFError) as e:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            if isinstance(e, TimeoutError):
+                what = f"did not say it listens within {self._ready_timeout_s:g} s"
+            else:
+                what = f"exited with {_how(proc.returncode)} before it listened"
+            raise EdgeError(
+                f"kvserve-edge ({' '.join(self._argv)}) {what}; its own messages are in "
+                "this log above"
+            ) from None
+        self.address = address
+        log.info("kvserve-edge (pid %d) listening on %s", proc.pid, address)
+        return address
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(_POLL_S)
+            proc = self._proc
+            if proc is None or self._stopped or self._stopping():
+                continue
+            code = proc.poll()
+            if code is None:
+                continue
+            self.address = None
+            if time.monotonic() - self._started_s >= RESTART_STABLE_S:
+                self._delay_s = RESTART_FIRST_DELAY_S
+            log.warning(
+                "kvserve-edge (pid %d) exited with %s; starting it again in %g s",
+                proc.pid,
+                _how(code),
+                self._delay_s,
+            )
+            await asyncio.sleep(self._delay_s)
+            self._delay_s = min(RESTART_MAX_DELAY_S, self._delay_s * 2)
+            if self._stopped or self._stopping():
+                continue
+            try:
+                await self._spawn()
+            except EdgeError as e:
+                log.error("%s", e)  # the next turn sees it gone and tries again
+
+
+def _how(code: int) -> str:
+    return f"signal {-code}" if code < 0 else f"code {code}"
+
+
+def _read_stdout(stdout: IO[bytes], listening: concurrent.futures.Future[str]) -> None:
+    """The edge's stdout: its listening line resolves `listening`; every other line goes
+    to the router's log. EOF before the line: EOFError."""
+    for raw in stdout:
+        line = raw.decode("utf-8", "replace").rstrip()
+        if not listening.done() and line.startswith(LISTENING_PREFIX):
+            listening.set_result(line[len(LISTENING_PREFIX) :].strip())
+        elif line:
+            log.info("kvserve-edge: %s", line)
+    if not listening.done():
+        listening.set_exception(EOFError())
+
+
+class NativeDataPlane:
+    """Everything `router.data_plane: native` adds to a router process: the internal
+    listener, the edge's files, the control plane's socket and the edge itself.
+
+    run_router calls `prepare` before serving (it raises EdgeError for what cannot
+    work), serves on `listener`, then `start(app)` once its listener accepts, and
+    `stop_edge()` / `close()` when it stops."""
+
+    def __init__(self, settings: RouterSettings, model: ModelInfo, backlog: int) -> None:
+        self._binary = check_native(model)
+        self.listener = internal_listener(backlog)
+        port = self.listener.getsockname()[1]
+        self.python_url = f"http://{INTERNAL_HOST}:{port}"
+        try:
+            self.files = write_edge_files(settings, model, self.python_url)
+        except BaseException:
+            self.listener.close()
+            raise
+        self._settings = settings
+        self._control: Any = None
+        self.edge: EdgeProcess | None = None
+
+    def edge_env(self) -> dict[str, str]:
+        """The router's environment, with the cluster secret the router itself uses."""
+        env = dict(os.environ)
+        env.pop(SECRET_ENV, None)
+        if self._settings.cluster_secret:
+            env[SECRET_ENV] = self._settings.cluster_secret
+        return env
+
+    async def start(self, app: Any, stopping: Callable[[], bool]) -> str:
+        """Start the control plane's socket and the edge; the edge's HOST:PORT."""
+        from router.edge_control import EdgeControl  # type: ignore[import-not-found,unused-ignore]
+
+        self._control = EdgeControl(
+            app.state.serving.services,
+            app.state.metrics,
+            request_timeout_s=self._settings.request_timeout_s,
+        )
+        await self._control.start(str(self.files.control_socket))
+        argv = [str(self._binary), "serve", "--config", str(self.files.config)]
+        self.edge = EdgeProcess(argv, self.edge_env(), stopping=stopping)
+        return await self.edge.start()
+
+    async def stop_edge(self) -> None:
+        if self.edge is not None:
+            await self.edge.stop()
+
+    async def close(self) -> None:
+        """After the edge is gone: the control socket, then the files."""
+        if self._control is not None:
+            await self._control.stop()
+            self._control = None
+        self.remove_files()
+
+    def remove_files(self) -> None:
+        shutil.rmtree(self.files.directory, ignore_errors=True)

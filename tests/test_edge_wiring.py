@@ -1,0 +1,280 @@
+"""router.data_plane: native (router/edge.py): the cluster.yaml keys and their checks, the
+EdgeConfig the router writes (every field of edge/src/config.rs), the edge process's
+start / restart / stop, and the errors of a router that cannot have the native data
+plane."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from router_standin import smollm2_info
+
+from kvserve.process_groups import pid_alive
+from protocol.cluster import parse_cluster
+from protocol.config_errors import ConfigError
+from router.config import RouterSettings, settings_from_cluster
+from router.edge import (
+    EdgeError,
+    EdgeProcess,
+    edge_config,
+    served_model_names,
+    write_edge_files,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+LOCAL = REPO / "deploy" / "examples" / "local-pd.yaml"
+
+
+def _cluster(**router: Any) -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(LOCAL.read_text())
+    data["router"].update(router)
+    return data
+
+
+def test_data_plane_defaults_to_python() -> None:
+    settings = settings_from_cluster(parse_cluster(_cluster()))
+    assert settings.data_plane == "python" and settings.edge_threads == 0
+
+
+def test_native_with_threads_reaches_the_settings() -> None:
+    settings = settings_from_cluster(parse_cluster(_cluster(data_plane="native", edge_threads=6)))
+    assert settings.data_plane == "native" and settings.edge_threads == 6
+
+
+@pytest.mark.parametrize(
+    ("router", "path", "fragment"),
+    [
+        (
+            {"data_plane": "native", "processes": 2, "metrics_port": 9300},
+            "router.processes",
+            "router.data_plane native needs 1",
+        ),
+        ({"edge_threads": 4}, "router.edge_threads", "router.data_plane is python"),
+        ({"data_plane": "rust"}, "router.data_plane", "python"),
+        ({"data_plane": "native", "edge_threads": -1}, "router.edge_threads", ">= 0"),
+    ],
+)
+def test_bad_data_plane_keys_name_their_path(
+    router: dict[str, Any], path: str, fragment: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_cluster(_cluster(**router), "cluster.yaml")
+    assert info.value.path == path, str(info.value)
+    assert fragment in str(info.value)
+
+
+def _config_rs_fields() -> set[str]:
+    source = (REPO / "edge" / "src" / "config.rs").read_text()
+    struct = source[source.index("pub struct EdgeConfig") :]
+    struct = struct[: struct.index("\n}")]
+    return set(re.findall(r"^\s*pub (\w+):", struct, re.M))
+
+
+def test_edge_config_has_every_field_of_config_rs(tmp_path: Path) -> None:
+    model = smollm2_info()
+    settings = RouterSettings(
+        model="builtin:smollm2-135m-instruct",
+        served_model_name="smol",
+        host="127.0.0.1",
+        port=8123,
+        api_key="k",
+        edge_threads=3,
+        data_plane="native",
+    )
+    files = write_edge_files(settings, model, "http://127.0.0.1:9999")
+    try:
+        assert oct(files.directory.stat().st_mode & 0o777) == "0o700"
+        assert oct(files.config.stat().st_mode & 0o777) == "0o600"
+        config = edge_config(settings, model, files, "http://127.0.0.1:9999")
+        missing = _config_rs_fields() - set(config)
+        assert not missing, f"EdgeConfig fields the router does not write: {missing}"
+        assert config["listen_host"] == "127.0.0.1" and config["listen_port"] == 8123
+        assert config["python_url"] == "http://127.0.0.1:9999"
+        assert config["served_model_names"][0] == "smol"
+        assert "builtin:smollm2-135m-instruct" in config["served_model_names"]
+        assert config["eos_token_ids"] == list(model.eos_token_ids)
+        assert config["max_model_len"] == model.max_context_len
+        assert config["worker_threads"] == 3 and config["api_key"] == "k"
+        assert Path(config["tokenizer_path"]).read_text().startswith("{")
+    finally:
+        import shutil
+
+        shutil.rmtree(files.directory)
+    assert served_model_names(settings, model) == config["served_model_names"]
+
+
+# A stand-in for the binary: what EdgeProcess needs of it (a listening line on stdout,
+# SIGTERM to stop), with knobs from the environment.
+_FAKE_EDGE = textwrap.dedent(
+    """\
+    import os, signal, sys, time
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if os.environ.get("FAKE_EDGE_EXIT"):
+        print("cannot start", flush=True)
+        sys.exit(int(os.environ["FAKE_EDGE_EXIT"]))
+    if not os.environ.get("FAKE_EDGE_SILENT"):
+        print("a line before", flush=True)
+        print("kvserve-edge listening on 127.0.0.1:4242", flush=True)
+    if os.environ.get("FAKE_EDGE_IGNORE_TERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        time.sleep(1)
+    """
+)
+
+
+def _fake_edge(tmp_path: Path, **env: str) -> EdgeProcess:
+    script = tmp_path / "fake_edge.py"
+    script.write_text(_FAKE_EDGE)
+    return EdgeProcess([sys.executable, str(script)], {**os.environ, **env}, ready_timeout_s=5.0)
+
+
+def test_edge_process_waits_for_listening_then_stops(tmp_path: Path) -> None:
+    async def run() -> None:
+        edge = _fake_edge(tmp_path)
+        assert await edge.start() == "127.0.0.1:4242"
+        pid = edge.pid
+        assert pid is not None and pid_alive(pid)
+        await edge.stop()
+        assert not pid_alive(pid)
+
+    asyncio.run(run())
+
+
+def test_edge_process_restarts_after_it_dies(tmp_path: Path) -> None:
+    async def run() -> None:
+        edge = _fake_edge(tmp_path)
+        await edge.start()
+        first = edge.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while edge.pid in (None, first) or edge.address is None:
+            assert time.monotonic() < deadline, "the edge was not started again"
+            await asyncio.sleep(0.05)
+        assert edge.address == "127.0.0.1:4242"
+        second = edge.pid
+        await edge.stop()
+        assert second is not None and not pid_alive(second)
+
+    asyncio.run(run())
+
+
+def test_edge_process_is_not_restarted_while_the_router_stops(tmp_path: Path) -> None:
+    async def run() -> None:
+        stopping = False
+        edge = _fake_edge(tmp_path)
+        edge._stopping = lambda: stopping
+        await edge.start()
+        first = edge.pid
+        assert first is not None
+        stopping = True
+        os.kill(first, signal.SIGTERM)  # `kvserve down` signals the whole group
+        await asyncio.sleep(1.5)  # past the first restart delay
+        assert edge.pid is None
+        await edge.stop()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [({"FAKE_EDGE_EXIT": "3"}, "exited with code 3"), ({"FAKE_EDGE_SILENT": "1"}, "within")],
+)
+def test_edge_process_that_never_listens_is_a_clear_error(
+    tmp_path: Path, env: dict[str, str], fragment: str
+) -> None:
+    async def run() -> None:
+        edge = _fake_edge(tmp_path, **env)
+        edge._ready_timeout_s = 1.0
+        with pytest.raises(EdgeError, match=fragment):
+            await edge.start()
+        assert edge.pid is None
+
+    asyncio.run(run())
+
+
+def test_stop_kills_an_edge_that_ignores_sigterm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("router.edge.STOP_GRACE_S", 0.5)
+
+    async def run() -> None:
+        edge = _fake_edge(tmp_path, FAKE_EDGE_IGNORE_TERM="1")
+        await edge.start()
+        pid = edge.pid
+        assert pid is not None
+        await edge.stop()
+        assert not pid_alive(pid)
+
+    asyncio.run(run())
+
+
+def _native_cluster_file(tmp_path: Path) -> Path:
+    config = tmp_path / "cluster.yaml"
+    config.write_text(yaml.safe_dump(_cluster(data_plane="native")))
+    return config
+
+
+def test_router_without_an_edge_binary_says_what_to_do(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "KVSERVE_EDGE_BIN": str(tmp_path / "no-such-binary"),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "router", "-c", str(_native_cluster_file(tmp_path))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "router.data_plane is native but there is no kvserve-edge binary" in proc.stderr
+    assert "scripts/setup.sh" in proc.stderr and "data_plane: python" in proc.stderr
+
+
+def test_edge_dies_with_a_killed_router(tmp_path: Path) -> None:
+    script = tmp_path / "fake_edge.py"
+    script.write_text(_FAKE_EDGE)
+    parent = textwrap.dedent(
+        f"""\
+        import asyncio, sys
+        from router.edge import EdgeProcess
+        async def main():
+            edge = EdgeProcess([sys.executable, {str(script)!r}], {{}})
+            await edge.start()
+            print(edge.pid, flush=True)
+            await asyncio.sleep(60)
+        asyncio.run(main())
+        """
+    )
+    router = subprocess.Popen(
+        [sys.executable, "-c", parent],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert router.stdout is not None
+        edge_pid = int(router.stdout.readline())
+        assert pid_alive(edge_pid)
+        router.kill()  # no chance to stop the edge itself
+        router.wait()
+        deadline = time.monotonic() + 10
+        while pid_alive(edge_pid):
+            assert time.monotonic() < deadline, "the edge outlived its router"
+            time.sleep(0.05)
+    finally:
+        router.kill()
