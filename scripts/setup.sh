@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up kvserve for CPU development on a fresh Debian or Ubuntu machine: system libraries
-# that Mooncake needs (even for TCP), Prometheus (for the observability test), a virtual
+# that Mooncake needs (even for TCP), Prometheus (for the observability test), the native
+# data plane (edge/, built with cargo from Debian's packaged crates), a virtual
 # environment, the CPU build of torch, the project with its CPU and dev extras, and the
 # builtin SmolLM2 weights.
 #
@@ -22,14 +23,32 @@ apt_install() {
 # prometheus: the server tests/test_observability.py scrapes a live cluster with (its
 # recommended node-exporter is left out: it would listen on :9100).
 missing=()
-ldconfig -p | grep -q 'libibverbs.so.1' || missing+=(libibverbs1)
-ldconfig -p | grep -q 'librdmacm.so.1' || missing+=(librdmacm1)
+ldconfig=ldconfig  # in /sbin, which a non-root PATH often lacks
+for c in /sbin/ldconfig /usr/sbin/ldconfig; do
+  if [ -x "$c" ]; then ldconfig="$c"; break; fi
+done
+"$ldconfig" -p | grep -q 'libibverbs.so.1' || missing+=(libibverbs1)
+"$ldconfig" -p | grep -q 'librdmacm.so.1' || missing+=(librdmacm1)
 command -v prometheus >/dev/null || missing+=(prometheus)
 command -v python3 >/dev/null || missing+=(python3)
 command -v cc >/dev/null || missing+=(gcc)  # builds the bind-narrowing library (kvserve/bind_narrowing.py)
+# kvserve-edge, the router's native data plane (edge/, docs/edge.md): its crates come
+# from Debian's packages (edge/.cargo/config.toml points cargo at them), never crates.io;
+# cargo from the PATH or rustup's ~/.cargo/bin, else Debian's.
+edge_crates=(librust-hyper-dev librust-tokio-dev librust-serde-json-dev librust-serde-derive-dev
+  librust-xxhash-rust-dev librust-fancy-regex-dev librust-bytes-dev librust-futures-util-dev
+  librust-tokio-macros-dev)
+for p in "${edge_crates[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+cargo=$(command -v cargo || true)
+if [ -z "$cargo" ] && [ -x "$HOME/.cargo/bin/cargo" ]; then cargo="$HOME/.cargo/bin/cargo"; fi
+[ -n "$cargo" ] || missing+=(cargo)
 if [ ${#missing[@]} -gt 0 ]; then
   apt_install "${missing[@]}"
 fi
+cargo=${cargo:-$(command -v cargo)}
+(cd edge && "$cargo" build --release --offline --quiet)
 
 if [ -n "${VIRTUAL_ENV:-}" ]; then
   py="$VIRTUAL_ENV/bin/python"
