@@ -77,7 +77,9 @@ def summarize(c: ClusterConfig, source: str) -> str:
     )
     lines.append(
         f"  router   {c.api_base_url} on {c.router_node.name} (binds {c.router_bind_host}); "
-        f"policy {r.policy}; {auth}" + (f"; {r.processes} processes" if r.processes > 1 else "")
+        f"policy {r.policy}; {auth}"
+        + (f"; {r.processes} processes" if r.processes > 1 else "")
+        + ("; native data plane (kvserve-edge)" if r.data_plane == "native" else "")
     )
     instances: tuple[Instance, ...] = (*c.prefill, *c.decode, *c.unified)
     here_names = [i.name for i in instances if i.node in local]
