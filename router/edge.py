@@ -30,7 +30,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
-import importlib
 import json
 import logging
 import os
@@ -52,6 +51,9 @@ from protocol.errors import KvserveError
 from protocol.internal_auth import SECRET_ENV
 from router.config import RouterSettings
 from router.edge_binary import EdgeUnavailable, edge_binary
+from router.edge_control import EdgeControl
+from router.edge_template import derive_template, write_template
+from router.edge_tokenizer import edge_can_tokenize, write_tokenizer_json
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +95,7 @@ def check_native(model: ModelInfo) -> Path:
             f"router.data_plane is native but there is no kvserve-edge binary ({e}); build "
             "it (scripts/setup.sh), or set router.data_plane: python"
         ) from e
-    reason = _tokenizer_unsupported(model)
+    reason = edge_can_tokenize(model.tokenizer)
     if reason is not None:
         raise EdgeError(
             f"router.data_plane is native but the edge cannot tokenize for model "
@@ -129,10 +131,11 @@ def edge_config(
         "request_timeout_s": settings.request_timeout_s,
         "max_body_bytes": settings.http_limits.max_body_bytes,
         "worker_threads": settings.edge_threads,
-        # The router's own limits (router/preprocess.py); the edge passes requests it
-        # cannot judge by them on to the router.
+        # The router's own limits (router/preprocess.py), read by serve.rs besides
+        # EdgeConfig.
         "max_input_tokens": settings.max_input_tokens,
         "max_output_tokens": settings.max_output_tokens,
+        "vocab_size": model.config.vocab_size,
     }
 
 
@@ -142,7 +145,7 @@ def write_edge_files(settings: RouterSettings, model: ModelInfo, python_url: str
     directory = Path(tempfile.mkdtemp(prefix="kvserve-edge-"))  # mode 0700
     try:
         tokenizer = directory / "tokenizer.json"
-        _write_tokenizer(model, tokenizer)
+        write_tokenizer_json(model.tokenizer, tokenizer)
         template = directory / "chat_template.json"
         has_template = _write_template(model, template)
         files = EdgeFiles(
@@ -176,42 +179,14 @@ def internal_listener(backlog: int) -> socket.socket:
     return sock
 
 
-def _edge_module(name: str) -> Any:
-    """router/edge_tokenizer.py or router/edge_template.py, when this tree has it."""
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name != name:
-            raise
-        return None
-
-
-def _tokenizer_unsupported(model: ModelInfo) -> str | None:
-    module = _edge_module("router.edge_tokenizer")
-    if module is None:
-        return None
-    reason: str | None = module.edge_can_tokenize(model.tokenizer)
-    return reason
-
-
-def _write_tokenizer(model: ModelInfo, path: Path) -> None:
-    module = _edge_module("router.edge_tokenizer")
-    if module is not None:
-        module.write_tokenizer_json(model.tokenizer, path)
-    else:
-        path.write_text(model.tokenizer.backend.to_str())
-
-
 def _write_template(model: ModelInfo, path: Path) -> bool:
-    """Whether the model's chat template became a program the edge runs; without one the
-    edge passes every chat request on to the router."""
-    module = _edge_module("router.edge_template")
-    if module is None or model.chat_template is None:
-        return False
-    program = module.derive_template(model)
+    """Whether the model's chat template became a program the edge runs (checked against
+    the router's own rendering); without one the edge passes every chat request on to the
+    router."""
+    program = derive_template(model.chat_template, model.tokenizer)
     if program is None:
         return False
-    module.write_template(program, path)
+    write_template(program, path)
     return True
 
 
@@ -391,7 +366,7 @@ class NativeDataPlane:
             self.listener.close()
             raise
         self._settings = settings
-        self._control: Any = None
+        self._control: EdgeControl | None = None
         self.edge: EdgeProcess | None = None
 
     def edge_env(self) -> dict[str, str]:
@@ -404,14 +379,13 @@ class NativeDataPlane:
 
     async def start(self, app: Any, stopping: Callable[[], bool]) -> str:
         """Start the control plane's socket and the edge; the edge's HOST:PORT."""
-        from router.edge_control import EdgeControl  # type: ignore[import-not-found,unused-ignore]
-
-        self._control = EdgeControl(
+        control = EdgeControl(
             app.state.serving.services,
             app.state.metrics,
             request_timeout_s=self._settings.request_timeout_s,
         )
-        await self._control.start(str(self.files.control_socket))
+        await control.start(str(self.files.control_socket))
+        self._control = control
         argv = [str(self._binary), "serve", "--config", str(self.files.config)]
         self.edge = EdgeProcess(argv, self.edge_env(), stopping=stopping)
         return await self.edge.start()
