@@ -47,6 +47,21 @@ ALTERNATING = (
     "message['role'] + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
 )
+QWEN25 = (
+    # Qwen2.5's template without its tool branches (it still names `tools`, so the router
+    # passes messages the tool-aware way): a default system message unless the first
+    # message is one, which is then written without the loop's handling.
+    "{%- if tools %}{{ raise_exception('no tools in this test') }}{%- endif %}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.<|im_end|>\\n' }}{%- endif %}{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 NUMBERED = "{% for message in messages %}{{ loop.index }}: {{ message['content'] }}\n{% endfor %}"
 DATED = "{{ strftime_now('%d %b %Y') }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
 SYSTEM_DROPPED = (
@@ -168,7 +183,9 @@ def test_uncovered_roles_and_empty_conversations_are_none(
     assert "error" in json.loads(run.stdout)
 
 
-@pytest.mark.parametrize("source", [CHATML, LLAMA3, ALTERNATING], ids=["chatml", "llama3", "alt"])
+@pytest.mark.parametrize(
+    "source", [CHATML, LLAMA3, QWEN25, ALTERNATING], ids=["chatml", "llama3", "qwen", "alt"]
+)
 def test_string_templates_render_as_the_router(
     edge_bin: Path, smollm2: ModelInfo, tmp_path: Path, source: str
 ) -> None:
@@ -187,6 +204,9 @@ def test_string_templates_render_as_the_router(
             num_served += 1
             assert text == router_text(template, messages, gen)
     assert num_served >= (150 if source != ALTERNATING else 5)
+    if source == QWEN25:
+        assert "You are Qwen" in program["separators"]["^"]["user"]
+        assert "You are Qwen" not in program["separators"]["^"]["system"]
     if source == LLAMA3:
         assert program["content"]["user"] == {"strip": "both", "chars": PYTHON_WHITESPACE}
     if source == ALTERNATING:
