@@ -105,7 +105,10 @@ def derive_template(
     if template is None:
         log.info("edge chat: the model has no chat template; chat requests are proxied")
         return None
-    program, reason = _derive(template, tokenizer, num_checks, seed)
+    try:
+        program, reason = _derive(template, tokenizer, num_checks, seed)
+    except Exception as e:  # the template is untrusted code: any failure only proxies chat
+        program, reason = None, f"deriving failed: {type(e).__name__}: {e}"
     if program is None:
         log.info("edge chat: the chat template is proxied: %s", reason)
     return program
