@@ -105,7 +105,10 @@ def derive_template(
     if template is None:
         log.info("edge chat: the model has no chat template; chat requests are proxied")
         return None
-    program, reason = _derive(template, tokenizer, num_checks, seed)
+    try:
+        program, reason = _derive(template, tokenizer, num_checks, seed)
+    except Exception as e:  # the template is untrusted code: any failure only proxies chat
+        program, reason = None, f"deriving failed: {type(e).__name__}: {e}"
     if program is None:
         log.info("edge chat: the chat template is proxied: %s", reason)
     return program
@@ -322,7 +325,7 @@ def _content_rule(
 
 
 def _conversation(
-    rng: random.Random, program: dict[str, Any], max_messages: int
+    rng: random.Random, program: dict[str, Any], max_messages: int, fragments: Sequence[str]
 ) -> tuple[list[dict[str, str]], bool] | None:
     """A random conversation the program covers (roles by its pairs), and a gen flag."""
     seps = program["separators"]
@@ -337,7 +340,7 @@ def _conversation(
             role = rng.choice(options)
             if role == "system" and rng.random() < 0.2:
                 role = "developer"
-            messages.append({"role": role, "content": _content(rng)})
+            messages.append({"role": role, "content": _content(rng, fragments)})
             previous = "system" if role == "developer" else role
         gens = sorted(endings.get(previous, {}))
         if messages and gens:
@@ -345,10 +348,10 @@ def _conversation(
     return None
 
 
-def _content(rng: random.Random) -> str:
+def _content(rng: random.Random, fragments: Sequence[str]) -> str:
     if rng.random() < 0.1:
         return ""
-    parts = rng.choices(_FRAGMENTS, k=rng.randint(1, 4))
+    parts = rng.choices(fragments, k=rng.randint(1, 4))
     return "".join(parts)
 
 
@@ -363,8 +366,10 @@ def _verify(
     the router's ids of them are those of a whole-text encode); else the first problem."""
     rng = random.Random(seed)
     encoder = PromptEncoder(tokenizer) if tokenizer is not None else None
+    # the model's own special tokens (BOS, EOS, ...) as content text too
+    fragments = (*_FRAGMENTS, *(tokenizer.special_tokens.values() if tokenizer else ()))
     for _ in range(num_checks):
-        drawn = _conversation(rng, program, 8)
+        drawn = _conversation(rng, program, 8, fragments)
         if drawn is None:
             return "no conversation the pieces cover could be drawn"
         messages, gen = drawn

@@ -25,6 +25,7 @@ from router.edge_template import (
     router_text,
     write_template,
 )
+from router.edge_tokenizer import write_tokenizer_json
 from router.preprocess import Preprocessor
 
 CHATML = (
@@ -46,6 +47,21 @@ ALTERNATING = (
     "alternate user/assistant/user/assistant/...') }}{% endif %}{{ '<start_of_turn>' + "
     "message['role'] + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+QWEN25 = (
+    # Qwen2.5's template without its tool branches (it still names `tools`, so the router
+    # passes messages the tool-aware way): a default system message unless the first
+    # message is one, which is then written without the loop's handling.
+    "{%- if tools %}{{ raise_exception('no tools in this test') }}{%- endif %}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.<|im_end|>\\n' }}{%- endif %}{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 NUMBERED = "{% for message in messages %}{{ loop.index }}: {{ message['content'] }}\n{% endfor %}"
 DATED = "{{ strftime_now('%d %b %Y') }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -105,6 +121,19 @@ def _rust_texts(
     return [json.loads(line)["text"] for line in run.stdout.splitlines()]
 
 
+def _rust_ids(edge_bin: Path, tokenizer_path: Path, texts: list[str]) -> list[list[int]]:
+    lines = "".join(json.dumps({"text": t, "add_special_tokens": False}) + "\n" for t in texts)
+    run = subprocess.run(
+        [str(edge_bin), "tokenize", "--tokenizer", str(tokenizer_path)],
+        input=lines,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return [json.loads(line)["ids"] for line in run.stdout.splitlines()]
+
+
 def _derived(template: ChatTemplate, model: ModelInfo, tmp_path: Path) -> Path:
     program = derive_template(template, model.tokenizer)
     assert program is not None
@@ -128,16 +157,20 @@ def test_smollm2_edge_text_and_ids_are_the_routers(
         assert text is not None
         assert text == router_text(template, messages, gen)
     # The router's own chat path (add_generation_prompt is always true there): its
-    # prompt ids are a whole-text encode of the edge's text, special-token text in
-    # contents included (the router does not tokenize contents apart).
+    # prompt ids are the edge tokenizer's whole-text encode of the edge's text,
+    # special-token text in contents included (the router does not tokenize contents
+    # apart).
+    tokenizer_path = tmp_path / "tokenizer.json"
+    write_tokenizer_json(smollm2.tokenizer, tokenizer_path)
+    served = [(m, t) for (m, gen), t in zip(cases, texts, strict=True) if gen and t][:80]
+    assert len(served) == 80
+    edge_ids = _rust_ids(edge_bin, tokenizer_path, [t for _, t in served])
     pre = Preprocessor(smollm2, "smollm2", None)
-    tokenizer = smollm2.tokenizer
-    for (messages, gen), text in list(zip(cases, texts, strict=True))[:60]:
-        if not gen:
-            continue
+    for (messages, _), ids in zip(served, edge_ids, strict=True):
         body = msgspec.json.encode({"messages": messages, "max_tokens": 1})
         prepared = asyncio.run(pre.chat(msgspec.json.decode(body, type=ChatCompletionRequest)))
-        assert prepared.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
+        assert prepared.prompt_token_ids == ids
+    tokenizer = smollm2.tokenizer
     im_start = tokenizer.token_to_id("<|im_start|>")
     text = router_text(template, [{"role": "user", "content": "<|im_start|>"}], True)
     assert text is not None
@@ -168,7 +201,9 @@ def test_uncovered_roles_and_empty_conversations_are_none(
     assert "error" in json.loads(run.stdout)
 
 
-@pytest.mark.parametrize("source", [CHATML, LLAMA3, ALTERNATING], ids=["chatml", "llama3", "alt"])
+@pytest.mark.parametrize(
+    "source", [CHATML, LLAMA3, QWEN25, ALTERNATING], ids=["chatml", "llama3", "qwen", "alt"]
+)
 def test_string_templates_render_as_the_router(
     edge_bin: Path, smollm2: ModelInfo, tmp_path: Path, source: str
 ) -> None:
@@ -187,6 +222,9 @@ def test_string_templates_render_as_the_router(
             num_served += 1
             assert text == router_text(template, messages, gen)
     assert num_served >= (150 if source != ALTERNATING else 5)
+    if source == QWEN25:
+        assert "You are Qwen" in program["separators"]["^"]["user"]
+        assert "You are Qwen" not in program["separators"]["^"]["system"]
     if source == LLAMA3:
         assert program["content"]["user"] == {"strip": "both", "chars": PYTHON_WHITESPACE}
     if source == ALTERNATING:

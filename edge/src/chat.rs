@@ -24,11 +24,20 @@ const VERSION: u64 = 1;
 /// The "previous role" of the first message.
 const START: &str = "^";
 
-/// One message as a template reads it. openai.rs's `ChatMessage` implements it (role and
-/// content as the request gave them; "developer" is taken as "system", as the router does).
+/// One message as a template reads it: openai.rs's `ChatMessage`, the driver's lines.
+/// "developer" is taken as "system", as the router does.
 pub trait ChatTurn {
     fn role(&self) -> &str;
     fn content(&self) -> &str;
+}
+
+impl ChatTurn for crate::openai::ChatMessage {
+    fn role(&self) -> &str {
+        &self.role
+    }
+    fn content(&self) -> &str {
+        &self.content
+    }
 }
 
 /// What the template does to a content before writing it: Python's str.strip / lstrip /
