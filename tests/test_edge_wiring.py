@@ -1,7 +1,9 @@
 """router.data_plane: native (router/edge.py): the cluster.yaml keys and their checks, the
 EdgeConfig the router writes (every field of edge/src/config.rs), the edge process's
-start / restart / stop, and the errors of a router that cannot have the native data
-plane."""
+start / restart / stop, the errors of a router that cannot have the native data plane,
+and a real `python -m router` with the real edge in front of stand-in workers: served
+and proxied requests through router.port, the edge killed and started again, nothing
+left after the router stops, and who listens where."""
 
 from __future__ import annotations
 
@@ -16,9 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+import psutil
 import pytest
 import yaml
-from router_standin import smollm2_info
+from cluster_harness import free_ports
+from router_standin import ServerThread, StandinWorker, smollm2_info
 
 from kvserve.process_groups import pid_alive
 from protocol.cluster import parse_cluster
@@ -278,3 +283,121 @@ def test_edge_dies_with_a_killed_router(tmp_path: Path) -> None:
             time.sleep(0.05)
     finally:
         router.kill()
+
+
+def _wait(what: str, ok: Any, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if ok():
+                return
+        except (httpx.HTTPError, psutil.Error):
+            pass
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _edge_children(router_pid: int) -> list[psutil.Process]:
+    return [c for c in psutil.Process(router_pid).children() if c.name() == "kvserve-edge"]
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    conns = psutil.Process(pid).net_connections(kind="inet")
+    return {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
+
+
+def _complete(url: str) -> httpx.Response:
+    return httpx.post(
+        url + "/v1/completions",
+        json={"model": "smollm2-135m-instruct", "prompt": "hi", "max_tokens": 3},
+        trust_env=False,
+        timeout=30,
+    )
+
+
+def test_native_router_serves_through_the_edge(tmp_path: Path, edge_bin: Path) -> None:
+    prefill = StandinWorker(tokens=[100, 101, 102])
+    decode = StandinWorker(tokens=[100, 101, 102])
+    servers = [ServerThread(prefill.app()), ServerThread(decode.app())]
+    for s in servers:
+        s.start()
+    (port,) = free_ports(1)
+    data = _cluster(data_plane="native", edge_threads=2, port=port)
+    data["prefill"][0]["port"] = servers[0].port
+    data["decode"][0]["port"] = servers[1].port
+    config = tmp_path / "cluster.yaml"
+    config.write_text(yaml.safe_dump(data))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "KVSERVE_EDGE_BIN": str(edge_bin)}
+    log = tmp_path / "router.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router", "-c", str(config)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    edges: list[int] = []
+    try:
+        _wait("/health", lambda: httpx.get(url + "/health", trust_env=False).status_code == 200)
+        (edge,) = _edge_children(proc.pid)
+        edges.append(edge.pid)
+        files = Path(edge.cmdline()[-1]).parent  # serve --config DIR/edge.json
+        assert sorted(p.name for p in files.iterdir()) == [
+            "chat_template.json",
+            "control.sock",
+            "edge.json",
+            "tokenizer.json",
+        ]
+        # Who listens where: the edge on router.host:router.port only; the router on
+        # loopback only, not on router.port.
+        assert _listening(edge.pid) == {("127.0.0.1", port)}
+        router_listens = _listening(proc.pid)
+        assert router_listens and all(ip == "127.0.0.1" for ip, _ in router_listens)
+        assert port not in {p for _, p in router_listens}
+
+        models = httpx.get(url + "/v1/models", trust_env=False, timeout=10)  # proxied
+        assert models.status_code == 200
+        assert models.json()["data"][0]["id"] == "smollm2-135m-instruct"
+        r = _complete(url)  # served natively
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+        chat = httpx.post(  # the template program was written: served natively
+            url + "/v1/chat/completions",
+            json={
+                "model": "smollm2-135m-instruct",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+            },
+            trust_env=False,
+            timeout=30,
+        )
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["choices"][0]["message"]["role"] == "assistant"
+        bad = httpx.post(
+            url + "/v1/completions",
+            json={"model": "smollm2-135m-instruct", "prompt": "hi", "max_tokens": -1},
+            trust_env=False,
+        )
+        assert bad.status_code == 400  # proxied: the router's own answer
+        assert "max_tokens" in bad.json()["error"]["message"]
+
+        # The edge killed: the router starts another, which serves.
+        os.kill(edge.pid, signal.SIGKILL)
+        _wait(
+            "a new edge",
+            lambda: [e.pid for e in _edge_children(proc.pid)] not in ([], [edges[0]]),
+            30,
+        )
+        _wait("/health again", lambda: _complete(url).status_code == 200, 30)
+        (edge,) = _edge_children(proc.pid)
+        edges.append(edge.pid)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        for s in servers:
+            s.stop()
+    _wait("no edge left", lambda: not any(pid_alive(e) for e in edges), 15)
+    text = log.read_text()
+    assert "exited with signal 9; starting it again" in text, text[-3000:]
+    assert not files.exists()  # the edge's files went with it
