@@ -34,7 +34,9 @@ command -v python3 >/dev/null || missing+=(python3)
 command -v cc >/dev/null || missing+=(gcc)  # builds the bind-narrowing library (kvserve/bind_narrowing.py)
 # kvserve-edge, the router's native data plane (edge/, docs/edge.md): its crates come
 # from Debian's packages (edge/.cargo/config.toml points cargo at them), never crates.io;
-# cargo from the PATH or rustup's ~/.cargo/bin, else Debian's.
+# cargo from the PATH or rustup's ~/.cargo/bin, else the distribution's: on Debian 12
+# `cargo-web` (a current Rust; its `cargo` is Rust 1.63, older than the edge's code
+# needs), elsewhere `cargo`.
 edge_crates=(librust-hyper-dev librust-tokio-dev librust-serde-json-dev librust-serde-derive-dev
   librust-xxhash-rust-dev librust-fancy-regex-dev librust-bytes-dev librust-futures-util-dev
   librust-tokio-macros-dev)
@@ -43,12 +45,19 @@ for p in "${edge_crates[@]}"; do
 done
 cargo=$(command -v cargo || true)
 if [ -z "$cargo" ] && [ -x "$HOME/.cargo/bin/cargo" ]; then cargo="$HOME/.cargo/bin/cargo"; fi
-[ -n "$cargo" ] || missing+=(cargo)
+if [ -z "$cargo" ]; then
+  $sudo apt-get update -qq
+  if apt-cache show cargo-web >/dev/null 2>&1; then missing+=(cargo-web); else missing+=(cargo); fi
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   apt_install "${missing[@]}"
 fi
 cargo=${cargo:-$(command -v cargo)}
-(cd edge && "$cargo" build --release --offline --quiet)
+if ! (cd edge && "$cargo" build --release --offline --quiet); then
+  echo "setup.sh: building edge/ with $("$cargo" --version) failed; an old Rust? (Debian 12:" \
+    "apt-get install cargo-web)" >&2
+  exit 1
+fi
 
 if [ -n "${VIRTUAL_ENV:-}" ]; then
   py="$VIRTUAL_ENV/bin/python"

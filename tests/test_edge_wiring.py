@@ -401,3 +401,38 @@ def test_native_router_serves_through_the_edge(tmp_path: Path, edge_bin: Path) -
     text = log.read_text()
     assert "exited with signal 9; starting it again" in text, text[-3000:]
     assert not files.exists()  # the edge's files went with it
+
+
+def test_kvserve_up_and_down_with_the_native_data_plane(tmp_path: Path, edge_bin: Path) -> None:
+    """`kvserve up` starts the router, the router the edge (its /health answers through
+    the edge); `kvserve down` leaves neither, and the edge's exit is no crash to the
+    router."""
+    from test_launcher import Cluster
+
+    c = Cluster(tmp_path)
+    del c.commands["router"]  # the real `python -m router`
+    text = c.config.read_text().replace(
+        f"router: {{port: {c.router_port}}}",
+        f"router: {{port: {c.router_port}, data_plane: native}}",
+    )
+    c.config.write_text(text)
+    proc = c.driver(detach=True)
+    edges: list[int] = []
+    try:
+        output, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, output
+        st = c.state()
+        assert st is not None
+        (router_pid,) = [x["pid"] for x in st["components"] if x["name"] == "router"]
+        edges = [e.pid for e in _edge_children(router_pid)]
+        assert len(edges) == 1
+        assert _listening(edges[0]) == {("127.0.0.1", c.router_port)}
+        health = httpx.get(f"http://127.0.0.1:{c.router_port}/health", trust_env=False)
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        res = c.cli("down")
+        assert res.returncode == 0, res.stdout + res.stderr
+    finally:
+        c.cleanup(proc)
+    _wait("nothing left", lambda: not any(pid_alive(p) for p in [router_pid, *edges]), 15)
+    log = (c.state_dir / "standin" / "logs" / "router.log").read_text()
+    assert "listening on" in log and "starting it again" not in log, log[-3000:]
