@@ -167,6 +167,7 @@ class _EdgeRequest:
     """One open request's bookkeeping: what RequestRun holds besides the worker streams."""
 
     __slots__ = (
+        "admit_seq",
         "admitting",
         "binding",
         "ctx",
@@ -192,6 +193,9 @@ class _EdgeRequest:
         self.binding: Binding | None = None
         self.admitting: asyncio.Task[None] | None = None
         """An admission wait in progress (cancelled by `end`)."""
+        self.admit_seq = 0
+        """The ask the admission wait answers (whoever cancels it answers it: a task
+        cancelled before it ran has no chance to)."""
 
 
 class EdgeControl:
@@ -257,6 +261,7 @@ class _EdgeConnection(asyncio.Protocol):
         self.requests: dict[str, _EdgeRequest] = {}
         self._transport: asyncio.Transport | None = None
         self._buf = bytearray()
+        """A frame's first part, until the rest arrives."""
         self._closed = False
 
     # -- the connection ---------------------------------------------------------------------
@@ -268,24 +273,26 @@ class _EdgeConnection(asyncio.Protocol):
         self._send({"hello": {"version": WIRE_VERSION, "topology": self.control.topology}})
 
     def data_received(self, data: bytes) -> None:
-        buf = self._buf
-        buf += data
-        start = 0
-        end = len(buf)
+        if self._buf:  # the rest of a frame that came in pieces
+            self._buf += data
+            data = bytes(self._buf)
+            self._buf.clear()
+        view = memoryview(data)  # frames decoded in place, not copied
+        start, end = 0, len(data)
         while end - start >= 4:
-            (n,) = _HEADER.unpack_from(buf, start)
+            (n,) = _HEADER.unpack_from(data, start)
             if n > MAX_FRAME_BYTES:
                 log.error("edge control: a %d-byte frame; closing the connection", n)
                 self.close()
                 return
             if end - start - 4 < n:
                 break
-            body = bytes(buf[start + 4 : start + 4 + n])
+            self._apply(view[start + 4 : start + 4 + n])
             start += 4 + n
-            self._apply(body)
             if self._closed:
                 return
-        del buf[:start]
+        if start < end:
+            self._buf += view[start:]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._end_all()
@@ -314,19 +321,23 @@ class _EdgeConnection(asyncio.Protocol):
     def _fail(self, seq: int, error: APIError) -> None:
         self._send({"seq": seq, "error": _error_obj(error)})
 
-    def _apply(self, body: bytes) -> None:
+    def _apply(self, body: memoryview) -> None:
         try:
             msg = _decoder.decode(body)
         except msgspec.DecodeError as e:
-            self._malformed(body, e)
+            self._malformed(bytes(body), e)
             return
         try:
             _HANDLERS[type(msg)](self, msg)
-        except APIError as e:
+        except Exception as e:  # one request's failure, never the connection's
+            error = e if isinstance(e, APIError) else None
+            if error is None:
+                log.exception("edge control: %s failed", type(msg).__name__)
+                error = APIError(f"internal router error: {type(e).__name__}: {e}")
             if isinstance(msg, _Ask):
-                self._fail(msg.seq, e)
+                self._fail(msg.seq, error)
             else:
-                log.warning("edge control: %s: %s", type(msg).__name__, e.message)
+                log.warning("edge control: %s: %s", type(msg).__name__, error.message)
 
     def _malformed(self, body: bytes, error: msgspec.DecodeError) -> None:
         """A frame that is not one of the messages: an edge bug. Answer its ask if it
@@ -374,6 +385,7 @@ class _EdgeConnection(asyncio.Protocol):
         """relay.py `_admit_decode`: through the gate when there is one (at once when it
         can, else an admission wait in its own task, up to the run's deadline)."""
         req = self._request(m.id)
+        self._stop_admitting(req)
         self._drop_reservation(req)
         tried = set(m.tried)
         gate = self.services.gate
@@ -394,6 +406,7 @@ class _EdgeConnection(asyncio.Protocol):
         if reservation is not None:
             self._reserved(m.seq, req, reservation)
             return
+        req.admit_seq = m.seq
         req.admitting = asyncio.get_running_loop().create_task(
             self._admit_wait(m, req, need, candidates, choose)
         )
@@ -412,16 +425,20 @@ class _EdgeConnection(asyncio.Protocol):
             async with asyncio.timeout(max(0.0, m.deadline_s)):
                 reservation = await gate.admit(m.id, need, candidates, choose)
         except TimeoutError:
+            req.admitting = None
             self._fail(m.seq, self._timeout(m.id))
             return
         except APIError as e:
+            req.admitting = None
             self._fail(m.seq, e)
             return
-        except asyncio.CancelledError:  # `end` came first (or the connection closed)
-            self._fail(m.seq, APIError(f"request {m.id} ended while it waited for admission"))
-            raise
-        finally:
+        except Exception as e:  # a router bug: the ask is still answered
+            log.exception("edge control: admission of %s failed", m.id)
             req.admitting = None
+            self._fail(m.seq, APIError(f"internal router error: {type(e).__name__}: {e}"))
+            return
+        # (cancelled: `_stop_admitting` answered the ask)
+        req.admitting = None
         if self.requests.get(m.id) is not req:  # ended meanwhile
             reservation.release()
             return
@@ -543,12 +560,20 @@ class _EdgeConnection(asyncio.Protocol):
 
     def _release(self, req: _EdgeRequest) -> None:
         """Everything the request holds, given back (RunEnd and `_close_prefill`)."""
-        if req.admitting is not None:
-            req.admitting.cancel()
-            req.admitting = None
+        self._stop_admitting(req)
         self._drop_reservation(req)
         self._unbind(req)
         self._forget_prefill(req)
+
+    def _stop_admitting(self, req: _EdgeRequest) -> None:
+        """Cut an admission wait short; its ask is answered with an error."""
+        task, req.admitting = req.admitting, None
+        if task is not None:
+            task.cancel()
+            rid = req.ctx.request_id
+            self._fail(
+                req.admit_seq, APIError(f"request {rid} ended while it waited for admission")
+            )
 
     def _drop_reservation(self, req: _EdgeRequest) -> None:
         if req.reservation is not None:

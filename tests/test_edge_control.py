@@ -569,8 +569,45 @@ def test_malformed_frames_are_answered_not_fatal() -> None:
             send({"op": "pick", "seq": 6, "id": "never-opened", "role": "prefill"})
             answer = await frame()
             assert answer["seq"] == 6 and "is not open" in answer["error"]["message"]
-            send({"op": "ping", "seq": 7})
+            ping = json.dumps({"op": "ping", "seq": 7}).encode()
+            whole = struct.pack("<I", len(ping)) + ping
+            for i in range(len(whole)):  # a frame that comes in pieces
+                writer.write(whole[i : i + 1])
+                await writer.drain()
             assert await frame() == {"seq": 7}
+
+            # An admission wait cut short before its task ran: still answered.
+            c.view.set_info(c.inst("d0"), _info("d0", "decode", capacity=100))
+            for seq, rid in ((8, "a"), (9, "b")):
+                prompt = list(range(40))
+                send(
+                    {
+                        "op": "open",
+                        "seq": seq,
+                        "id": rid,
+                        "prompt": prompt,
+                        "max_tokens": 30,
+                        "endpoint": "chat",
+                    }
+                )
+                assert await frame() == {"seq": seq}
+            send({"op": "admit", "seq": 10, "id": "a", "deadline_s": 5})
+            assert (await frame())["instance"]["name"] == "d0"
+            both = [
+                {"op": "admit", "seq": 11, "id": "b", "deadline_s": 5},
+                {"op": "end", "id": "b", "status": 499},
+                {"op": "end", "id": "a", "status": 200},
+                {"op": "ping", "seq": 12},
+            ]
+            writer.write(
+                b"".join(
+                    struct.pack("<I", len(b)) + b for b in map(str.encode, map(json.dumps, both))
+                )
+            )
+            answer = await frame()
+            assert answer["seq"] == 11 and "ended while it waited" in answer["error"]["message"]
+            assert await frame() == {"seq": 12}
+            c.assert_nothing_held()
             writer.close()
             await c.control.stop()
             assert not os.path.exists(path)
