@@ -524,6 +524,8 @@ class _EdgeConnection(asyncio.Protocol):
         req = self._request(m.id)
         inst = self._resolve(req, m.instance)
         self._unbind(req)
+        if req.prefill is not inst:  # not the one it picked: that one's queued work ends
+            self._forget_prefill(req)
         view = self.services.view
         st = view.state(inst)
         hashes = None

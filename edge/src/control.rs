@@ -40,6 +40,10 @@ const MAX_FRAME_BYTES: usize = 1 << 20;
 /// Lost ids a slow subscriber may fall behind by before it sees `Lagged` (then it asks
 /// `is_lost`).
 const LOST_CAPACITY: usize = 1024;
+/// Pushed errors kept for their runs. An entry leaves at its request's `end`; one whose
+/// push crossed that `end` on the wire stays, so past this many the map is cleared (a run
+/// whose entry went falls back to a generic decode-lost error: same status and code).
+const LOST_KEEP: usize = 4096;
 
 /// One worker instance as the control plane names it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -307,7 +311,13 @@ impl Shared {
                 Some(e) => e.into_api(),
                 None => ApiError::decode_lost(&id),
             };
-            lock(&self.lost_errors).insert(id.clone(), error);
+            {
+                let mut kept = lock(&self.lost_errors);
+                if kept.len() >= LOST_KEEP {
+                    kept.clear();
+                }
+                kept.insert(id.clone(), error);
+            }
             let _ = self.lost_tx.send(id); // no subscriber: nobody waits on prefill now
             return;
         }
