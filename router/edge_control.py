@@ -49,14 +49,29 @@ import logging
 import os
 import socket
 import stat
-import struct
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
-from protocol.messages import PromptUsage
+from protocol.edge_messages import (
+    DECODER,
+    FRAME_HEADER,
+    MAX_FRAME_BYTES,
+    WIRE_VERSION,
+    Admit,
+    Ask,
+    Bind,
+    Broken,
+    End,
+    Open,
+    Pick,
+    Ping,
+    Prefilled,
+    Unreachable,
+    frame,
+)
 from router.admission import Reservation
 from router.decode_bindings import Binding
 from router.errors import APIError, UpstreamTimeout, WorkerUnavailable
@@ -67,86 +82,8 @@ from router.relay import RelayServices
 
 log = logging.getLogger(__name__)
 
-WIRE_VERSION = 1
-MAX_FRAME_BYTES = 256 << 20
-"""A frame larger than this is a broken peer (a 1 M-token prompt is ~8 MB)."""
 EDGE_GONE_STATUS = 500
 """How the requests of an edge connection that closed are counted."""
-_HEADER = struct.Struct("<I")
-
-
-class _Ask(msgspec.Struct, tag_field="op", kw_only=True):
-    seq: int
-
-
-class _Open(_Ask, tag="open"):
-    id: str
-    prompt: list[int]
-    max_tokens: int
-    endpoint: str
-    user: str | None = None
-    session: str | None = None
-
-
-class _Admit(_Ask, tag="admit"):
-    id: str
-    deadline_s: float
-    tried: list[str] = []
-
-
-class _Pick(_Ask, tag="pick"):
-    id: str
-    role: str
-    tried: list[str] = []
-
-
-class _Ping(_Ask, tag="ping"):
-    pass
-
-
-class _Report(msgspec.Struct, tag_field="op", kw_only=True):
-    id: str
-
-
-class _Unreachable(_Report, tag="unreachable"):
-    instance: str
-    message: str
-
-
-class _Bind(_Report, tag="bind"):
-    instance: str
-    incarnation: str = ""
-
-
-class _Prefilled(_Report, tag="prefilled"):
-    instance: str
-    usage: PromptUsage
-
-
-class _Broken(_Report, tag="broken"):
-    instance: str
-    message: str
-    incarnation: str = ""
-
-
-class _End(_Report, tag="end"):
-    status: int
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    usage: PromptUsage | None = None
-    first_token_s: float | None = None
-    last_token_s: float | None = None
-    token_gaps_s: list[float] = []
-
-
-_Message = _Open | _Admit | _Pick | _Ping | _Unreachable | _Bind | _Prefilled | _Broken | _End
-_decoder = msgspec.json.Decoder(_Message)
-_encode = msgspec.json.encode
-
-
-def _frame(obj: object) -> bytes:
-    body = _encode(obj)
-    return _HEADER.pack(len(body)) + body
 
 
 def _error_obj(e: APIError) -> dict[str, object]:
@@ -280,7 +217,7 @@ class _EdgeConnection(asyncio.Protocol):
         view = memoryview(data)  # frames decoded in place, not copied
         start, end = 0, len(data)
         while end - start >= 4:
-            (n,) = _HEADER.unpack_from(data, start)
+            (n,) = FRAME_HEADER.unpack_from(data, start)
             if n > MAX_FRAME_BYTES:
                 log.error("edge control: a %d-byte frame; closing the connection", n)
                 self.close()
@@ -309,11 +246,11 @@ class _EdgeConnection(asyncio.Protocol):
         requests, self.requests = self.requests, {}
         for req in requests.values():
             self._release(req)
-            self._record(req, _End(id=req.ctx.request_id, status=EDGE_GONE_STATUS))
+            self._record(req, End(id=req.ctx.request_id, status=EDGE_GONE_STATUS))
 
     def _send(self, obj: object) -> None:
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(_frame(obj))
+            self._transport.write(frame(obj))
 
     def _answer(self, seq: int, **fields: object) -> None:
         self._send({"seq": seq, **fields})
@@ -323,7 +260,7 @@ class _EdgeConnection(asyncio.Protocol):
 
     def _apply(self, body: memoryview) -> None:
         try:
-            msg = _decoder.decode(body)
+            msg = DECODER.decode(body)
         except msgspec.DecodeError as e:
             self._malformed(bytes(body), e)
             return
@@ -334,7 +271,7 @@ class _EdgeConnection(asyncio.Protocol):
             if error is None:
                 log.exception("edge control: %s failed", type(msg).__name__)
                 error = APIError(f"internal router error: {type(e).__name__}: {e}")
-            if isinstance(msg, _Ask):
+            if isinstance(msg, Ask):
                 self._fail(msg.seq, error)
             else:
                 log.warning("edge control: %s: %s", type(msg).__name__, error.message)
@@ -368,7 +305,7 @@ class _EdgeConnection(asyncio.Protocol):
 
     # -- asks -------------------------------------------------------------------------------
 
-    def _open(self, m: _Open) -> None:
+    def _open(self, m: Open) -> None:
         if m.id in self.requests:
             raise APIError(f"internal router error: request {m.id} is already open")
         if m.endpoint not in ("chat", "completion"):
@@ -378,10 +315,10 @@ class _EdgeConnection(asyncio.Protocol):
         self.control.metrics.in_flight.inc()
         self._answer(m.seq)
 
-    def _ping(self, m: _Ping) -> None:
+    def _ping(self, m: Ping) -> None:
         self._answer(m.seq)
 
-    def _admit(self, m: _Admit) -> None:
+    def _admit(self, m: Admit) -> None:
         """relay.py `_admit_decode`: through the gate when there is one (at once when it
         can, else an admission wait in its own task, up to the run's deadline)."""
         req = self._request(m.id)
@@ -413,7 +350,7 @@ class _EdgeConnection(asyncio.Protocol):
 
     async def _admit_wait(
         self,
-        m: _Admit,
+        m: Admit,
         req: _EdgeRequest,
         need: int,
         candidates: Callable[[], list[Instance]],
@@ -456,7 +393,7 @@ class _EdgeConnection(asyncio.Protocol):
         req.decode = reservation.instance
         self._answer(seq, instance=_instance_obj(reservation.instance))
 
-    def _pick(self, m: _Pick) -> None:
+    def _pick(self, m: Pick) -> None:
         """relay.py `_open_prefill` / unified.py: the instance, and the prompt counted as
         its queued work from now on."""
         req = self._request(m.id)
@@ -495,7 +432,7 @@ class _EdgeConnection(asyncio.Protocol):
 
     # -- reports ----------------------------------------------------------------------------
 
-    def _unreachable(self, m: _Unreachable) -> None:
+    def _unreachable(self, m: Unreachable) -> None:
         """relay.py `_forget`: it never got the request."""
         req = self._request(m.id)
         inst = self._resolve(req, m.instance)
@@ -506,7 +443,7 @@ class _EdgeConnection(asyncio.Protocol):
             self._drop_reservation(req)
             req.decode = None
 
-    def _bind(self, m: _Bind) -> None:
+    def _bind(self, m: Bind) -> None:
         req = self._request(m.id)
         inst = self._resolve(req, m.instance)
         self._unbind(req)
@@ -519,7 +456,7 @@ class _EdgeConnection(asyncio.Protocol):
         req.binding = None
         self._send({"lost": binding.request_id, "error": _error_obj(binding.error())})
 
-    def _prefilled(self, m: _Prefilled) -> None:
+    def _prefilled(self, m: Prefilled) -> None:
         """relay.py `_prefilled`: its cache (and pool) now hold the prompt's full blocks."""
         req = self._request(m.id)
         inst = self._resolve(req, m.instance)
@@ -534,7 +471,7 @@ class _EdgeConnection(asyncio.Protocol):
         view.on_prefill_done(inst, m.id, req.ctx.prompt_token_ids, hashes, m.usage)
         req.prefilled = True
 
-    def _broken(self, m: _Broken) -> None:
+    def _broken(self, m: Broken) -> None:
         """relay.py `_broken`: unhealthy, unless a restarted process answers there now."""
         req = self._request(m.id)
         inst = self._resolve(req, m.instance)
@@ -550,7 +487,7 @@ class _EdgeConnection(asyncio.Protocol):
                 m.message,
             )
 
-    def _end(self, m: _End) -> None:
+    def _end(self, m: End) -> None:
         req = self.requests.pop(m.id, None)
         if req is None:
             log.warning("edge control: end of request %s, which is not open", m.id)
@@ -593,7 +530,7 @@ class _EdgeConnection(asyncio.Protocol):
             self.services.view.on_prefill_done(req.prefill, req.ctx.request_id, [], None, None)
         req.prefill = None
 
-    def _record(self, req: _EdgeRequest, m: _End) -> None:
+    def _record(self, req: _EdgeRequest, m: End) -> None:
         """RequestRecord.finish (router/metrics.py) from the edge's reported times."""
         metrics = self.control.metrics
         metrics.in_flight.dec()
@@ -614,14 +551,14 @@ class _EdgeConnection(asyncio.Protocol):
 
 
 _HANDLERS: dict[type, Callable[[_EdgeConnection, Any], None]] = {
-    _Open: _EdgeConnection._open,
-    _Admit: _EdgeConnection._admit,
-    _Pick: _EdgeConnection._pick,
-    _Ping: _EdgeConnection._ping,
-    _Unreachable: _EdgeConnection._unreachable,
-    _Bind: _EdgeConnection._bind,
-    _Prefilled: _EdgeConnection._prefilled,
-    _Broken: _EdgeConnection._broken,
-    _End: _EdgeConnection._end,
+    Open: _EdgeConnection._open,
+    Admit: _EdgeConnection._admit,
+    Pick: _EdgeConnection._pick,
+    Ping: _EdgeConnection._ping,
+    Unreachable: _EdgeConnection._unreachable,
+    Bind: _EdgeConnection._bind,
+    Prefilled: _EdgeConnection._prefilled,
+    Broken: _EdgeConnection._broken,
+    End: _EdgeConnection._end,
 }
 """Each message's handler, by its type (one lookup a frame)."""

@@ -1,0 +1,99 @@
+"""The messages of the native data plane's control socket (kvserve-edge <-> the router).
+
+router/edge_control.py's docstring lists them with their answers and rules;
+edge/src/control.rs is the other side (serde_json, the same JSON). A frame is a 4-byte
+little-endian length and one JSON object; edge -> router messages are tagged by "op".
+Asks carry a "seq" that their answer echoes; reports are one-way.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+
+from protocol.messages import PromptUsage
+
+WIRE_VERSION = 1
+MAX_FRAME_BYTES = 256 << 20
+"""A frame larger than this is a broken peer (a 1 M-token prompt is ~8 MB)."""
+FRAME_HEADER = struct.Struct("<I")
+
+
+class Ask(msgspec.Struct, tag_field="op", kw_only=True):
+    """An ask: answered {"seq"}, {"seq", "instance"} or {"seq", "error"}."""
+
+    seq: int
+
+
+class Open(Ask, tag="open"):
+    id: str
+    prompt: list[int]
+    max_tokens: int
+    endpoint: str
+    user: str | None = None
+    session: str | None = None
+
+
+class Admit(Ask, tag="admit"):
+    id: str
+    deadline_s: float
+    tried: list[str] = []
+
+
+class Pick(Ask, tag="pick"):
+    id: str
+    role: str
+    tried: list[str] = []
+
+
+class Ping(Ask, tag="ping"):
+    pass
+
+
+class Report(msgspec.Struct, tag_field="op", kw_only=True):
+    """A one-way report about request `id`."""
+
+    id: str
+
+
+class Unreachable(Report, tag="unreachable"):
+    instance: str
+    message: str
+
+
+class Bind(Report, tag="bind"):
+    instance: str
+    incarnation: str = ""
+
+
+class Prefilled(Report, tag="prefilled"):
+    instance: str
+    usage: PromptUsage
+
+
+class Broken(Report, tag="broken"):
+    instance: str
+    message: str
+    incarnation: str = ""
+
+
+class End(Report, tag="end"):
+    status: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    usage: PromptUsage | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    token_gaps_s: list[float] = []
+
+
+EdgeMessage = Open | Admit | Pick | Ping | Unreachable | Bind | Prefilled | Broken | End
+DECODER = msgspec.json.Decoder(EdgeMessage)
+_encode = msgspec.json.encode
+
+
+def frame(obj: object) -> bytes:
+    """`obj` as one frame."""
+    body = _encode(obj)
+    return FRAME_HEADER.pack(len(body)) + body
