@@ -27,6 +27,9 @@ class Ask(msgspec.Struct, tag_field="op", kw_only=True):
 
 
 class Open(Ask, tag="open"):
+    """A request to route: its prompt ids (block hashes come from them), max_tokens
+    (the decode KV it reserves), the endpoint (metrics), the client's user and session."""
+
     id: str
     prompt: list[int]
     max_tokens: int
@@ -36,19 +39,24 @@ class Open(Ask, tag="open"):
 
 
 class Admit(Ask, tag="admit"):
+    """A decode instance with KV headroom, waiting up to `deadline_s` in the admission
+    gate's line; `tried`: instances this run could not reach."""
+
     id: str
     deadline_s: float
     tried: list[str] = []
 
 
 class Pick(Ask, tag="pick"):
+    """A prefill or unified instance (`role`); the prompt is its queued work from now."""
+
     id: str
     role: str
     tried: list[str] = []
 
 
 class Ping(Ask, tag="ping"):
-    pass
+    """Answered once every earlier message was applied."""
 
 
 class Report(msgspec.Struct, tag_field="op", kw_only=True):
@@ -58,27 +66,37 @@ class Report(msgspec.Struct, tag_field="op", kw_only=True):
 
 
 class Unreachable(Report, tag="unreachable"):
+    """`instance` refused the connection: it never got the request."""
+
     instance: str
     message: str
 
 
 class Bind(Report, tag="bind"):
+    """Decode process `incarnation` of `instance` holds the request until prefill answers."""
+
     instance: str
     incarnation: str = ""
 
 
 class Prefilled(Report, tag="prefilled"):
+    """`instance` answered with the first token: the prompt's blocks are cached there."""
+
     instance: str
     usage: PromptUsage
 
 
 class Broken(Report, tag="broken"):
+    """`instance`'s stream (from process `incarnation`, when known) broke mid-request."""
+
     instance: str
     message: str
     incarnation: str = ""
 
 
 class End(Report, tag="end"):
+    """The run is over: what the client got, and its times in seconds from arrival."""
+
     status: int
     prompt_tokens: int = 0
     completion_tokens: int = 0
