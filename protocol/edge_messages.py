@@ -26,18 +26,6 @@ class Ask(msgspec.Struct, tag_field="op", kw_only=True):
     seq: int
 
 
-class Open(Ask, tag="open"):
-    """A request to route: its prompt ids (block hashes come from them), max_tokens
-    (the decode KV it reserves), the endpoint (metrics), the client's user and session."""
-
-    id: str
-    prompt: list[int]
-    max_tokens: int
-    endpoint: str
-    user: str | None = None
-    session: str | None = None
-
-
 class Admit(Ask, tag="admit"):
     """A decode instance with KV headroom, waiting up to `deadline_s` in the admission
     gate's line; `tried`: instances this run could not reach."""
@@ -63,6 +51,17 @@ class Report(msgspec.Struct, tag_field="op", kw_only=True):
     """A one-way report about request `id`."""
 
     id: str
+
+
+class Open(Report, tag="open"):
+    """A request to route: its prompt ids (block hashes come from them), max_tokens
+    (the decode KV it reserves), the endpoint (metrics), the client's user and session."""
+
+    prompt: list[int]
+    max_tokens: int
+    endpoint: str
+    user: str | None = None
+    session: str | None = None
 
 
 class Unreachable(Report, tag="unreachable"):

@@ -10,8 +10,6 @@ Wire: frames of a 4-byte little-endian length, then one JSON object.
 
     router -> edge, first frame   {"hello": {"version": 1, "topology": "pd" | "unified"}}
     edge -> router, asks (answered in a frame echoing "seq"):
-      {"op": "open", "seq", "id", "prompt": [ids], "max_tokens", "endpoint": "chat" |
-       "completion", "user", "session"}                             -> {"seq"}
       {"op": "admit", "seq", "id", "tried": [names], "deadline_s"}  -> {"seq", "instance"}
       {"op": "pick", "seq", "id", "role": "prefill" | "unified", "tried"}
                                                                     -> {"seq", "instance"}
@@ -21,6 +19,9 @@ Wire: frames of a 4-byte little-endian length, then one JSON object.
       "instance" is {"name", "url"}.
     edge -> router, reports (one-way, applied in order; a ping's answer means every
     earlier report was applied):
+      {"op": "open", "id", "prompt": [ids], "max_tokens", "endpoint": "chat" |
+       "completion", "user", "session"}    registers the request (one-way: the asks
+                                           that follow are applied after it)
       {"op": "unreachable", "id", "instance": name, "message"}
       {"op": "bind", "id", "instance": name, "incarnation"}
       {"op": "prefilled", "id", "instance": name, "usage": PromptUsage}
@@ -303,9 +304,11 @@ class _EdgeConnection(asyncio.Protocol):
             raise APIError(f"internal router error: no instance named {name!r}")
         return inst
 
-    # -- asks -------------------------------------------------------------------------------
+    # -- a request's start (a report: the asks that follow it need no answer to it) -------
 
     def _open(self, m: Open) -> None:
+        """RequestRun's and RequestRecord's start: the request's route context (its block
+        hashes come from the prompt's ids), in flight from now."""
         if m.id in self.requests:
             raise APIError(f"internal router error: request {m.id} is already open")
         if m.endpoint not in ("chat", "completion"):
@@ -313,7 +316,8 @@ class _EdgeConnection(asyncio.Protocol):
         ctx = RouteContext(m.id, m.prompt, m.user, m.session)
         self.requests[m.id] = _EdgeRequest(ctx, m.endpoint, m.max_tokens)
         self.control.metrics.in_flight.inc()
-        self._answer(m.seq)
+
+    # -- asks -------------------------------------------------------------------------------
 
     def _ping(self, m: Ping) -> None:
         self._answer(m.seq)

@@ -578,19 +578,17 @@ def test_malformed_frames_are_answered_not_fatal() -> None:
 
             # An admission wait cut short before its task ran: still answered.
             c.view.set_info(c.inst("d0"), _info("d0", "decode", capacity=100))
-            for seq, rid in ((8, "a"), (9, "b")):
+            for rid in ("a", "b"):
                 prompt = list(range(40))
                 send(
                     {
                         "op": "open",
-                        "seq": seq,
                         "id": rid,
                         "prompt": prompt,
                         "max_tokens": 30,
                         "endpoint": "chat",
                     }
                 )
-                assert await frame() == {"seq": seq}
             send({"op": "admit", "seq": 10, "id": "a", "deadline_s": 5})
             assert (await frame())["instance"]["name"] == "d0"
             both = [

@@ -3,9 +3,10 @@
 //!
 //! A run calls, in relay.py's order: `open` (registers the request), `admit_decode`,
 //! `pick` (prefill or unified), and reports what happened (`unreachable`, `bind`,
-//! `prefilled`, `broken`), then `end` exactly once. The asks are answered; the reports
-//! are one-way. `lost` delivers the ids of requests whose decode process the control
-//! plane learned is gone (a 503 `decode_instance_lost` for the client: `lost_error`).
+//! `prefilled`, `broken`), then `end` exactly once. The asks are answered; `open` and the
+//! reports are one-way. `lost` delivers the ids of requests whose decode process the
+//! control plane learned is gone (a 503 `decode_instance_lost` for the client:
+//! `lost_error`).
 //!
 //! Wire (router/edge_control.py's docstring has every message): frames of a 4-byte
 //! little-endian length and one JSON object. The router's first frame is a hello with the
@@ -138,7 +139,7 @@ pub struct End {
     pub token_gaps_s: Vec<f64>,
 }
 
-/// An ask's answer: an instance (admit, pick), nothing (open, ping), or the error.
+/// An ask's answer: an instance (admit, pick), nothing (ping), or the error.
 type Answer = Result<Option<Instance>, ApiError>;
 
 /// What the reader task and the callers share.
@@ -249,10 +250,13 @@ impl Control {
         self.topology
     }
 
+    /// Registers the request. One-way (the router applies messages in order: the asks
+    /// that follow see it), so it returns at once; Err only while the socket is down.
     pub async fn open(&self, req: Open<'_>) -> Result<(), ApiError> {
-        let seq = self.next_seq();
+        if let Some(why) = &lock(&self.shared.pending).closed {
+            return Err(ApiError::unavailable(why));
+        }
         let msg = Out::Open {
-            seq,
             id: req.request_id,
             prompt: req.prompt_token_ids,
             max_tokens: req.max_tokens,
@@ -260,9 +264,8 @@ impl Control {
             user: req.user,
             session: req.session,
         };
-        self.ask(seq, frame(&msg, req.prompt_token_ids.len() * 7))
-            .await
-            .map(|_| ())
+        self.report(frame(&msg, req.prompt_token_ids.len() * 7));
+        Ok(())
     }
 
     /// A decode instance with room for the request (through the admission gate: may wait

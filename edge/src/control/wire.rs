@@ -43,7 +43,6 @@ impl WireUsage {
 #[serde(tag = "op", rename_all = "lowercase")]
 pub(super) enum Out<'a> {
     Open {
-        seq: u64,
         id: &'a str,
         prompt: &'a [u32],
         max_tokens: u64,
