@@ -356,6 +356,10 @@ class NativeDataPlane:
     `stop_edge()` / `close()` when it stops."""
 
     def __init__(self, settings: RouterSettings, model: ModelInfo, backlog: int) -> None:
+        if settings.processes != 1:
+            raise EdgeError(
+                f"router.data_plane native needs router.processes 1, not {settings.processes}"
+            )
         self._binary = check_native(model)
         self.listener = internal_listener(backlog)
         port = self.listener.getsockname()[1]

@@ -436,3 +436,27 @@ def test_kvserve_up_and_down_with_the_native_data_plane(tmp_path: Path, edge_bin
     _wait("nothing left", lambda: not any(pid_alive(p) for p in [router_pid, *edges]), 15)
     log = (c.state_dir / "standin" / "logs" / "router.log").read_text()
     assert "listening on" in log and "starting it again" not in log, log[-3000:]
+
+
+def test_an_edge_that_cannot_bind_stops_the_router_with_its_reason(
+    tmp_path: Path, edge_bin: Path
+) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        config = tmp_path / "cluster.yaml"
+        config.write_text(yaml.safe_dump(_cluster(data_plane="native", port=port)))
+        env = {**os.environ, "PYTHONPATH": str(REPO), "KVSERVE_EDGE_BIN": str(edge_bin)}
+        proc = subprocess.run(
+            [sys.executable, "-m", "router", "-c", str(config)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "exited with code 1 before it listened" in proc.stderr
+    assert f"127.0.0.1:{port}" in proc.stderr  # the edge's own message says what failed
