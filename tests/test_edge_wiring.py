@@ -25,6 +25,7 @@ import yaml
 from cluster_harness import free_ports
 from router_standin import ServerThread, StandinWorker, smollm2_info
 
+from kvserve.cluster_summary import summarize
 from kvserve.process_groups import pid_alive
 from protocol.cluster import parse_cluster
 from protocol.config_errors import ConfigError
@@ -53,8 +54,11 @@ def test_data_plane_defaults_to_python() -> None:
 
 
 def test_native_with_threads_reaches_the_settings() -> None:
-    settings = settings_from_cluster(parse_cluster(_cluster(data_plane="native", edge_threads=6)))
+    cluster = parse_cluster(_cluster(data_plane="native", edge_threads=6))
+    settings = settings_from_cluster(cluster)
     assert settings.data_plane == "native" and settings.edge_threads == 6
+    assert "; native data plane (kvserve-edge)" in summarize(cluster, "cluster.yaml")
+    assert "native" not in summarize(parse_cluster(_cluster()), "cluster.yaml")
 
 
 @pytest.mark.parametrize(
