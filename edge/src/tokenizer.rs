@@ -25,6 +25,7 @@ mod pretok;
 use std::path::Path;
 
 use bpe::Bpe;
+pub use load::json_lines;
 use pretok::{AddedTokenMatcher, ByteLevelStep, Segment, SplitStep};
 
 pub struct Tokenizer {
