@@ -19,8 +19,11 @@
 #![allow(dead_code)]
 
 mod bpe;
+mod fast_split;
 mod load;
 mod pretok;
+#[rustfmt::skip]
+mod unicode_classes;
 
 use std::path::Path;
 

@@ -8,7 +8,9 @@ use std::io::{BufRead, Write};
 use serde_json::{Map, Value};
 
 use super::bpe::{Bpe, BpeModel, FxMap};
-use super::pretok::{self, AddedTokenMatcher, Behavior, ByteLevelStep, Pattern, SplitStep};
+use super::pretok::{
+    self, AddedTokenMatcher, Behavior, ByteLevelStep, Pattern, SplitStep, Splitter,
+};
 use super::{TemplatePiece, Tokenizer};
 
 /// GPT-2's byte -> char map (printable bytes are themselves, the others 256, 257, ...).
@@ -152,7 +154,7 @@ fn pre_tokenizer(value: Option<&Value>) -> Result<(Vec<SplitStep>, ByteLevelStep
         .map(|s| split_step(s))
         .collect::<Result<Vec<_>, _>>()?;
     let regex = if flag(last, "use_regex", true) {
-        Some(pretok::compile(pretok::BYTE_LEVEL_REGEX)?)
+        Some(Splitter::new(pretok::BYTE_LEVEL_REGEX)?)
     } else {
         None
     };
@@ -174,7 +176,7 @@ fn split_step(step: &Value) -> Result<SplitStep, String> {
     }
     let pattern = match step.get("pattern") {
         Some(p) if p.get("Regex").and_then(Value::as_str).is_some() => {
-            Pattern::Regex(pretok::compile(p["Regex"].as_str().unwrap_or_default())?)
+            Pattern::Regex(Splitter::new(p["Regex"].as_str().unwrap_or_default())?)
         }
         Some(p) if p.get("String").and_then(Value::as_str).is_some() => {
             Pattern::Literal(p["String"].as_str().unwrap_or_default().to_string())
