@@ -470,6 +470,29 @@ def test_whatever_the_edge_accepts_the_router_serves_alike(
     assert seen["native"] > 10  # the sweep reached the native path, not just refusals
 
 
+float_texts = st.one_of(
+    st.floats(0, 2).map(repr),
+    st.floats(0, 2).map(lambda x: f"{x:.17e}"),
+    st.floats(0, 2).map(lambda x: f"{x:.25f}"),
+    st.text("0123456789", min_size=1, max_size=30).map(lambda d: "0." + d),
+    st.text("0123456789", min_size=1, max_size=30).map(lambda d: "1." + d),
+    st.integers(0, 2).map(str),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    name=st.sampled_from(["temperature", "top_p", "presence_penalty", "repetition_penalty"]),
+    text=float_texts,
+)
+def test_floats_read_as_python_reads_them(
+    edge: Driver, routers: dict[str, Router], name: str, text: str
+) -> None:
+    """Long mantissas and exponents: the edge's float is the router's, bit for bit (the
+    params' bytes would differ otherwise)."""
+    check_body(edge, routers["plain"], "completion", f'{{"prompt": "x", "{name}": {text}}}')
+
+
 # -- responses --------------------------------------------------------------------------------
 
 TEXTS = ["Hello", "", " wörld 😀", 'q"uo\\te', "line\nbreak\ttab\x01\x1f\x7f", "<|im_end|>", "漢字"]
