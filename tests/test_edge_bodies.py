@@ -51,7 +51,7 @@ from router.errors import APIError, InvalidRequest, NotFound, WorkerError, Worke
 from router.openai_format import DONE, formatter_for
 from router.output import OutputDelta
 from router.preprocess import PreparedRequest, Preprocessor, _message_dict
-from router.request_body import decode_json
+from router.request_body import Headers, UnsupportedMediaType, decode_json, read_json_body
 from router.tools import tool_request
 
 SERVED = "smol"
@@ -468,6 +468,56 @@ def test_whatever_the_edge_accepts_the_router_serves_alike(
 
     sweep()
     assert seen["native"] > 10  # the sweep reached the native path, not just refusals
+
+
+CONTENT_TYPES = [
+    None,
+    b"application/json",
+    b"Application/JSON; charset=utf-8",
+    b" application/json ;x",
+    b"\x1fapplication/json\x0b",
+    b"application/vnd.api+json",
+    b"application/+JSON",
+    b"+json",
+    b"json",
+    b"text/plain",
+    b"application/json5",
+    b"application/x-www-form-urlencoded",
+    b"",
+    b"application/json\xa0",
+    b"\xe9application/json",
+]
+
+
+class _Headers:
+    """What read_json_body reads of a request: its headers and body."""
+
+    def __init__(self, content_type: bytes | None) -> None:
+        raw = [] if content_type is None else [(b"content-type", content_type)]
+        self.headers = Headers(raw)
+
+    async def body(self) -> bytes:
+        return b"{}"
+
+
+@pytest.mark.parametrize("content_type", CONTENT_TYPES)
+def test_content_types_as_the_router_reads_them(
+    edge: Driver, routers: dict[str, Router], content_type: bytes | None
+) -> None:
+    """A body the router would refuse (415) for its Content-Type is never native; the
+    edge judges only ASCII values, so a non-ASCII one is proxied whatever the router does."""
+    loop = routers["plain"].loop
+    try:
+        loop.run_until_complete(read_json_body(_Headers(content_type)))  # type: ignore[arg-type]
+        router_reads = True
+    except UnsupportedMediaType:
+        router_reads = False
+    header = None if content_type is None else list(content_type)
+    edge_reads = edge.ask(op="content_type", header=header)["json"]
+    if content_type is not None and not content_type.isascii():
+        assert not edge_reads
+    else:
+        assert edge_reads == router_reads, content_type
 
 
 float_texts = st.one_of(

@@ -13,9 +13,11 @@
 //! needs the prompt's length or the vocabulary, `finalize` decides after tokenizing.
 //!
 //! # A request's sequence
+//! 0. `is_json_content_type(first content-type header)`: false: proxy (the router's 415).
 //! 1. `parse(endpoint, body, served_model_names)` -> GenRequest, or None: proxy.
-//! 2. Tokenize (`Prompt::Text`: as the router's PromptEncoder; `Prompt::Messages`: the
-//!    chat template with `add_generation_prompt`, then `encode(text, false)`).
+//! 2. Tokenize (`Prompt::Text`: `encode(text, true)`, as the router's PromptEncoder;
+//!    `Prompt::Messages`: the chat template with `add_generation_prompt`, then
+//!    `encode(text, false)`).
 //! 3. `finalize_with(&mut req, prompt_len, &limits)` (or `finalize` with the context
 //!    length only): false: proxy. It sets `req.params.max_tokens`.
 //! 4. `new_request_id(endpoint)` and `created = created_now()`: the response's `created`
@@ -53,7 +55,7 @@ pub use driver::cli;
 #[allow(unused_imports)]
 pub use format::{error_body, error_event, Formatter, Usage, DONE};
 #[allow(unused_imports)]
-pub use parse::{finalize, finalize_with, parse, Limits};
+pub use parse::{finalize, finalize_with, is_json_content_type, parse, Limits};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {

@@ -28,6 +28,7 @@ use crate::protocol::SamplingParams;
 ///    "reason", "prefill_contacted"} -> {"bytes"}
 ///   {"op": "event", "line": TEXT} -> the event's fields, or {"error": ..}
 ///   {"op": "request_id", "endpoint"} -> {"id"}
+///   {"op": "content_type", "header": [bytes]|null} -> {"json": bool}
 /// USAGE: {"prompt_tokens", "completion_tokens", "details": PromptUsage|null}.
 pub fn cli(_args: &[String]) -> i32 {
     use std::io::{BufRead, Write};
@@ -148,6 +149,11 @@ fn cli_op(line: &str) -> Result<Json, String> {
         "worker" => worker_op(&string("kind"), raw, &string("request_id")).map(bytes),
         "event" => Ok(event_json(string("line").as_bytes())),
         "request_id" => Ok(serde_json::json!({ "id": new_request_id(endpoint) })),
+        "content_type" => {
+            let header: Option<Vec<u8>> = serde_json::from_value(value("header")).ok();
+            let json = super::is_json_content_type(header.as_deref());
+            Ok(serde_json::json!({ "json": json }))
+        }
         other => Err(format!("unknown op {other:?}")),
     }
 }

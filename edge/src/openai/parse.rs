@@ -85,6 +85,41 @@ impl<'a> Body<'a> {
     }
 }
 
+/// Whether the router reads a body with this Content-Type (router/request_body.py
+/// read_json_body; pass the request's first content-type header, None when it has none):
+/// false, the router answers 415, so the request is proxied. Only ASCII values are judged
+/// (Python strips and lowers Latin-1 too); others are false.
+pub fn is_json_content_type(content_type: Option<&[u8]>) -> bool {
+    let Some(value) = content_type else {
+        return true; // no Content-Type is taken as JSON
+    };
+    if !value.is_ascii() {
+        return false;
+    }
+    let media = value.split(|b| *b == b';').next().unwrap_or_default();
+    let media = py_strip(media);
+    media.eq_ignore_ascii_case(b"application/json")
+        || (media.len() >= 5 && media[media.len() - 5..].eq_ignore_ascii_case(b"+json"))
+}
+
+/// Python's str.strip() on ASCII: \t \n \v \f \r, \x1c-\x1f and space.
+fn py_strip(mut s: &[u8]) -> &[u8] {
+    let space = |b: u8| matches!(b, b'\t'..=b'\r' | 0x1c..=0x1f | b' ');
+    while let [first, rest @ ..] = s {
+        if !space(*first) {
+            break;
+        }
+        s = rest;
+    }
+    while let [rest @ .., last] = s {
+        if !space(*last) {
+            break;
+        }
+        s = rest;
+    }
+    s
+}
+
 /// None: not for the native path (anything unsupported or invalid): proxy it unchanged.
 pub fn parse(endpoint: Endpoint, body: &[u8], served_model_names: &[String]) -> Option<GenRequest> {
     let answered_name = served_model_names.first()?;
