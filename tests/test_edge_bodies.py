@@ -202,6 +202,7 @@ NATIVE_COMPLETIONS = [
     '{"prompt": "x", "temperature": -0.0, "stream_options": {"include_usage": true, "x": [1]}}',
     ' {"prompt" : "x" , "max_tokens" : 8191 }\n',
     '{"prompt": "\\u00e9\\ud83d\\ude00", "stop": "\\ud83d\\ude00"}',
+    '{"pro\\u006dpt": "x", "max_\\u0074okens": 4}',
 ]
 NATIVE_CHATS = [
     '{"messages": [{"role": "user", "content": "Hi"}]}',
@@ -232,6 +233,9 @@ PROXIED = [
     ("completion", '{"prompt": "x", "min_tokens": 4, "max_tokens": 3}'),
     ("completion", '{"prompt": "x", "stream": 1}'),
     ("completion", '{"prompt": "x", "prompt": "y"}'),
+    ("completion", '{"prompt": "x", "pro\\u006dpt": "y"}'),
+    ("completion", '{"prompt": "x", "Max_tokens": 4}'),
+    ("completion", '{"prompt": "x"} x'),
     ("completion", '{"prompt": "x", "foo": 1}'),
     ("completion", '{"prompt": [1, true]}'),
     ("completion", '{"prompt": [49152]}'),
