@@ -11,6 +11,10 @@
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::value::RawValue;
 
+use json::{write_bool, write_f64, write_i128, write_ids, write_str, write_u64};
+
+pub mod json;
+
 /// protocol/messages.py PROTOCOL_VERSION.
 pub const PROTOCOL_VERSION: i64 = 4;
 
@@ -142,6 +146,16 @@ impl SamplingParams {
     }
 }
 
+/// Through serde_json too, the bytes are msgspec's (`write_json`, as a raw value).
+impl Serialize for SamplingParams {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let text = String::from_utf8(self.to_json()).map_err(serde::ser::Error::custom)?;
+        RawValue::from_string(text)
+            .map_err(serde::ser::Error::custom)?
+            .serialize(s)
+    }
+}
+
 /// protocol/messages.py PromptUsage: where each prompt token came from.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PromptUsage {
@@ -175,11 +189,7 @@ pub fn decode_request_json(request_id: &str, prompt: &[u32], params: &SamplingPa
 }
 
 /// msgspec.json.encode(GenerateRequest(...)): POST /generate's body (unified instances).
-pub fn generate_request_json(
-    request_id: &str,
-    prompt: &[u32],
-    params: &SamplingParams,
-) -> Vec<u8> {
+pub fn generate_request_json(request_id: &str, prompt: &[u32], params: &SamplingParams) -> Vec<u8> {
     decode_request_json(request_id, prompt, params)
 }
 
@@ -338,162 +348,30 @@ pub fn parse_event(line: &[u8]) -> Result<WorkerEvent, String> {
     }
 }
 
-// -- msgspec's JSON writing -----------------------------------------------------------------
-
-pub fn write_bool(out: &mut Vec<u8>, value: bool) {
-    out.extend_from_slice(if value { b"true" } else { b"false" });
-}
-
-/// A JSON string as msgspec writes it: `"` and `\` escaped, \b \t \n \f \r short, other
-/// control characters as \u00XX (lower-case hex), everything else raw UTF-8. serde_json
-/// writes exactly that.
-pub fn write_str(out: &mut Vec<u8>, s: &str) {
-    let mut i = 0;
-    let bytes = s.as_bytes();
-    out.push(b'"');
-    // The common case (nothing to escape) is one copy.
-    while i < bytes.len() {
-        let start = i;
-        while i < bytes.len() && bytes[i] >= 0x20 && bytes[i] != b'"' && bytes[i] != b'\\' {
-            i += 1;
-        }
-        out.extend_from_slice(&bytes[start..i]);
-        if i == bytes.len() {
-            break;
-        }
-        let b = bytes[i];
-        match b {
-            b'"' => out.extend_from_slice(b"\\\""),
-            b'\\' => out.extend_from_slice(b"\\\\"),
-            0x08 => out.extend_from_slice(b"\\b"),
-            0x09 => out.extend_from_slice(b"\\t"),
-            0x0a => out.extend_from_slice(b"\\n"),
-            0x0c => out.extend_from_slice(b"\\f"),
-            0x0d => out.extend_from_slice(b"\\r"),
-            _ => {
-                const HEX: &[u8; 16] = b"0123456789abcdef";
-                out.extend_from_slice(b"\\u00");
-                out.push(HEX[(b >> 4) as usize]);
-                out.push(HEX[(b & 15) as usize]);
-            }
-        }
-        i += 1;
-    }
-    out.push(b'"');
-}
-
-pub fn write_u64(out: &mut Vec<u8>, mut value: u64) {
-    let mut buf = [0u8; 20];
-    let mut pos = buf.len();
-    loop {
-        pos -= 1;
-        buf[pos] = b'0' + (value % 10) as u8;
-        value /= 10;
-        if value == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&buf[pos..]);
-}
-
-pub fn write_i128(out: &mut Vec<u8>, value: i128) {
-    if let Ok(v) = u64::try_from(value) {
-        write_u64(out, v);
-    } else {
-        out.extend_from_slice(value.to_string().as_bytes());
-    }
-}
-
-/// A JSON list of token ids.
-pub fn write_ids(out: &mut Vec<u8>, ids: &[u32]) {
-    out.push(b'[');
-    for (i, id) in ids.iter().enumerate() {
-        if i > 0 {
-            out.push(b',');
-        }
-        write_u64(out, *id as u64);
-    }
-    out.push(b']');
-}
-
-/// A float as msgspec writes it: the shortest digits that read back as the same double;
-/// positional with at least one fraction digit when 1e-5 <= |x| < 1e16 (`1.0`, `0.00001`,
-/// `1234567890123456.8`), else `d[.ddd]e[-]x` (`1e16`, `1.5e-7`); `-0.0`; non-finite
-/// values as `null`.
-pub fn write_f64(out: &mut Vec<u8>, value: f64) {
-    if !value.is_finite() {
-        out.extend_from_slice(b"null");
-        return;
-    }
-    if value == 0.0 {
-        out.extend_from_slice(if value.is_sign_negative() { b"-0.0" } else { b"0.0" });
-        return;
-    }
-    // Rust's LowerExp is the shortest round-trip form: "1.2345e-5", "1e16", "-7e0".
-    let sci = format!("{value:e}");
-    let (mantissa, exp) = match sci.split_once('e') {
-        Some((m, e)) => (m, e.parse::<i32>().unwrap_or(0)),
-        None => (sci.as_str(), 0),
-    };
-    let (sign, mantissa) = match mantissa.strip_prefix('-') {
-        Some(rest) => ("-", rest),
-        None => ("", mantissa),
-    };
-    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
-    out.extend_from_slice(sign.as_bytes());
-    if (-5..16).contains(&exp) {
-        let n = digits.len() as i32;
-        if exp < 0 {
-            out.extend_from_slice(b"0.");
-            out.extend(std::iter::repeat(b'0').take((-exp - 1) as usize));
-            out.extend_from_slice(digits.as_bytes());
-        } else if exp + 1 >= n {
-            out.extend_from_slice(digits.as_bytes());
-            out.extend(std::iter::repeat(b'0').take((exp + 1 - n) as usize));
-            out.extend_from_slice(b".0");
-        } else {
-            let point = (exp + 1) as usize;
-            out.extend_from_slice(&digits.as_bytes()[..point]);
-            out.push(b'.');
-            out.extend_from_slice(&digits.as_bytes()[point..]);
-        }
-    } else {
-        out.extend_from_slice(mantissa.as_bytes());
-        out.push(b'e');
-        out.extend_from_slice(exp.to_string().as_bytes());
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn f(x: f64) -> String {
-        let mut out = Vec::new();
-        write_f64(&mut out, x);
-        String::from_utf8(out).unwrap()
-    }
-
-    #[test]
-    fn floats_as_msgspec_writes_them() {
-        assert_eq!(f(1.0), "1.0");
-        assert_eq!(f(0.7), "0.7");
-        assert_eq!(f(1e-5), "0.00001");
-        assert_eq!(f(9.9e-6), "9.9e-6");
-        assert_eq!(f(1e15), "1000000000000000.0");
-        assert_eq!(f(1e16), "1e16");
-        assert_eq!(f(1.5e17), "1.5e17");
-        assert_eq!(f(1234567890123456.8), "1234567890123456.8");
-        assert_eq!(f(-0.0), "-0.0");
-        assert_eq!(f(0.1 + 0.2), "0.30000000000000004");
-        assert_eq!(f(-2.5), "-2.5");
-        assert_eq!(f(f64::NAN), "null");
-    }
 
     #[test]
     fn default_params_are_msgspecs() {
         let want = br#"{"max_tokens":16,"min_tokens":0,"temperature":1.0,"top_p":1.0,"top_k":0,"seed":null,"stop":[],"stop_token_ids":[],"ignore_eos":false,"logprobs":false,"top_logprobs":0,"presence_penalty":0.0,"frequency_penalty":0.0,"repetition_penalty":1.0,"logit_bias":[],"grammar":null}"#;
         assert_eq!(SamplingParams::default().to_json(), want.to_vec());
+    }
+
+    #[test]
+    fn params_read_partially_and_serialize_as_msgspec() {
+        let p: SamplingParams =
+            serde_json::from_str(r#"{"seed": -5, "stop": ["a"], "logit_bias": [[3, 0.5]]}"#)
+                .unwrap();
+        assert_eq!(
+            (p.seed, p.max_tokens, p.logit_bias.clone()),
+            (Some(-5), 16, vec![(3, 0.5)])
+        );
+        let p = SamplingParams {
+            repetition_penalty: 1e-5,
+            ..p
+        };
+        assert_eq!(serde_json::to_vec(&p).unwrap(), p.to_json());
     }
 
     #[test]
@@ -504,13 +382,18 @@ mod tests {
                 assert_eq!(r.landing.get(), r#"[ {"rank":0,"expires_at_s":1.50} ]"#);
                 let body = prefill_request_json("r", &[1], &SamplingParams::default(), Some(&r));
                 let text = String::from_utf8(body).unwrap();
-                assert!(text.ends_with(r#""landing":[ {"rank":0,"expires_at_s":1.50} ],"notify_url":"http://x"}"#));
+                assert!(text.ends_with(
+                    r#""landing":[ {"rank":0,"expires_at_s":1.50} ],"notify_url":"http://x"}"#
+                ));
             }
             other => panic!("{other:?}"),
         }
         let batch = br#"{"type":"tokens","request_id":"r","token_ids":[5,6],"logprobs":[null,null],"finish_reason":null,"num_output_tokens":3}"#;
-        assert!(matches!(parse_event(batch), Ok(WorkerEvent::Tokens(t)) if t.token_ids == vec![5, 6] && t.finish_reason.is_none()));
-        let missing = br#"{"type":"tokens","request_id":"r","token_ids":[5],"num_output_tokens":1}"#;
+        assert!(
+            matches!(parse_event(batch), Ok(WorkerEvent::Tokens(t)) if t.token_ids == vec![5, 6] && t.finish_reason.is_none())
+        );
+        let missing =
+            br#"{"type":"tokens","request_id":"r","token_ids":[5],"num_output_tokens":1}"#;
         assert!(parse_event(missing).is_err());
         assert!(parse_event(b"{\"type\":\"nope\",\"request_id\":\"r\"}").is_err());
         assert!(parse_event(b"not json").is_err());
