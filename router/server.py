@@ -19,7 +19,8 @@ from prometheus_client import start_http_server
 from modelinfo.info import ModelInfo, load_model_info
 from router.app import create_app
 from router.config import RouterSettings
-from router.edge import INTERNAL_HOST, EdgeError, NativeDataPlane
+from router.edge import INTERNAL_HOST, NativeDataPlane
+from router.edge_process import EdgeError
 from router.generation_cycle import GenerationRoutes
 from router.http_limits import GuardedHttpToolsProtocol, HttpLimits, guarded_protocol
 from router.write_coalescing import CoalescingTransport

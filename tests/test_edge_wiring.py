@@ -30,13 +30,8 @@ from kvserve.process_groups import pid_alive
 from protocol.cluster import parse_cluster
 from protocol.config_errors import ConfigError
 from router.config import RouterSettings, settings_from_cluster
-from router.edge import (
-    EdgeError,
-    EdgeProcess,
-    edge_config,
-    served_model_names,
-    write_edge_files,
-)
+from router.edge import edge_config, served_model_names, write_edge_files
+from router.edge_process import EdgeError, EdgeProcess
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL = REPO / "deploy" / "examples" / "local-pd.yaml"
@@ -217,7 +212,7 @@ def test_edge_process_that_never_listens_is_a_clear_error(
 def test_stop_kills_an_edge_that_ignores_sigterm(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("router.edge.STOP_GRACE_S", 0.5)
+    monkeypatch.setattr("router.edge_process.STOP_GRACE_S", 0.5)
 
     async def run() -> None:
         edge = _fake_edge(tmp_path, FAKE_EDGE_IGNORE_TERM="1")
@@ -260,7 +255,7 @@ def test_edge_dies_with_a_killed_router(tmp_path: Path) -> None:
     parent = textwrap.dedent(
         f"""\
         import asyncio, sys
-        from router.edge import EdgeProcess
+        from router.edge_process import EdgeProcess
         async def main():
             edge = EdgeProcess([sys.executable, {str(script)!r}], {{}})
             await edge.start()
