@@ -205,7 +205,7 @@ class _EdgeConnection(asyncio.Protocol):
     # -- the connection ---------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports (the router's loop) are not asyncio.Transport subclasses
+        # uvloop's transports (the router's loop) are not asyncio.Transport subclasses.
         self._transport = cast(asyncio.Transport, transport)
         self.control.connections.add(self)
         self._send({"hello": {"version": WIRE_VERSION, "topology": self.control.topology}})
