@@ -10,8 +10,6 @@ Wire: frames of a 4-byte little-endian length, then one JSON object.
 
     router -> edge, first frame   {"hello": {"version": 1, "topology": "pd" | "unified"}}
     edge -> router, asks (answered in a frame echoing "seq"):
-      {"op": "open", "seq", "id", "prompt": [ids], "max_tokens", "endpoint": "chat" |
-       "completion", "user", "session"}                             -> {"seq"}
       {"op": "admit", "seq", "id", "tried": [names], "deadline_s"}  -> {"seq", "instance"}
       {"op": "pick", "seq", "id", "role": "prefill" | "unified", "tried"}
                                                                     -> {"seq", "instance"}
@@ -21,6 +19,9 @@ Wire: frames of a 4-byte little-endian length, then one JSON object.
       "instance" is {"name", "url"}.
     edge -> router, reports (one-way, applied in order; a ping's answer means every
     earlier report was applied):
+      {"op": "open", "id", "prompt": [ids], "max_tokens", "endpoint": "chat" |
+       "completion", "user", "session"}    registers the request (one-way: the asks
+                                           that follow are applied after it)
       {"op": "unreachable", "id", "instance": name, "message"}
       {"op": "bind", "id", "instance": name, "incarnation"}
       {"op": "prefilled", "id", "instance": name, "usage": PromptUsage}
@@ -49,14 +50,29 @@ import logging
 import os
 import socket
 import stat
-import struct
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
-from protocol.messages import PromptUsage
+from protocol.edge_messages import (
+    DECODER,
+    FRAME_HEADER,
+    MAX_FRAME_BYTES,
+    WIRE_VERSION,
+    Admit,
+    Ask,
+    Bind,
+    Broken,
+    End,
+    Open,
+    Pick,
+    Ping,
+    Prefilled,
+    Unreachable,
+    frame,
+)
 from router.admission import Reservation
 from router.decode_bindings import Binding
 from router.errors import APIError, UpstreamTimeout, WorkerUnavailable
@@ -67,86 +83,8 @@ from router.relay import RelayServices
 
 log = logging.getLogger(__name__)
 
-WIRE_VERSION = 1
-MAX_FRAME_BYTES = 256 << 20
-"""A frame larger than this is a broken peer (a 1 M-token prompt is ~8 MB)."""
 EDGE_GONE_STATUS = 500
 """How the requests of an edge connection that closed are counted."""
-_HEADER = struct.Struct("<I")
-
-
-class _Ask(msgspec.Struct, tag_field="op", kw_only=True):
-    seq: int
-
-
-class _Open(_Ask, tag="open"):
-    id: str
-    prompt: list[int]
-    max_tokens: int
-    endpoint: str
-    user: str | None = None
-    session: str | None = None
-
-
-class _Admit(_Ask, tag="admit"):
-    id: str
-    deadline_s: float
-    tried: list[str] = []
-
-
-class _Pick(_Ask, tag="pick"):
-    id: str
-    role: str
-    tried: list[str] = []
-
-
-class _Ping(_Ask, tag="ping"):
-    pass
-
-
-class _Report(msgspec.Struct, tag_field="op", kw_only=True):
-    id: str
-
-
-class _Unreachable(_Report, tag="unreachable"):
-    instance: str
-    message: str
-
-
-class _Bind(_Report, tag="bind"):
-    instance: str
-    incarnation: str = ""
-
-
-class _Prefilled(_Report, tag="prefilled"):
-    instance: str
-    usage: PromptUsage
-
-
-class _Broken(_Report, tag="broken"):
-    instance: str
-    message: str
-    incarnation: str = ""
-
-
-class _End(_Report, tag="end"):
-    status: int
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    usage: PromptUsage | None = None
-    first_token_s: float | None = None
-    last_token_s: float | None = None
-    token_gaps_s: list[float] = []
-
-
-_Message = _Open | _Admit | _Pick | _Ping | _Unreachable | _Bind | _Prefilled | _Broken | _End
-_decoder = msgspec.json.Decoder(_Message)
-_encode = msgspec.json.encode
-
-
-def _frame(obj: object) -> bytes:
-    body = _encode(obj)
-    return _HEADER.pack(len(body)) + body
 
 
 def _error_obj(e: APIError) -> dict[str, object]:
@@ -167,6 +105,7 @@ class _EdgeRequest:
     """One open request's bookkeeping: what RequestRun holds besides the worker streams."""
 
     __slots__ = (
+        "admit_seq",
         "admitting",
         "binding",
         "ctx",
@@ -192,6 +131,9 @@ class _EdgeRequest:
         self.binding: Binding | None = None
         self.admitting: asyncio.Task[None] | None = None
         """An admission wait in progress (cancelled by `end`)."""
+        self.admit_seq = 0
+        """The ask the admission wait answers (whoever cancels it answers it: a task
+        cancelled before it ran has no chance to)."""
 
 
 class EdgeControl:
@@ -257,6 +199,7 @@ class _EdgeConnection(asyncio.Protocol):
         self.requests: dict[str, _EdgeRequest] = {}
         self._transport: asyncio.Transport | None = None
         self._buf = bytearray()
+        """A frame's first part, until the rest arrives."""
         self._closed = False
 
     # -- the connection ---------------------------------------------------------------------
@@ -268,24 +211,26 @@ class _EdgeConnection(asyncio.Protocol):
         self._send({"hello": {"version": WIRE_VERSION, "topology": self.control.topology}})
 
     def data_received(self, data: bytes) -> None:
-        buf = self._buf
-        buf += data
-        start = 0
-        end = len(buf)
+        if self._buf:  # the rest of a frame that came in pieces
+            self._buf += data
+            data = bytes(self._buf)
+            self._buf.clear()
+        view = memoryview(data)  # frames decoded in place, not copied
+        start, end = 0, len(data)
         while end - start >= 4:
-            (n,) = _HEADER.unpack_from(buf, start)
+            (n,) = FRAME_HEADER.unpack_from(data, start)
             if n > MAX_FRAME_BYTES:
                 log.error("edge control: a %d-byte frame; closing the connection", n)
                 self.close()
                 return
             if end - start - 4 < n:
                 break
-            body = bytes(buf[start + 4 : start + 4 + n])
+            self._apply(view[start + 4 : start + 4 + n])
             start += 4 + n
-            self._apply(body)
             if self._closed:
                 return
-        del buf[:start]
+        if start < end:
+            self._buf += view[start:]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._end_all()
@@ -302,11 +247,11 @@ class _EdgeConnection(asyncio.Protocol):
         requests, self.requests = self.requests, {}
         for req in requests.values():
             self._release(req)
-            self._record(req, _End(id=req.ctx.request_id, status=EDGE_GONE_STATUS))
+            self._record(req, End(id=req.ctx.request_id, status=EDGE_GONE_STATUS))
 
     def _send(self, obj: object) -> None:
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(_frame(obj))
+            self._transport.write(frame(obj))
 
     def _answer(self, seq: int, **fields: object) -> None:
         self._send({"seq": seq, **fields})
@@ -314,19 +259,23 @@ class _EdgeConnection(asyncio.Protocol):
     def _fail(self, seq: int, error: APIError) -> None:
         self._send({"seq": seq, "error": _error_obj(error)})
 
-    def _apply(self, body: bytes) -> None:
+    def _apply(self, body: memoryview) -> None:
         try:
-            msg = _decoder.decode(body)
+            msg = DECODER.decode(body)
         except msgspec.DecodeError as e:
-            self._malformed(body, e)
+            self._malformed(bytes(body), e)
             return
         try:
             _HANDLERS[type(msg)](self, msg)
-        except APIError as e:
-            if isinstance(msg, _Ask):
-                self._fail(msg.seq, e)
+        except Exception as e:  # one request's failure, never the connection's
+            error = e if isinstance(e, APIError) else None
+            if error is None:
+                log.exception("edge control: %s failed", type(msg).__name__)
+                error = APIError(f"internal router error: {type(e).__name__}: {e}")
+            if isinstance(msg, Ask):
+                self._fail(msg.seq, error)
             else:
-                log.warning("edge control: %s: %s", type(msg).__name__, e.message)
+                log.warning("edge control: %s: %s", type(msg).__name__, error.message)
 
     def _malformed(self, body: bytes, error: msgspec.DecodeError) -> None:
         """A frame that is not one of the messages: an edge bug. Answer its ask if it
@@ -355,9 +304,11 @@ class _EdgeConnection(asyncio.Protocol):
             raise APIError(f"internal router error: no instance named {name!r}")
         return inst
 
-    # -- asks -------------------------------------------------------------------------------
+    # -- a request's start (a report: the asks that follow it need no answer to it) -------
 
-    def _open(self, m: _Open) -> None:
+    def _open(self, m: Open) -> None:
+        """RequestRun's and RequestRecord's start: the request's route context (its block
+        hashes come from the prompt's ids), in flight from now."""
         if m.id in self.requests:
             raise APIError(f"internal router error: request {m.id} is already open")
         if m.endpoint not in ("chat", "completion"):
@@ -365,15 +316,17 @@ class _EdgeConnection(asyncio.Protocol):
         ctx = RouteContext(m.id, m.prompt, m.user, m.session)
         self.requests[m.id] = _EdgeRequest(ctx, m.endpoint, m.max_tokens)
         self.control.metrics.in_flight.inc()
+
+    # -- asks -------------------------------------------------------------------------------
+
+    def _ping(self, m: Ping) -> None:
         self._answer(m.seq)
 
-    def _ping(self, m: _Ping) -> None:
-        self._answer(m.seq)
-
-    def _admit(self, m: _Admit) -> None:
+    def _admit(self, m: Admit) -> None:
         """relay.py `_admit_decode`: through the gate when there is one (at once when it
         can, else an admission wait in its own task, up to the run's deadline)."""
         req = self._request(m.id)
+        self._stop_admitting(req)
         self._drop_reservation(req)
         tried = set(m.tried)
         gate = self.services.gate
@@ -394,13 +347,14 @@ class _EdgeConnection(asyncio.Protocol):
         if reservation is not None:
             self._reserved(m.seq, req, reservation)
             return
+        req.admit_seq = m.seq
         req.admitting = asyncio.get_running_loop().create_task(
             self._admit_wait(m, req, need, candidates, choose)
         )
 
     async def _admit_wait(
         self,
-        m: _Admit,
+        m: Admit,
         req: _EdgeRequest,
         need: int,
         candidates: Callable[[], list[Instance]],
@@ -412,16 +366,20 @@ class _EdgeConnection(asyncio.Protocol):
             async with asyncio.timeout(max(0.0, m.deadline_s)):
                 reservation = await gate.admit(m.id, need, candidates, choose)
         except TimeoutError:
+            req.admitting = None
             self._fail(m.seq, self._timeout(m.id))
             return
         except APIError as e:
+            req.admitting = None
             self._fail(m.seq, e)
             return
-        except asyncio.CancelledError:  # `end` came first (or the connection closed)
-            self._fail(m.seq, APIError(f"request {m.id} ended while it waited for admission"))
-            raise
-        finally:
+        except Exception as e:  # a router bug: the ask is still answered
+            log.exception("edge control: admission of %s failed", m.id)
             req.admitting = None
+            self._fail(m.seq, APIError(f"internal router error: {type(e).__name__}: {e}"))
+            return
+        # (cancelled: `_stop_admitting` answered the ask)
+        req.admitting = None
         if self.requests.get(m.id) is not req:  # ended meanwhile
             reservation.release()
             return
@@ -439,7 +397,7 @@ class _EdgeConnection(asyncio.Protocol):
         req.decode = reservation.instance
         self._answer(seq, instance=_instance_obj(reservation.instance))
 
-    def _pick(self, m: _Pick) -> None:
+    def _pick(self, m: Pick) -> None:
         """relay.py `_open_prefill` / unified.py: the instance, and the prompt counted as
         its queued work from now on."""
         req = self._request(m.id)
@@ -478,7 +436,7 @@ class _EdgeConnection(asyncio.Protocol):
 
     # -- reports ----------------------------------------------------------------------------
 
-    def _unreachable(self, m: _Unreachable) -> None:
+    def _unreachable(self, m: Unreachable) -> None:
         """relay.py `_forget`: it never got the request."""
         req = self._request(m.id)
         inst = self._resolve(req, m.instance)
@@ -489,7 +447,7 @@ class _EdgeConnection(asyncio.Protocol):
             self._drop_reservation(req)
             req.decode = None
 
-    def _bind(self, m: _Bind) -> None:
+    def _bind(self, m: Bind) -> None:
         req = self._request(m.id)
         inst = self._resolve(req, m.instance)
         self._unbind(req)
@@ -502,11 +460,13 @@ class _EdgeConnection(asyncio.Protocol):
         req.binding = None
         self._send({"lost": binding.request_id, "error": _error_obj(binding.error())})
 
-    def _prefilled(self, m: _Prefilled) -> None:
+    def _prefilled(self, m: Prefilled) -> None:
         """relay.py `_prefilled`: its cache (and pool) now hold the prompt's full blocks."""
         req = self._request(m.id)
         inst = self._resolve(req, m.instance)
         self._unbind(req)
+        if req.prefill is not inst:  # not the one it picked: that one's queued work ends
+            self._forget_prefill(req)
         view = self.services.view
         st = view.state(inst)
         hashes = None
@@ -515,7 +475,7 @@ class _EdgeConnection(asyncio.Protocol):
         view.on_prefill_done(inst, m.id, req.ctx.prompt_token_ids, hashes, m.usage)
         req.prefilled = True
 
-    def _broken(self, m: _Broken) -> None:
+    def _broken(self, m: Broken) -> None:
         """relay.py `_broken`: unhealthy, unless a restarted process answers there now."""
         req = self._request(m.id)
         inst = self._resolve(req, m.instance)
@@ -531,7 +491,7 @@ class _EdgeConnection(asyncio.Protocol):
                 m.message,
             )
 
-    def _end(self, m: _End) -> None:
+    def _end(self, m: End) -> None:
         req = self.requests.pop(m.id, None)
         if req is None:
             log.warning("edge control: end of request %s, which is not open", m.id)
@@ -543,12 +503,20 @@ class _EdgeConnection(asyncio.Protocol):
 
     def _release(self, req: _EdgeRequest) -> None:
         """Everything the request holds, given back (RunEnd and `_close_prefill`)."""
-        if req.admitting is not None:
-            req.admitting.cancel()
-            req.admitting = None
+        self._stop_admitting(req)
         self._drop_reservation(req)
         self._unbind(req)
         self._forget_prefill(req)
+
+    def _stop_admitting(self, req: _EdgeRequest) -> None:
+        """Cut an admission wait short; its ask is answered with an error."""
+        task, req.admitting = req.admitting, None
+        if task is not None:
+            task.cancel()
+            rid = req.ctx.request_id
+            self._fail(
+                req.admit_seq, APIError(f"request {rid} ended while it waited for admission")
+            )
 
     def _drop_reservation(self, req: _EdgeRequest) -> None:
         if req.reservation is not None:
@@ -566,7 +534,7 @@ class _EdgeConnection(asyncio.Protocol):
             self.services.view.on_prefill_done(req.prefill, req.ctx.request_id, [], None, None)
         req.prefill = None
 
-    def _record(self, req: _EdgeRequest, m: _End) -> None:
+    def _record(self, req: _EdgeRequest, m: End) -> None:
         """RequestRecord.finish (router/metrics.py) from the edge's reported times."""
         metrics = self.control.metrics
         metrics.in_flight.dec()
@@ -587,14 +555,14 @@ class _EdgeConnection(asyncio.Protocol):
 
 
 _HANDLERS: dict[type, Callable[[_EdgeConnection, Any], None]] = {
-    _Open: _EdgeConnection._open,
-    _Admit: _EdgeConnection._admit,
-    _Pick: _EdgeConnection._pick,
-    _Ping: _EdgeConnection._ping,
-    _Unreachable: _EdgeConnection._unreachable,
-    _Bind: _EdgeConnection._bind,
-    _Prefilled: _EdgeConnection._prefilled,
-    _Broken: _EdgeConnection._broken,
-    _End: _EdgeConnection._end,
+    Open: _EdgeConnection._open,
+    Admit: _EdgeConnection._admit,
+    Pick: _EdgeConnection._pick,
+    Ping: _EdgeConnection._ping,
+    Unreachable: _EdgeConnection._unreachable,
+    Bind: _EdgeConnection._bind,
+    Prefilled: _EdgeConnection._prefilled,
+    Broken: _EdgeConnection._broken,
+    End: _EdgeConnection._end,
 }
 """Each message's handler, by its type (one lookup a frame)."""

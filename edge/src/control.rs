@@ -3,9 +3,10 @@
 //!
 //! A run calls, in relay.py's order: `open` (registers the request), `admit_decode`,
 //! `pick` (prefill or unified), and reports what happened (`unreachable`, `bind`,
-//! `prefilled`, `broken`), then `end` exactly once. The asks are answered; the reports
-//! are one-way. `lost` delivers the ids of requests whose decode process the control
-//! plane learned is gone (a 503 `decode_instance_lost` for the client: `lost_error`).
+//! `prefilled`, `broken`), then `end` exactly once. The asks are answered; `open` and the
+//! reports are one-way. `lost` delivers the ids of requests whose decode process the
+//! control plane learned is gone (a 503 `decode_instance_lost` for the client:
+//! `lost_error`).
 //!
 //! Wire (router/edge_control.py's docstring has every message): frames of a 4-byte
 //! little-endian length and one JSON object. The router's first frame is a hello with the
@@ -20,7 +21,6 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::io::{BufRead, Write};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -40,6 +40,10 @@ const MAX_FRAME_BYTES: usize = 1 << 20;
 /// Lost ids a slow subscriber may fall behind by before it sees `Lagged` (then it asks
 /// `is_lost`).
 const LOST_CAPACITY: usize = 1024;
+/// Pushed errors kept for their runs. An entry leaves at its request's `end`; one whose
+/// push crossed that `end` on the wire stays, so past this many the map is cleared (a run
+/// whose entry went falls back to a generic decode-lost error: same status and code).
+const LOST_KEEP: usize = 4096;
 
 /// One worker instance as the control plane names it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -135,142 +139,7 @@ pub struct End {
     pub token_gaps_s: Vec<f64>,
 }
 
-// -- wire messages (edge -> router) ---------------------------------------------------------
-
-/// protocol/messages.py PromptUsage as the wire carries it.
-#[derive(Serialize, Deserialize)]
-struct WireUsage {
-    prompt_tokens: u64,
-    gpu_tokens: u64,
-    pool_tokens: u64,
-    computed_tokens: u64,
-}
-
-impl WireUsage {
-    fn of(u: &PromptUsage) -> WireUsage {
-        WireUsage {
-            prompt_tokens: u.prompt_tokens,
-            gpu_tokens: u.gpu_tokens,
-            pool_tokens: u.pool_tokens,
-            computed_tokens: u.computed_tokens,
-        }
-    }
-}
-
-#[derive(Serialize)]
-#[serde(tag = "op", rename_all = "lowercase")]
-enum Out<'a> {
-    Open {
-        seq: u64,
-        id: &'a str,
-        prompt: &'a [u32],
-        max_tokens: u64,
-        endpoint: &'a str,
-        user: Option<&'a str>,
-        session: Option<&'a str>,
-    },
-    Admit {
-        seq: u64,
-        id: &'a str,
-        deadline_s: f64,
-        tried: &'a [String],
-    },
-    Pick {
-        seq: u64,
-        id: &'a str,
-        role: &'static str,
-        tried: &'a [String],
-    },
-    Ping {
-        seq: u64,
-    },
-    Unreachable {
-        id: &'a str,
-        instance: &'a str,
-        message: &'a str,
-    },
-    Bind {
-        id: &'a str,
-        instance: &'a str,
-        incarnation: &'a str,
-    },
-    Prefilled {
-        id: &'a str,
-        instance: &'a str,
-        usage: WireUsage,
-    },
-    Broken {
-        id: &'a str,
-        instance: &'a str,
-        message: &'a str,
-        incarnation: &'a str,
-    },
-    End {
-        id: &'a str,
-        status: u16,
-        prompt_tokens: u64,
-        completion_tokens: u64,
-        usage: Option<WireUsage>,
-        first_token_s: Option<f64>,
-        last_token_s: Option<f64>,
-        token_gaps_s: &'a [f64],
-    },
-}
-
-/// One frame: the length prefix and the JSON, in one buffer (the call's one allocation).
-fn frame(msg: &Out<'_>, size_hint: usize) -> Vec<u8> {
-    let mut buf = Vec::with_capacity(size_hint + 64);
-    buf.extend_from_slice(&[0u8; 4]);
-    // Serializing these types into a Vec cannot fail (no maps with non-string keys, no
-    // I/O); a failure would leave an empty body, which the router logs as malformed.
-    let _ = serde_json::to_writer(&mut buf, msg);
-    let n = (buf.len() - 4) as u32;
-    buf[..4].copy_from_slice(&n.to_le_bytes());
-    buf
-}
-
-// -- wire messages (router -> edge) ---------------------------------------------------------
-
-#[derive(Deserialize)]
-struct WireError {
-    status: u16,
-    message: String,
-    #[serde(rename = "type")]
-    error_type: String,
-    code: Option<String>,
-    #[serde(default)]
-    headers: HashMap<String, String>,
-}
-
-impl WireError {
-    fn into_api(self) -> ApiError {
-        ApiError {
-            status: self.status,
-            message: self.message,
-            error_type: self.error_type,
-            code: self.code,
-            headers: self.headers.into_iter().collect(),
-        }
-    }
-}
-
-#[derive(Deserialize)]
-struct Hello {
-    version: u32,
-    topology: String,
-}
-
-/// Any frame from the router: a hello, an answer (seq) or a push (lost).
-#[derive(Deserialize)]
-struct Incoming {
-    hello: Option<Hello>,
-    seq: Option<u64>,
-    instance: Option<Instance>,
-    error: Option<WireError>,
-    lost: Option<String>,
-}
-
-/// An ask's answer: an instance (admit, pick), nothing (open, ping), or the error.
+/// An ask's answer: an instance (admit, pick), nothing (ping), or the error.
 type Answer = Result<Option<Instance>, ApiError>;
 
 /// What the reader task and the callers share.
@@ -307,7 +176,13 @@ impl Shared {
                 Some(e) => e.into_api(),
                 None => ApiError::decode_lost(&id),
             };
-            lock(&self.lost_errors).insert(id.clone(), error);
+            {
+                let mut kept = lock(&self.lost_errors);
+                if kept.len() >= LOST_KEEP {
+                    kept.clear();
+                }
+                kept.insert(id.clone(), error);
+            }
             let _ = self.lost_tx.send(id); // no subscriber: nobody waits on prefill now
             return;
         }
@@ -375,10 +250,13 @@ impl Control {
         self.topology
     }
 
+    /// Registers the request. One-way (the router applies messages in order: the asks
+    /// that follow see it), so it returns at once; Err only while the socket is down.
     pub async fn open(&self, req: Open<'_>) -> Result<(), ApiError> {
-        let seq = self.next_seq();
+        if let Some(why) = &lock(&self.shared.pending).closed {
+            return Err(ApiError::unavailable(why));
+        }
         let msg = Out::Open {
-            seq,
             id: req.request_id,
             prompt: req.prompt_token_ids,
             max_tokens: req.max_tokens,
@@ -386,9 +264,8 @@ impl Control {
             user: req.user,
             session: req.session,
         };
-        self.ask(seq, frame(&msg, req.prompt_token_ids.len() * 7))
-            .await
-            .map(|_| ())
+        self.report(frame(&msg, req.prompt_token_ids.len() * 7));
+        Ok(())
     }
 
     /// A decode instance with room for the request (through the admission gate: may wait
@@ -558,22 +435,6 @@ impl Control {
     }
 }
 
-fn parse_hello(body: &[u8]) -> Result<Topology, String> {
-    let msg: Incoming = serde_json::from_slice(body).map_err(|e| format!("control hello: {e}"))?;
-    let hello = msg.hello.ok_or("control: the first frame is not a hello")?;
-    if hello.version != WIRE_VERSION {
-        return Err(format!(
-            "control: wire version {} (this edge speaks {WIRE_VERSION})",
-            hello.version
-        ));
-    }
-    match hello.topology.as_str() {
-        "pd" => Ok(Topology::PrefillDecode),
-        "unified" => Ok(Topology::Unified),
-        other => Err(format!("control: unknown topology {other:?}")),
-    }
-}
-
 /// One frame's body into `buf` (reused: no allocation once it is large enough).
 async fn read_frame(rd: &mut BufReader<OwnedReadHalf>, buf: &mut Vec<u8>) -> std::io::Result<()> {
     let mut len = [0u8; 4];
@@ -630,238 +491,15 @@ async fn write_loop(
     }
 }
 
-// -- the test driver --------------------------------------------------------------------------
+mod driver;
+mod wire;
 
-/// One line of the driver's input.
-#[derive(Deserialize)]
-struct Call {
-    call: String,
-    #[serde(default)]
-    tag: serde_json::Value,
-    #[serde(default)]
-    id: String,
-    #[serde(default)]
-    prompt: Vec<u32>,
-    #[serde(default)]
-    max_tokens: u64,
-    user: Option<String>,
-    session: Option<String>,
-    #[serde(default)]
-    endpoint: String,
-    #[serde(default)]
-    tried: Vec<String>,
-    #[serde(default)]
-    deadline_s: f64,
-    #[serde(default)]
-    role: String,
-    instance: Option<Instance>,
-    #[serde(default)]
-    message: String,
-    #[serde(default)]
-    incarnation: String,
-    usage: Option<WireUsage>,
-    #[serde(default)]
-    status: u16,
-    #[serde(default)]
-    prompt_tokens: u64,
-    #[serde(default)]
-    completion_tokens: u64,
-    first_token_s: Option<f64>,
-    last_token_s: Option<f64>,
-    #[serde(default)]
-    token_gaps_s: Vec<f64>,
-}
+use wire::{frame, parse_hello, Incoming, Out, WireUsage};
 
-fn error_json(e: &ApiError) -> serde_json::Value {
-    let headers: serde_json::Map<String, serde_json::Value> = e
-        .headers
-        .iter()
-        .map(|(k, v)| (k.clone(), serde_json::Value::from(v.clone())))
-        .collect();
-    serde_json::json!({
-        "status": e.status, "message": e.message, "type": e.error_type, "code": e.code,
-        "headers": headers,
-    })
-}
-
-fn emit(v: serde_json::Value) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{v}");
-    let _ = out.flush();
-}
-
-fn answer_json(
-    tag: &serde_json::Value,
-    answer: Result<Option<Instance>, ApiError>,
-) -> serde_json::Value {
-    match answer {
-        Ok(Some(inst)) => serde_json::json!({"tag": tag, "instance": inst}),
-        Ok(None) => serde_json::json!({"tag": tag, "ok": true}),
-        Err(e) => serde_json::json!({"tag": tag, "error": error_json(&e)}),
-    }
-}
-
-/// Runs one call: asks in their own task (answers print as they come, by `tag`), reports
-/// at once, in order.
-fn drive(control: &Arc<Control>, c: Call, tasks: &mut Vec<tokio::task::JoinHandle<()>>) {
-    let tag = c.tag.clone();
-    let control = control.clone();
-    match c.call.as_str() {
-        "open" | "admit_decode" | "pick" | "ping" => tasks.push(tokio::spawn(async move {
-            let answer = match c.call.as_str() {
-                "open" => {
-                    let open = Open {
-                        request_id: &c.id,
-                        prompt_token_ids: &c.prompt,
-                        max_tokens: c.max_tokens,
-                        user: c.user.as_deref(),
-                        session: c.session.as_deref(),
-                        endpoint: &c.endpoint,
-                    };
-                    control.open(open).await.map(|_| None)
-                }
-                "admit_decode" => control
-                    .admit_decode(&c.id, &c.tried, c.deadline_s)
-                    .await
-                    .map(Some),
-                "ping" => control.ping().await.map(|_| None),
-                _ => {
-                    let role = if c.role == "unified" {
-                        Role::Unified
-                    } else {
-                        Role::Prefill
-                    };
-                    control.pick(&c.id, role, &c.tried).await.map(Some)
-                }
-            };
-            emit(answer_json(&tag, answer));
-        })),
-        "topology" => {
-            let t = match control.topology() {
-                Topology::PrefillDecode => "pd",
-                Topology::Unified => "unified",
-            };
-            emit(serde_json::json!({"tag": tag, "topology": t}));
-        }
-        "end" => {
-            let usage = c.usage.map(|u| PromptUsage {
-                prompt_tokens: u.prompt_tokens,
-                gpu_tokens: u.gpu_tokens,
-                pool_tokens: u.pool_tokens,
-                computed_tokens: u.computed_tokens,
-            });
-            let end = End {
-                status: c.status,
-                prompt_tokens: c.prompt_tokens,
-                completion_tokens: c.completion_tokens,
-                usage,
-                first_token_s: c.first_token_s,
-                last_token_s: c.last_token_s,
-                token_gaps_s: c.token_gaps_s,
-            };
-            control.end(&c.id, end);
-            emit(serde_json::json!({"tag": tag, "ok": true}));
-        }
-        "unreachable" | "bind" | "prefilled" | "broken" => {
-            let Some(inst) = c.instance.as_ref() else {
-                emit(serde_json::json!({"tag": tag, "bad_line": "no instance"}));
-                return;
-            };
-            match c.call.as_str() {
-                "unreachable" => control.unreachable(&c.id, inst, &c.message),
-                "bind" => control.bind(&c.id, inst, &c.incarnation),
-                "broken" => control.broken(&c.id, inst, &c.message, &c.incarnation),
-                _ => {
-                    let Some(u) = c.usage.as_ref() else {
-                        emit(serde_json::json!({"tag": tag, "bad_line": "no usage"}));
-                        return;
-                    };
-                    let usage = PromptUsage {
-                        prompt_tokens: u.prompt_tokens,
-                        gpu_tokens: u.gpu_tokens,
-                        pool_tokens: u.pool_tokens,
-                        computed_tokens: u.computed_tokens,
-                    };
-                    control.prefilled(&c.id, inst, &usage)
-                }
-            }
-            emit(serde_json::json!({"tag": tag, "ok": true}));
-        }
-        other => {
-            emit(serde_json::json!({"tag": tag, "bad_line": format!("unknown call {other:?}")}))
-        }
-    }
-}
-
-/// `kvserve-edge control --socket PATH`: test driver (JSON lines: one call each).
-///
-///     in:  {"call": "open" | "admit_decode" | "pick" | "ping" | "topology" | "unreachable"
-///           | "bind" | "prefilled" | "broken" | "end", "tag": any, ...Control's arguments}
-///     out: {"tag", "ok": true} | {"tag", "instance": {...}} | {"tag", "error": {...}}
-///          | {"tag", "topology"}; and, as pushed, {"lost": id, "error": {...}}
+/// `kvserve-edge control --socket PATH`: test driver (JSON lines: one call each;
+/// src/control/driver.rs).
 pub fn cli(args: &[String]) -> i32 {
-    let socket = match args {
-        [flag, path] if flag == "--socket" => path.clone(),
-        _ => {
-            eprintln!("usage: kvserve-edge control --socket PATH");
-            return 2;
-        }
-    };
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("kvserve-edge control: {e}");
-            return 1;
-        }
-    };
-    rt.block_on(async move {
-        let control = match Control::connect(Path::new(&socket)).await {
-            Ok(c) => c,
-            Err(e) => {
-                emit(serde_json::json!({"connect_error": e.to_string()}));
-                return 1;
-            }
-        };
-        let mut lost = control.lost();
-        let pushes = control.clone();
-        tokio::spawn(async move {
-            while let Ok(id) = lost.recv().await {
-                let error = error_json(&pushes.lost_error(&id));
-                emit(serde_json::json!({"lost": id, "error": error}));
-            }
-        });
-        let (lines_tx, mut lines) = mpsc::unbounded_channel::<String>();
-        std::thread::spawn(move || {
-            for line in std::io::stdin().lock().lines() {
-                match line {
-                    Ok(l) => {
-                        if lines_tx.send(l).is_err() {
-                            break;
-                        }
-                    }
-                    Err(_) => break,
-                }
-            }
-        });
-        let mut tasks = Vec::new();
-        while let Some(line) = lines.recv().await {
-            if line.trim().is_empty() {
-                continue;
-            }
-            match serde_json::from_str::<Call>(&line) {
-                Ok(call) => drive(&control, call, &mut tasks),
-                Err(e) => emit(serde_json::json!({"bad_line": e.to_string()})),
-            }
-        }
-        for t in tasks {
-            let _ = t.await;
-        }
-        0
-    })
+    driver::cli(args)
 }
 
 #[cfg(test)]
