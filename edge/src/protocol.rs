@@ -372,6 +372,11 @@ mod tests {
             ..p
         };
         assert_eq!(serde_json::to_vec(&p).unwrap(), p.to_json());
+        let v = serde_json::to_value(&p).unwrap();
+        assert_eq!(
+            (v["stop"][0].as_str(), v["seed"].as_i64()),
+            (Some("a"), Some(-5))
+        );
     }
 
     #[test]
