@@ -25,7 +25,11 @@ def write_tokenizer_json(tokenizer: Tokenizer, path: str | Path) -> None:
 
 def edge_can_tokenize(tokenizer: Tokenizer) -> str | None:
     """None when the edge's tokenizer gives this tokenizer's ids; else why not."""
-    spec = json.loads(tokenizer.backend.to_str())
+    return unsupported_form(json.loads(tokenizer.backend.to_str()))
+
+
+def unsupported_form(spec: dict[str, Any]) -> str | None:
+    """The first part of a tokenizer.json (parsed) outside the edge's forms, or None."""
     for key in ("truncation", "padding", "normalizer"):
         if spec.get(key) is not None:
             return f"{key} {_kind(spec[key])} is not supported (only null)"

@@ -19,12 +19,16 @@
 #![allow(dead_code)]
 
 mod bpe;
+mod fast_split;
 mod load;
 mod pretok;
+#[rustfmt::skip]
+mod unicode_classes;
 
 use std::path::Path;
 
 use bpe::Bpe;
+pub use load::json_lines;
 use pretok::{AddedTokenMatcher, ByteLevelStep, Segment, SplitStep};
 
 pub struct Tokenizer {
@@ -42,6 +46,10 @@ pub struct Tokenizer {
     token_bytes: Vec<Option<Box<[u8]>>>,
     /// id -> an added token marked special.
     special: Vec<bool>,
+    /// `\p{Cn}` of the edge's regex tables: chars assigned after their Unicode version
+    /// are letters, digits or marks to `tokenizers` (newer tables) and none to the split
+    /// regexes here, so a text holding one may split differently.
+    unassigned: fancy_regex::Regex,
 }
 
 /// One element of a TemplateProcessing `single` template.
@@ -64,18 +72,32 @@ impl Tokenizer {
         load::from_json(text)
     }
 
-    /// The same ids as `Tokenizer.encode(text, add_special_tokens=...)` in Python.
-    ///
-    /// `try_encode`'s ids; its only failure is a split regex that exceeds its
-    /// backtracking bound (not reached by the byte-level regexes on any text), where
-    /// this returns no ids.
+    /// The same ids as `Tokenizer.encode(text, add_special_tokens=...)` in Python, except
+    /// where `try_encode` refuses the text: then the ids of this tokenizer's reading of it
+    /// (almost always the same), or none if a split regex failed.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Vec<u32> {
-        self.try_encode(text, add_special_tokens)
+        self.encode_unchecked(text, add_special_tokens)
             .unwrap_or_default()
     }
 
-    /// `encode`, with the failure of a pathological split regex as an error.
+    /// The same ids as `Tokenizer.encode(text, add_special_tokens=...)` in Python, or an
+    /// error where they might not be: the text holds a character unassigned in the edge's
+    /// Unicode tables (assigned in a later Unicode version, which `tokenizers` may know),
+    /// or a pathological split regex ran past its bound. The serving path proxies then.
     pub fn try_encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String> {
+        if !text.is_ascii() {
+            if let Ok(Some(m)) = self.unassigned.find(text) {
+                let c = m.as_str().chars().next().unwrap_or_default();
+                return Err(format!(
+                    "U+{:04X} is unassigned in the edge's Unicode tables",
+                    u32::from(c)
+                ));
+            }
+        }
+        self.encode_unchecked(text, add_special_tokens)
+    }
+
+    fn encode_unchecked(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String> {
         let mut ids = Vec::with_capacity(text.len() / 3 + 4);
         if add_special_tokens {
             for piece in &self.template {
@@ -127,6 +149,29 @@ impl Tokenizer {
         Ok(())
     }
 
+    /// Pre-tokenization alone: how many words `text` splits into (benchmarks).
+    fn count_words(&self, text: &str) -> usize {
+        let mut raw = Vec::new();
+        self.added_raw.split(text, &mut raw);
+        let mut n = 0;
+        for segment in raw {
+            if let Segment::Text(piece) = segment {
+                let mut pieces = vec![piece];
+                for step in &self.splits {
+                    let mut next = Vec::new();
+                    for p in pieces {
+                        let _ = step.split(p, &mut next);
+                    }
+                    pieces = next;
+                }
+                for p in pieces {
+                    let _ = self.byte_level.words(p, &mut |_| n += 1);
+                }
+            }
+        }
+        n
+    }
+
     /// The bytes a token stands for (None: not a token of the vocabulary).
     pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
         self.token_bytes.get(id as usize).and_then(|b| b.as_deref())
@@ -144,7 +189,9 @@ impl Tokenizer {
 
 /// `kvserve-edge tokenize --tokenizer FILE`: one JSON line in, one out:
 /// {"text", "add_special_tokens"} -> {"ids": [...]};
-/// {"token_bytes": [ids]} -> {"bytes_hex": [hex or null], "special": [bool]}.
+/// {"token_bytes": [ids]} -> {"bytes_hex": [hex or null], "special": [bool]};
+/// {"bench": [texts], "repeat": n} -> {"ns_per_encode": ..., "num_tokens": ...}
+/// (benchmarks/edge_tokenizer.py: each text encoded n times, add_special_tokens false).
 pub fn cli(args: &[String]) -> i32 {
     let path = match args {
         [flag, path] if flag == "--tokenizer" => path,
@@ -180,6 +227,13 @@ fn cli_answer(tokenizer: &Tokenizer, line: &serde_json::Value) -> serde_json::Va
         let special: Vec<bool> = ids.iter().map(|&id| tokenizer.is_special(id)).collect();
         return json!({"bytes_hex": hex, "special": special});
     }
+    if let Some(texts) = line.get("bench").and_then(|v| v.as_array()) {
+        return bench(
+            tokenizer,
+            texts,
+            line.get("repeat").and_then(|v| v.as_u64()).unwrap_or(1),
+        );
+    }
     let Some(text) = line.get("text").and_then(|v| v.as_str()) else {
         return json!({"error": "expected {\"text\": ...} or {\"token_bytes\": [...]}"});
     };
@@ -191,4 +245,32 @@ fn cli_answer(tokenizer: &Tokenizer, line: &serde_json::Value) -> serde_json::Va
         Ok(ids) => json!({ "ids": ids }),
         Err(e) => json!({ "error": e }),
     }
+}
+
+/// Times `try_encode` of each text, `repeat` rounds (the first warms the word cache as
+/// serving does).
+fn bench(tokenizer: &Tokenizer, texts: &[serde_json::Value], repeat: u64) -> serde_json::Value {
+    let texts: Vec<&str> = texts.iter().filter_map(|t| t.as_str()).collect();
+    let mut num_tokens = 0;
+    for text in &texts {
+        num_tokens += tokenizer.try_encode(text, false).map_or(0, |ids| ids.len());
+    }
+    let start = std::time::Instant::now();
+    for _ in 0..repeat {
+        for text in &texts {
+            std::hint::black_box(tokenizer.try_encode(std::hint::black_box(text), false).ok());
+        }
+    }
+    let calls = (repeat as usize * texts.len()).max(1);
+    let ns = start.elapsed().as_nanos() as f64 / calls as f64;
+    let start = std::time::Instant::now();
+    let mut num_words = 0;
+    for _ in 0..repeat {
+        for text in &texts {
+            num_words += tokenizer.count_words(std::hint::black_box(text));
+        }
+    }
+    let split_ns = start.elapsed().as_nanos() as f64 / calls as f64;
+    serde_json::json!({ "ns_per_encode": ns, "ns_per_split": split_ns, "num_tokens": num_tokens,
+                        "num_words": num_words / repeat.max(1) as usize })
 }

@@ -8,7 +8,9 @@ use std::io::{BufRead, Write};
 use serde_json::{Map, Value};
 
 use super::bpe::{Bpe, BpeModel, FxMap};
-use super::pretok::{self, AddedTokenMatcher, Behavior, ByteLevelStep, Pattern, SplitStep};
+use super::pretok::{
+    self, AddedTokenMatcher, Behavior, ByteLevelStep, Pattern, SplitStep, Splitter,
+};
 use super::{TemplatePiece, Tokenizer};
 
 /// GPT-2's byte -> char map (printable bytes are themselves, the others 256, 257, ...).
@@ -93,6 +95,7 @@ pub fn from_json(text: &str) -> Result<Tokenizer, String> {
         template,
         token_bytes,
         special,
+        unassigned: pretok::compile(r"\p{Cn}")?,
     })
 }
 
@@ -151,7 +154,7 @@ fn pre_tokenizer(value: Option<&Value>) -> Result<(Vec<SplitStep>, ByteLevelStep
         .map(|s| split_step(s))
         .collect::<Result<Vec<_>, _>>()?;
     let regex = if flag(last, "use_regex", true) {
-        Some(pretok::compile(pretok::BYTE_LEVEL_REGEX)?)
+        Some(Splitter::new(pretok::BYTE_LEVEL_REGEX)?)
     } else {
         None
     };
@@ -173,7 +176,7 @@ fn split_step(step: &Value) -> Result<SplitStep, String> {
     }
     let pattern = match step.get("pattern") {
         Some(p) if p.get("Regex").and_then(Value::as_str).is_some() => {
-            Pattern::Regex(pretok::compile(p["Regex"].as_str().unwrap_or_default())?)
+            Pattern::Regex(Splitter::new(p["Regex"].as_str().unwrap_or_default())?)
         }
         Some(p) if p.get("String").and_then(Value::as_str).is_some() => {
             Pattern::Literal(p["String"].as_str().unwrap_or_default().to_string())
@@ -318,6 +321,9 @@ pub struct AddedToken {
     pub special: bool,
 }
 
+/// Added tokens with the ids `tokenizers` gives them when it loads the file (it ignores
+/// the stored ids): a token in the vocabulary has the vocabulary's id, any other the next
+/// id after the vocabulary's size and the added ids so far.
 fn read_added_tokens(
     value: Option<&Value>,
     vocab: &HashMap<String, u32>,
@@ -325,6 +331,7 @@ fn read_added_tokens(
     let Some(list) = value.and_then(Value::as_array) else {
         return Ok(Vec::new());
     };
+    let vocab_len = vocab.len() as u32;
     let mut tokens: Vec<AddedToken> = Vec::with_capacity(list.len());
     for t in list {
         let content = t
@@ -339,21 +346,18 @@ fn read_added_tokens(
         if content.is_empty() || tokens.iter().any(|o| o.content == content) {
             continue;
         }
-        let stored = t
-            .get("id")
-            .and_then(Value::as_u64)
-            .filter(|&i| i < u64::from(u32::MAX));
-        // `tokenizers` gives an added token that is in the vocabulary the vocabulary's id.
-        let id = vocab
-            .get(content)
-            .copied()
-            .or(stored.map(|i| i as u32))
-            .ok_or_else(|| format!("added token {content:?} has no id"))?;
+        let id = vocab.get(content).copied().unwrap_or_else(|| {
+            match tokens.iter().map(|t| t.id).max() {
+                Some(max) if max >= vocab_len => max + 1,
+                _ => vocab_len,
+            }
+        });
+        let special = flag(t, "special", false);
         tokens.push(AddedToken {
             id,
             content: content.to_string(),
-            normalized: flag(t, "normalized", !flag(t, "special", false)),
-            special: flag(t, "special", false),
+            normalized: flag(t, "normalized", !special),
+            special,
         });
     }
     Ok(tokens)

@@ -5,6 +5,8 @@
 
 use fancy_regex::Regex;
 
+use super::fast_split::FastSplit;
+
 /// Backtracking steps one regex search may take. The byte-level split regexes match at
 /// every position after a few steps (their last alternative is `\s+` and the others
 /// cover every other char), so this is never reached on real text; it only bounds a
@@ -14,6 +16,41 @@ const BACKTRACK_LIMIT: usize = 10_000_000;
 /// GPT-2's split, what `ByteLevel { use_regex: true }` applies.
 pub const BYTE_LEVEL_REGEX: &str =
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+/// A split regex: a hand-written matcher when it is a known one, else compiled.
+pub enum Splitter {
+    Fast(FastSplit),
+    Regex(Regex),
+}
+
+impl Splitter {
+    pub fn new(pattern: &str) -> Result<Splitter, String> {
+        Ok(match FastSplit::for_regex(pattern) {
+            Some(fast) => Splitter::Fast(fast),
+            None => Splitter::Regex(compile(pattern)?),
+        })
+    }
+
+    /// Calls `found` with the (start, end) of each match, in order.
+    fn matches(&self, text: &str, found: &mut dyn FnMut(usize, usize)) -> Result<(), String> {
+        match self {
+            Splitter::Fast(fast) => {
+                let base = text.as_ptr() as usize;
+                fast.split(text, &mut |m| {
+                    let start = m.as_ptr() as usize - base;
+                    found(start, start + m.len());
+                });
+            }
+            Splitter::Regex(re) => {
+                for m in re.find_iter(text) {
+                    let m = m.map_err(|e| format!("split regex failed: {e}"))?;
+                    found(m.start(), m.end());
+                }
+            }
+        }
+        Ok(())
+    }
+}
 
 pub fn compile(pattern: &str) -> Result<Regex, String> {
     fancy_regex::RegexBuilder::new(pattern)
@@ -113,7 +150,7 @@ impl Behavior {
 }
 
 pub enum Pattern {
-    Regex(Regex),
+    Regex(Splitter),
     Literal(String),
 }
 
@@ -129,7 +166,7 @@ impl SplitStep {
     pub fn split<'a>(&self, piece: &'a str, out: &mut Vec<&'a str>) -> Result<(), String> {
         let mut spans = Vec::new();
         let mut prev = 0;
-        let mut mark = |start: usize, end: usize, spans: &mut Vec<(usize, usize, bool)>| {
+        let mut mark = |start: usize, end: usize| {
             if prev != start {
                 spans.push((prev, start, false));
             }
@@ -137,15 +174,10 @@ impl SplitStep {
             prev = end;
         };
         match &self.pattern {
-            Pattern::Regex(re) => {
-                for m in re.find_iter(piece) {
-                    let m = m.map_err(|e| format!("split regex failed: {e}"))?;
-                    mark(m.start(), m.end(), &mut spans);
-                }
-            }
+            Pattern::Regex(splitter) => splitter.matches(piece, &mut mark)?,
             Pattern::Literal(s) if !s.is_empty() => {
                 for (start, found) in piece.match_indices(s.as_str()) {
-                    mark(start, start + found.len(), &mut spans);
+                    mark(start, start + found.len());
                 }
             }
             Pattern::Literal(_) => {}
@@ -213,7 +245,7 @@ fn apply_behavior(behavior: Behavior, spans: &[(usize, usize, bool)]) -> Vec<(us
 /// bytes).
 pub struct ByteLevelStep {
     pub add_prefix_space: bool,
-    pub regex: Option<Regex>,
+    pub regex: Option<Splitter>,
 }
 
 impl ByteLevelStep {
@@ -232,16 +264,15 @@ impl ByteLevelStep {
         };
         // Isolated: matches and the gaps between them are all words.
         let mut prev = 0;
-        for m in re.find_iter(piece) {
-            let m = m.map_err(|e| format!("byte-level regex failed: {e}"))?;
-            if m.start() > prev {
-                word(&piece[prev..m.start()]);
+        re.matches(piece, &mut |start, end| {
+            if start > prev {
+                word(&piece[prev..start]);
             }
-            if m.end() > m.start() {
-                word(m.as_str());
+            if end > start {
+                word(&piece[start..end]);
             }
-            prev = m.end();
-        }
+            prev = end;
+        })?;
         if prev < piece.len() {
             word(&piece[prev..]);
         }
@@ -269,7 +300,7 @@ mod tests {
     fn gpt2_split_keeps_one_space_for_the_next_word() {
         let step = ByteLevelStep {
             add_prefix_space: false,
-            regex: Some(compile(BYTE_LEVEL_REGEX).unwrap()),
+            regex: Some(Splitter::new(BYTE_LEVEL_REGEX).unwrap()),
         };
         let mut words = Vec::new();
         step.words("Hi   there's 42!\n", &mut |w| words.push(w.to_string()))
