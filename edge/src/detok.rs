@@ -429,3 +429,31 @@ fn run_case(tokenizer: &Arc<Tokenizer>, case: &Value) -> Value {
     }
     json!({"deltas": deltas, "final": out.output_text()})
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stops(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn held_back_is_the_longest_proper_prefix_of_a_stop_at_the_end() {
+        let s = stops(&["###END", "ab"]);
+        assert_eq!(held_back_len("Hello world###", &s, 0), 3);
+        assert_eq!(held_back_len("Hello world###", &s, 12), 2); // only unsent text counts
+        assert_eq!(held_back_len("xa", &s, 0), 1);
+        assert_eq!(held_back_len("x###END", &s, 0), 0); // whole stops are cut, not held
+        // "é" is two bytes: a one-byte prefix of "éx" never matches text
+        assert_eq!(held_back_len("caf\u{e9}", &stops(&["\u{e9}x"]), 0), 2);
+    }
+
+    #[test]
+    fn find_stop_takes_the_earliest_in_unsent_text() {
+        let s = stops(&["END", "lo"]);
+        assert_eq!(find_stop("Hello END", &s, 0), Some(3));
+        assert_eq!(find_stop("Hello END", &s, 4), Some(6));
+        assert_eq!(find_stop("Hello", &s, 5), None);
+    }
+}
