@@ -39,6 +39,7 @@ _WORDS = [
     "🦙", "🎉", "中文", "日本語", "'s", "'S", "'ll", "'ve", "ſ", "!!", "...", "Ġ", "hello",
     "World", "é", "naïve", "<", "|", ">", "<|im_start|>", "<|im_end|>", "<|endoftext|>",
     "<file_sep>", "<|im_start", "def ", "return x**2", "    ", "# comment", "{}", "\u200b",
+    "'ſ", "'LL", "'Re", "'x", "(x)", "\t\tword", "\r", "١٢٣", "Ⅻ", "x²", "\u3000",
 ]  # fmt: skip
 
 

@@ -13,6 +13,10 @@ use super::pretok::{
 };
 use super::{TemplatePiece, Tokenizer};
 
+/// Largest token id accepted: the id -> bytes table has one entry per id up to the
+/// largest (vocabularies have at most a few hundred thousand tokens).
+const MAX_TOKEN_ID: u64 = 16_000_000;
+
 /// GPT-2's byte -> char map (printable bytes are themselves, the others 256, 257, ...).
 pub fn byte_chars() -> [char; 256] {
     let printable = |b: u32| {
@@ -207,7 +211,7 @@ fn read_vocab(model: &Map<String, Value>) -> Result<HashMap<String, u32>, String
         .map(|(token, id)| {
             let id = id
                 .as_u64()
-                .filter(|&i| i < u64::from(u32::MAX))
+                .filter(|&i| i <= MAX_TOKEN_ID)
                 .ok_or_else(|| format!("vocab id of {token:?} is not a token id"))?;
             Ok((token.clone(), id as u32))
         })
