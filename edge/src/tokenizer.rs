@@ -9,7 +9,8 @@
 //!          ─▶ each word: BPE over its bytes (cached per word)
 //!          ─▶ post-processor: TemplateProcessing's BOS/EOS when add_special_tokens
 //!
-//! Supported: normalizer null; pre_tokenizer ByteLevel, or a Sequence of Split steps
+//! Supported: normalizer null, or NFC (Qwen 2) for texts below U+0300, which it leaves
+//! as they are; pre_tokenizer ByteLevel, or a Sequence of Split steps
 //! (regex or string pattern, any behavior, invert) ending in one ByteLevel; model BPE
 //! without dropout, continuing_subword_prefix, end_of_word_suffix or byte_fallback
 //! (ignore_merges, unk_token, fuse_unk are honoured); added tokens without
@@ -50,6 +51,9 @@ pub struct Tokenizer {
     /// are letters, digits or marks to `tokenizers` (newer tables) and none to the split
     /// regexes here, so a text holding one may split differently.
     unassigned: fancy_regex::Regex,
+    /// The normalizer is NFC: texts it would change are declined (there are no
+    /// normalization tables here); on the others it is the identity.
+    nfc: bool,
 }
 
 /// One element of a TemplateProcessing `single` template.
@@ -83,9 +87,13 @@ impl Tokenizer {
     /// The same ids as `Tokenizer.encode(text, add_special_tokens=...)` in Python, or an
     /// error where they might not be: the text holds a character unassigned in the edge's
     /// Unicode tables (assigned in a later Unicode version, which `tokenizers` may know),
-    /// or a pathological split regex ran past its bound. The serving path proxies then.
+    /// or one from U+0300 on under an NFC normalizer, or a pathological split regex ran
+    /// past its bound. The serving path proxies then.
     pub fn try_encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String> {
         if !text.is_ascii() {
+            if self.nfc && !load::nfc_stable(text) {
+                return Err("NFC normalization of chars from U+0300 on is not implemented".into());
+            }
             if let Ok(Some(m)) = self.unassigned.find(text) {
                 let c = m.as_str().chars().next().unwrap_or_default();
                 return Err(format!(

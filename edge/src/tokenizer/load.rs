@@ -61,7 +61,7 @@ pub fn from_json(text: &str) -> Result<Tokenizer, String> {
     let root = root
         .as_object()
         .ok_or("tokenizer.json is not a JSON object")?;
-    for key in ["truncation", "padding", "normalizer"] {
+    for key in ["truncation", "padding"] {
         if !root.get(key).map_or(true, Value::is_null) {
             return Err(format!(
                 "{key} {} is not supported (only null)",
@@ -69,6 +69,16 @@ pub fn from_json(text: &str) -> Result<Tokenizer, String> {
             ));
         }
     }
+    let nfc = match root.get("normalizer") {
+        None | Some(Value::Null) => false,
+        Some(n) if type_of(n) == "NFC" => true,
+        other => {
+            return Err(format!(
+                "normalizer {} is not supported (only null and NFC)",
+                kind(other)
+            ))
+        }
+    };
     check_decoder(root.get("decoder"))?;
     let (splits, byte_level) = pre_tokenizer(root.get("pre_tokenizer"))?;
     let model = root
@@ -79,6 +89,15 @@ pub fn from_json(text: &str) -> Result<Tokenizer, String> {
     let added = read_added_tokens(root.get("added_tokens"), &vocab)?;
     let bpe = bpe_model(model, &vocab)?;
     let template = post_processor(root.get("post_processor"))?;
+    if let Some(t) = added
+        .iter()
+        .find(|t| nfc && t.normalized && !nfc_stable(&t.content))
+    {
+        return Err(format!(
+            "added token {:?} is normalized by NFC: not supported",
+            t.content
+        ));
+    }
     let (token_bytes, special) = token_table(&vocab, &added);
     let raw: Vec<(String, u32)> = added
         .iter()
@@ -100,7 +119,15 @@ pub fn from_json(text: &str) -> Result<Tokenizer, String> {
         token_bytes,
         special,
         unassigned: pretok::compile(r"\p{Cn}")?,
+        nfc,
     })
+}
+
+/// Text that NFC leaves as it is, known without Unicode's normalization tables: chars
+/// below U+0300 all have combining class 0, none is a composition exclusion or a
+/// singleton, and no two of them compose.
+pub fn nfc_stable(text: &str) -> bool {
+    text.chars().all(|c| u32::from(c) < 0x300)
 }
 
 fn kind(value: Option<&Value>) -> String {
