@@ -96,7 +96,9 @@ def assert_same_ids(
     """Every text, both add_special_tokens values: the edge's ids are the backend's; the
     edge may decline only a text with a char its Unicode tables do not assign (or, under
     an NFC normalizer, one from U+0300 on). Returns how many it declined."""
-    lines = [{"text": t, "add_special_tokens": add} for t in texts for add in (True, False)]
+    lines: list[dict[str, Any]] = [
+        {"text": t, "add_special_tokens": add} for t in texts for add in (True, False)
+    ]
     declined = 0
     for line, answer in zip(lines, drive(edge_bin, path, lines), strict=True):
         text, add = line["text"], line["add_special_tokens"]
