@@ -3,11 +3,11 @@
 //! natively rather than give different ids than the router).
 
 use std::collections::HashMap;
-use std::io::{BufRead, Write};
 
 use serde_json::{Map, Value};
 
 use super::bpe::{Bpe, BpeModel, FxMap};
+use super::byte_map::{byte_chars, char_bytes, spelled_bytes};
 use super::pretok::{
     self, AddedTokenMatcher, Behavior, ByteLevelStep, Pattern, SplitStep, Splitter,
 };
@@ -16,44 +16,6 @@ use super::{TemplatePiece, Tokenizer};
 /// Largest token id accepted: the id -> bytes table has one entry per id up to the
 /// largest (vocabularies have at most a few hundred thousand tokens).
 const MAX_TOKEN_ID: u64 = 16_000_000;
-
-/// GPT-2's byte -> char map (printable bytes are themselves, the others 256, 257, ...).
-pub fn byte_chars() -> [char; 256] {
-    let printable = |b: u32| {
-        (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
-    };
-    let mut chars = ['\0'; 256];
-    let mut extra = 0;
-    for b in 0..256u32 {
-        let c = if printable(b) {
-            b
-        } else {
-            extra += 1;
-            255 + extra
-        };
-        chars[b as usize] = char::from_u32(c).unwrap_or('\0');
-    }
-    chars
-}
-
-/// The inverse of `byte_chars`: (chars < 324) -> byte.
-fn char_bytes() -> HashMap<char, u8> {
-    byte_chars()
-        .iter()
-        .enumerate()
-        .map(|(b, &c)| (c, b as u8))
-        .collect()
-}
-
-/// A token's bytes: its chars through the byte map when all are in it, else its UTF-8
-/// (an added token spelled in plain text), as `tokenizers`' ByteLevel decoder reads it.
-fn spelled_bytes(token: &str, map: &HashMap<char, u8>) -> Vec<u8> {
-    token
-        .chars()
-        .map(|c| map.get(&c).copied())
-        .collect::<Option<Vec<u8>>>()
-        .unwrap_or_else(|| token.as_bytes().to_vec())
-}
 
 pub fn from_json(text: &str) -> Result<Tokenizer, String> {
     let root: Value =
@@ -490,26 +452,4 @@ fn token_table(
         special[t.id as usize] = t.special;
     }
     (table, special)
-}
-
-/// The test drivers' loop: a JSON value per stdin line, `answer`'s value per stdout
-/// line (an {"error"} for a line that is not JSON). Returns the exit status.
-pub fn json_lines(mut answer: impl FnMut(&Value) -> Value) -> i32 {
-    let stdin = std::io::stdin();
-    let stdout = std::io::stdout();
-    let mut out = std::io::BufWriter::new(stdout.lock());
-    for line in stdin.lock().lines() {
-        let Ok(line) = line else { return 1 };
-        if line.trim().is_empty() {
-            continue;
-        }
-        let reply = match serde_json::from_str::<Value>(&line) {
-            Ok(value) => answer(&value),
-            Err(e) => serde_json::json!({ "error": format!("not JSON: {e}") }),
-        };
-        if writeln!(out, "{reply}").and_then(|()| out.flush()).is_err() {
-            return 1;
-        }
-    }
-    0
 }
