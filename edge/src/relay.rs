@@ -187,10 +187,12 @@ impl Run {
         let event = match lost {
             Some(mut lost) => {
                 let request_id = self.request_id.as_str();
+                let control = &self.s.control;
                 let watched = async {
                     loop {
                         match lost.recv().await {
                             Ok(id) if id == request_id => return,
+                            Err(RecvError::Lagged(_)) if control.is_lost(request_id) => return,
                             Ok(_) | Err(RecvError::Lagged(_)) => continue,
                             Err(RecvError::Closed) => std::future::pending::<()>().await,
                         }
@@ -199,7 +201,8 @@ impl Run {
                 tokio::select! {
                     biased;
                     event = events.next() => event,
-                    () = watched => return Err(self.lost_error()),
+                    // The control plane's own message, code and retry-after.
+                    () = watched => return Err(self.s.control.lost_error(&self.request_id)),
                 }
             }
             None => events.next().await,
@@ -349,24 +352,6 @@ impl Run {
                 self.sent.remove(at);
                 self.s.workers.abort_soon(&inst, &self.request_id, "finished", true);
             }
-        }
-    }
-
-    fn lost_error(&self) -> ApiError {
-        let decode = match &self.decode {
-            Some((inst, _, _)) => worker::describe("decode", inst),
-            None => "the decode instance".to_string(),
-        };
-        ApiError {
-            status: 503,
-            message: format!(
-                "request {}: {decode}, where it was reserved, went down before prefill \
-                 finished it; nothing was generated: retry the request",
-                self.request_id
-            ),
-            error_type: "server_error".to_string(),
-            code: Some("decode_instance_lost".to_string()),
-            headers: vec![("retry-after".to_string(), "1".to_string())],
         }
     }
 

@@ -38,6 +38,8 @@ use crate::worker::Workers;
 
 /// How long the control socket may take to appear (the Python router starts it first).
 const CONTROL_CONNECT_S: f64 = 10.0;
+/// How often the control connection is checked.
+const CONTROL_PING_MS: u64 = 500;
 /// After SIGTERM / SIGINT: how long in-flight requests may take to finish.
 const DRAIN_S: u64 = 5;
 /// The request line and headers must arrive within this (router/http_limits.py's
@@ -184,14 +186,13 @@ async fn connect_control(config: &EdgeConfig) -> Result<Arc<Control>, String> {
     }
 }
 
-/// Resolves when the control connection is gone (its push channel closed).
+/// Resolves when the control connection is gone: a ping fails once the socket broke
+/// (then every ask would fail too; the Python router restarts the edge).
 async fn control_closed(control: Arc<Control>) {
-    let mut lost = control.lost();
-    drop(control);
     loop {
-        match lost.recv().await {
-            Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
-            Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+        tokio::time::sleep(Duration::from_millis(CONTROL_PING_MS)).await;
+        if control.ping().await.is_err() {
+            return;
         }
     }
 }

@@ -1,0 +1,272 @@
+"""kvserve-edge's serving path (edge/src/serve.rs, relay.rs, worker.rs, proxy.rs) against
+the real Python router and its stand-in workers (tests/router_standin.py): the edge in
+front, the router behind it as the control plane (router/edge_control.py on a Unix
+socket) and as the target of everything the edge proxies.
+
+Each request is sent to the edge and to the Python router alone; the answers must be the
+same bytes (the response id and `created` aside): completions and chat, streamed and
+not, with usage; the proxied paths (/v1/models, /health, a tools request, a bad
+request's 400, a wrong API key's 401). Then what only the edge's run does: a client that
+leaves mid-stream aborts the workers; a prefill that refuses the connection is retried
+on another."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from router_standin import RouterHarness
+
+from router.edge_control import EdgeControl
+
+TEXT = "Hello world! The answer is 42."
+API_KEY = "edge-test-key"
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EdgeStack:
+    """RouterHarness (the Python router over stand-ins), its EdgeControl on a Unix
+    socket, and a kvserve-edge process in front of both."""
+
+    def __init__(self, edge_bin: Path, tmp: Path, num_prefill: int = 1) -> None:
+        self.h = RouterHarness(num_prefill=num_prefill, api_key=API_KEY)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.control: EdgeControl | None = None
+        try:
+            self._start(edge_bin, tmp)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, edge_bin: Path, tmp: Path) -> None:
+        h = self.h
+        serving = h.app.state.serving
+        self.loop = h.router.server.servers[0].get_loop()
+        self.control = EdgeControl(
+            serving.services, h.app.state.metrics, request_timeout_s=serving.request_timeout_s
+        )
+        sock = str(tmp / "control.sock")
+        asyncio.run_coroutine_threadsafe(self.control.start(sock), self.loop).result(10)
+        tokenizer = tmp / "tokenizer.json"
+        h.info.tokenizer.backend.save(str(tokenizer))
+        port = _free_port()
+        config = {
+            "listen_host": "127.0.0.1",
+            "listen_port": port,
+            "python_url": h.url,
+            "control_socket": sock,
+            "tokenizer_path": str(tokenizer),
+            "chat_template_path": self._chat_template(tmp),
+            "served_model_names": [h.served_name],
+            "eos_token_ids": list(h.info.eos_token_ids),
+            "max_model_len": h.app.state.serving.preprocessor.context_len,
+            "api_key": API_KEY,
+            "session_headers": [n.lower() for n in h.settings.session_headers],
+            "request_timeout_s": serving.request_timeout_s,
+            "max_body_bytes": h.settings.http_limits.max_body_bytes,
+            "worker_threads": 2,
+        }
+        path = tmp / "edge.json"
+        path.write_text(json.dumps(config))
+        self.stderr = open(tmp / "edge.stderr", "wb")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            [str(edge_bin), "serve", "--config", str(path)],
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().decode()
+        assert line.strip() == f"kvserve-edge listening on 127.0.0.1:{port}", line
+        self.url = f"http://127.0.0.1:{port}"
+
+    def _chat_template(self, tmp: Path) -> str | None:
+        """The chat template as the edge's program of pieces, where this tree derives
+        one (router/edge_template.py); None: chat requests are proxied."""
+        try:
+            from router.edge_template import derive_template, write_template
+        except ImportError:
+            return None
+        program = derive_template(self.h.info.chat_template)  # type: ignore[call-arg]
+        if program is None:
+            return None
+        path = tmp / "chat_template.json"
+        write_template(program, path)
+        return str(path)
+
+    def num_open(self) -> int:
+        assert self.control is not None
+        return self.control.num_open()
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.stderr.close()
+        if self.control is not None:
+            asyncio.run_coroutine_threadsafe(self.control.stop(), self.loop).result(10)
+        self.h.close()
+
+
+@pytest.fixture(scope="module")
+def stack(edge_bin: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgeStack]:
+    s = EdgeStack(edge_bin, tmp_path_factory.mktemp("edge"))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def s(stack: EdgeStack) -> EdgeStack:
+    h = stack.h
+    h.reset()
+    h.set_output([*h.info.tokenizer.encode(TEXT), h.info.eos_token_ids[0]], usage_split=(8, 16))
+    return stack
+
+
+_ID = re.compile(rb'"id":"(cmpl|chatcmpl)-[0-9a-f]+"')
+_CREATED = re.compile(rb'"created":\d+')
+
+
+def _normal(body: bytes) -> bytes:
+    return _CREATED.sub(b'"created":0', _ID.sub(rb'"id":"\1-x"', body))
+
+
+def _both(s: EdgeStack, method: str, path: str, **kwargs: Any) -> tuple[Any, Any]:
+    """The same request to the edge and to the Python router alone."""
+    headers = {**AUTH, **kwargs.pop("headers", {})}
+    with httpx.Client(trust_env=False, timeout=30) as client:
+        edge = client.request(method, s.url + path, headers=headers, **kwargs)
+        python = client.request(method, s.h.url + path, headers=headers, **kwargs)
+    return edge, python
+
+
+def _same(s: EdgeStack, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    edge, python = _both(s, method, path, **kwargs)
+    assert edge.status_code == python.status_code, (edge.text, python.text)
+    assert edge.headers.get("content-type") == python.headers.get("content-type")
+    assert _normal(edge.content) == _normal(python.content)
+    return edge
+
+
+def _completion(**extra: Any) -> dict[str, Any]:
+    return {"model": "smollm2-135m-instruct", "prompt": "Say it", "max_tokens": 64, **extra}
+
+
+def _chat(**extra: Any) -> dict[str, Any]:
+    messages = [{"role": "user", "content": "What is the answer?"}]
+    return {"model": "smollm2-135m-instruct", "messages": messages, "max_tokens": 64, **extra}
+
+
+def test_completions_are_the_routers_bytes(s: EdgeStack) -> None:
+    r = _same(s, "POST", "/v1/completions", json=_completion())
+    assert r.json()["choices"][0]["text"] == TEXT
+    _same(s, "POST", "/v1/completions", json=_completion(prompt=[1, 2, 3], max_tokens=5))
+    _same(s, "POST", "/v1/completions", json=_completion(stop=["answer"]))
+
+
+def test_streamed_completions_are_the_routers_bytes(s: EdgeStack) -> None:
+    r = _same(s, "POST", "/v1/completions", json=_completion(stream=True))
+    assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
+    assert r.content.endswith(b"data: [DONE]\n\n")
+    usage = {"include_usage": True}
+    r = _same(s, "POST", "/v1/completions", json=_completion(stream=True, stream_options=usage))
+    assert b'"usage":{"prompt_tokens"' in r.content
+
+
+def test_chat_is_the_routers_bytes(s: EdgeStack) -> None:
+    r = _same(s, "POST", "/v1/chat/completions", json=_chat())
+    assert r.json()["choices"][0]["message"]["content"] == TEXT
+    usage = {"include_usage": True}
+    _same(s, "POST", "/v1/chat/completions", json=_chat(stream=True, stream_options=usage))
+
+
+def test_max_tokens_one_and_a_first_token_finish(s: EdgeStack) -> None:
+    _same(s, "POST", "/v1/completions", json=_completion(max_tokens=1))
+    s.h.set_output([s.h.info.eos_token_ids[0], 100])
+    _same(s, "POST", "/v1/completions", json=_completion(max_tokens=5))
+
+
+def test_proxied_paths_are_the_routers_answers(s: EdgeStack) -> None:
+    _same(s, "GET", "/v1/models")
+    _same(s, "GET", "/health")
+    bad = _same(s, "POST", "/v1/completions", json=_completion(max_tokens=-1))
+    assert bad.status_code == 400
+    _same(s, "POST", "/v1/completions?x=1", json=_completion())
+    _same(s, "POST", "/v1/completions", content=b"{not json")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    _same(s, "POST", "/v1/chat/completions", json=_chat(tools=tools))
+    wrong = _same(s, "POST", "/v1/completions", json=_completion(), headers={"authorization": "x"})
+    assert wrong.status_code == 401
+    assert _same(s, "GET", "/nowhere").status_code == 404
+
+
+def test_a_body_over_the_limit_is_the_routers_413(s: EdgeStack) -> None:
+    limit = s.h.settings.http_limits.max_body_bytes
+    big = json.dumps(_completion(prompt="x" * (limit + 10))).encode()
+    with httpx.Client(trust_env=False, timeout=30) as client:
+        declared = client.post(s.url + "/v1/completions", content=big, headers=AUTH)
+        chunked = client.post(
+            s.url + "/v1/completions", content=iter([big[:1000], big[1000:]]), headers=AUTH
+        )
+    assert declared.status_code == chunked.status_code == 413
+
+
+def test_a_client_that_leaves_mid_stream_aborts_the_workers(s: EdgeStack) -> None:
+    h = s.h
+    h.set_output(list(range(100, 400)), token_delay_s=0.02)
+    with httpx.Client(trust_env=False, timeout=30) as client:
+        body = _completion(stream=True, max_tokens=300)
+        with client.stream("POST", s.url + "/v1/completions", json=body, headers=AUTH) as r:
+            assert r.status_code == 200
+            next(r.iter_bytes())
+            assert s.num_open() == 1  # served by the edge: its run is open in the control plane
+    _wait_for(lambda: len(h.decode[0].received) == 1 and bool(h.decode[0].aborts))
+    rid = h.decode[0].received[0][1].request_id
+    reasons = {a.reason for _, a in h.decode[0].aborts if a.request_id == rid}
+    assert reasons == {"client_disconnected"}
+    assert rid in h.prefill[0].aborted_ids()
+    _wait_for(lambda: s.num_open() == 0)
+
+
+def test_a_refused_prefill_is_retried_on_another(edge_bin: Path, tmp_path: Path) -> None:
+    st = EdgeStack(edge_bin, tmp_path, num_prefill=2)
+    try:
+        h = st.h
+        h.set_output([*h.info.tokenizer.encode(TEXT), h.info.eos_token_ids[0]])
+        h.worker_servers[0].stop()  # p0's port now refuses connections
+        with httpx.Client(trust_env=False, timeout=30) as client:
+            for _ in range(4):
+                r = client.post(st.url + "/v1/completions", json=_completion(), headers=AUTH)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == TEXT
+        registry = h.app.state.registry
+        p0 = next(i for i in registry.all() if i.name == "p0")
+        assert not p0.healthy
+        assert len(h.prefill[1].received) == 4
+    finally:
+        st.close()
+
+
+def _wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
