@@ -16,7 +16,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::stream::{self, StreamExt};
@@ -30,7 +30,7 @@ use crate::chat::ChatTemplate;
 use crate::config::EdgeConfig;
 use crate::control::{ApiError, Control, Open};
 use crate::detok::OutputText;
-use crate::openai::{self, Endpoint, Formatter, GenRequest, Prompt, Usage};
+use crate::openai::{self, Endpoint, Formatter, GenRequest, Limits, Prompt, Usage};
 use crate::proxy::Proxy;
 use crate::relay::{Output, Run, Services, Timing};
 use crate::tokenizer::Tokenizer;
@@ -62,6 +62,13 @@ pub fn main(args: &[String]) -> i32 {
             return 2;
         }
     };
+    let limits = match read_limits(&path, &config) {
+        Ok(limits) => limits,
+        Err(e) => {
+            eprintln!("kvserve-edge: {e}");
+            return 2;
+        }
+    };
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     builder.enable_all();
     if config.worker_threads > 0 {
@@ -74,7 +81,7 @@ pub fn main(args: &[String]) -> i32 {
             return 1;
         }
     };
-    let code = runtime.block_on(run(config));
+    let code = runtime.block_on(run(config, limits));
     // In-flight work past the drain time is dropped, not waited for.
     runtime.shutdown_timeout(Duration::from_millis(200));
     code
@@ -83,6 +90,8 @@ pub fn main(args: &[String]) -> i32 {
 /// What every request handler shares (built once).
 struct Edge {
     config: EdgeConfig,
+    /// The router's length and vocabulary limits (`openai::finalize_with`).
+    limits: Limits,
     /// None: the tokenizer's form is not one the edge implements; nothing is served
     /// natively.
     tokenizer: Option<Arc<Tokenizer>>,
@@ -93,8 +102,30 @@ struct Edge {
     session_headers: Vec<HeaderName>,
 }
 
-async fn run(config: EdgeConfig) -> i32 {
-    match start(config).await {
+/// The router's limits, from the config file's optional fields (router/edge.py writes
+/// max_input_tokens and max_output_tokens; vocab_size when it knows it).
+fn read_limits(path: &std::path::Path, config: &EdgeConfig) -> Result<Limits, String> {
+    #[derive(serde::Deserialize)]
+    struct Optional {
+        #[serde(default)]
+        max_input_tokens: Option<usize>,
+        #[serde(default)]
+        max_output_tokens: Option<u64>,
+        #[serde(default)]
+        vocab_size: Option<u32>,
+    }
+    let raw = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let o: Optional = serde_json::from_slice(&raw).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(Limits {
+        context_len: config.max_model_len,
+        max_input_tokens: o.max_input_tokens.filter(|&n| n > 0),
+        max_output_tokens: o.max_output_tokens,
+        vocab_size: o.vocab_size,
+    })
+}
+
+async fn run(config: EdgeConfig, limits: Limits) -> i32 {
+    match start(config, limits).await {
         Ok(code) => code,
         Err(e) => {
             eprintln!("kvserve-edge: {e}");
@@ -103,7 +134,7 @@ async fn run(config: EdgeConfig) -> i32 {
     }
 }
 
-async fn start(config: EdgeConfig) -> Result<i32, String> {
+async fn start(config: EdgeConfig, limits: Limits) -> Result<i32, String> {
     let tokenizer = match Tokenizer::from_file(&config.tokenizer_path) {
         Ok(t) => Some(Arc::new(t)),
         Err(e) => {
@@ -136,7 +167,7 @@ async fn start(config: EdgeConfig) -> Result<i32, String> {
         .filter_map(|name| HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes()).ok())
         .collect();
     let api_key = config.api_key.as_ref().map(|k| k.as_bytes().to_vec());
-    let edge = Arc::new(Edge { config, tokenizer, chat, services, proxy, api_key, session_headers });
+    let edge = Arc::new(Edge { config, limits, tokenizer, chat, services, proxy, api_key, session_headers });
 
     let incoming = listen(&edge.config).await?;
     let make = make_service_fn(move |_conn| {
@@ -332,7 +363,7 @@ impl Edge {
                 tokenizer.encode(&text, false)
             }
         };
-        if !openai::finalize(&mut gen, prompt.len(), self.config.max_model_len) {
+        if !openai::finalize_with(&mut gen, prompt.len(), &self.limits) {
             return None;
         }
         let session = self.session_of(headers, gen.user.as_deref());
@@ -356,10 +387,6 @@ impl Edge {
     async fn serve(&self, gen: GenRequest, prompt: Vec<u32>, session: Option<String>, arrival: Instant) -> Response<Body> {
         let request_id = openai::new_request_id(gen.endpoint);
         let s = &self.services;
-        let endpoint_name = match gen.endpoint {
-            Endpoint::Chat => "chat",
-            Endpoint::Completion => "completion",
-        };
         let opened = s
             .control
             .open(Open {
@@ -368,7 +395,7 @@ impl Edge {
                 max_tokens: gen.params.max_tokens as u64,
                 user: gen.user.as_deref(),
                 session: session.as_deref(),
-                endpoint: endpoint_name,
+                endpoint: gen.endpoint.name(),
             })
             .await;
         if let Err(e) = opened {
@@ -384,7 +411,7 @@ impl Edge {
             &prompt,
             gen.skip_special_tokens,
         );
-        let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let created = openai::created_now();
         let fmt = Formatter::new(gen.endpoint, &request_id, created, &gen.model, gen.include_usage);
         let run = Run::new(s.clone(), request_id, prompt, gen.params);
         let mut out = Output::new(run, text, Timing::new(arrival));
@@ -396,7 +423,7 @@ impl Edge {
             }
         };
         if gen.stream {
-            stream_response(Streaming { out, fmt, include_usage: gen.include_usage, first: Some(first), done: false })
+            stream_response(Streaming { out, fmt, first: Some(first), done: false })
         } else {
             whole_response(out, fmt, first).await
         }
@@ -443,14 +470,13 @@ async fn whole_response(mut out: Output, fmt: Formatter, first: crate::relay::De
 }
 
 fn usage_of(out: &Output) -> Usage {
-    Usage { prompt_tokens: out.prompt_tokens(), completion_tokens: out.completion_tokens(), details: out.usage().cloned() }
+    Usage { prompt_tokens: out.prompt_tokens(), completion_tokens: out.completion_tokens(), details: out.usage().copied() }
 }
 
 /// A streamed answer's state: the body yields one write per delta (the worker's batch).
 struct Streaming {
     out: Output,
     fmt: Formatter,
-    include_usage: bool,
     first: Option<crate::relay::Delta>,
     done: bool,
 }
@@ -475,10 +501,8 @@ impl Streaming {
         let mut chunk = self.fmt.chunk(&delta.text, delta.finish_reason.as_deref());
         if delta.finish_reason.is_some() {
             self.done = true;
-            if self.include_usage {
-                chunk.extend_from_slice(&self.fmt.usage_chunk(&usage_of(&self.out)));
-            }
-            chunk.extend_from_slice(openai::DONE);
+            // The last chunk, the usage and DONE: one write, as the router's.
+            chunk.extend_from_slice(&self.fmt.stream_end(&usage_of(&self.out)));
             self.out.end(200);
         }
         Some(chunk)
