@@ -605,9 +605,11 @@ impl Output {
             (None, Some(worker)) => {
                 // The worker finished for a reason the router's rules did not see (yet):
                 // the held-back text is flushed.
+                // The flushed text may still complete a stop string: then "stop".
                 let reason = if worker == "length" { "length" } else { "stop" };
-                text.push_str(&self.text.finish(reason));
-                finish = Some(if worker == "stop" || worker == "length" { reason.to_string() } else { worker });
+                let (rest, by_text) = self.text.finish_delta(reason);
+                text.push_str(&rest);
+                finish = Some(if worker == "stop" || worker == "length" { by_text } else { worker });
             }
             (Some(_), None) => self.run.finish_early(),
             _ => {}

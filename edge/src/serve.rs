@@ -206,14 +206,19 @@ async fn start(config: EdgeConfig, limits: Limits) -> Result<i32, String> {
 /// Connect the control socket, retrying while it is not there yet.
 async fn connect_control(config: &EdgeConfig) -> Result<Arc<Control>, String> {
     let started = Instant::now();
+    let limit = Duration::from_secs_f64(CONTROL_CONNECT_S);
     loop {
-        match Control::connect(&config.control_socket).await {
-            Ok(control) => return Ok(control),
-            Err(e) if started.elapsed().as_secs_f64() >= CONTROL_CONNECT_S => {
-                return Err(format!("control socket {}: {e}", config.control_socket.display()))
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        // Bounded as a whole: a socket that accepts but never says hello is a failure too.
+        let left = limit.saturating_sub(started.elapsed());
+        let error = match tokio::time::timeout(left, Control::connect(&config.control_socket)).await {
+            Ok(Ok(control)) => return Ok(control),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "no hello from the control plane".to_string(),
+        };
+        if started.elapsed() >= limit {
+            return Err(format!("control socket {}: {error}", config.control_socket.display()));
         }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -562,5 +567,15 @@ mod tests {
         assert!(!constant_time_eq(b"secret", b"secret2"));
         assert!(!constant_time_eq(b"", b"k"));
         assert!(constant_time_eq(b"", b""));
+    }
+}
+
+/// A chat request's messages as the template reads them.
+impl crate::chat::ChatTurn for crate::openai::ChatMessage {
+    fn role(&self) -> &str {
+        &self.role
+    }
+    fn content(&self) -> &str {
+        &self.content
     }
 }
