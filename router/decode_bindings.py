@@ -53,7 +53,12 @@ class Binding:
     the client leaving, still propagates)."""
 
     def __init__(
-        self, owner: DecodeBindings, decode: Instance, incarnation: str, request_id: str
+        self,
+        owner: DecodeBindings,
+        decode: Instance,
+        incarnation: str,
+        request_id: str,
+        on_lost: Callable[[Binding], None] | None = None,
     ) -> None:
         self._owner = owner
         self.decode = decode
@@ -64,6 +69,9 @@ class Binding:
         self._waiting: asyncio.Task[object] | None = None
         """The task suspended in `watch` (the one to cancel on a loss)."""
         self._cancelled = False
+        self._on_lost = on_lost
+        """Called once on a loss instead of cancelling a task: a run served elsewhere
+        (router/edge_control.py) awaits nothing here."""
 
     def release(self) -> None:
         """Prefill is done with it (or the run ended): stop watching. Idempotent."""
@@ -74,6 +82,8 @@ class Binding:
         if self.lost_reason is not None:
             return
         self.lost_reason = reason
+        if self._on_lost is not None:
+            self._on_lost(self)
         if self._waiting is not None and not self._cancelled:
             self._cancelled = True
             self._waiting.cancel(f"decode lost: {reason}")
@@ -122,6 +132,10 @@ class Binding:
         async for event in it:
             yield event
 
+    def error(self) -> DecodeLost:
+        """The client's error for a lost binding (503, retry-after)."""
+        return self._error()
+
     def _error(self) -> DecodeLost:
         return DecodeLost(
             f"request {self.request_id}: {self.decode.describe()}, where it was reserved, "
@@ -142,8 +156,17 @@ class DecodeBindings:
     def __init__(self) -> None:
         self._by_instance: dict[str, dict[str, Binding]] = {}
 
-    def bind(self, decode: Instance, incarnation: str, request_id: str) -> Binding:
-        b = Binding(self, decode, incarnation, request_id)
+    def bind(
+        self,
+        decode: Instance,
+        incarnation: str,
+        request_id: str,
+        on_lost: Callable[[Binding], None] | None = None,
+    ) -> Binding:
+        """Bind `request_id` to `decode`'s process `incarnation`. `on_lost`: called when
+        that process is lost, for a run that does not wait in `watch` (the native data
+        plane's, through router/edge_control.py)."""
+        b = Binding(self, decode, incarnation, request_id, on_lost)
         self._by_instance.setdefault(decode.name, {})[request_id] = b
         return b
 

@@ -1,34 +1,276 @@
 //! Byte-level BPE, the same ids as the router's `modelinfo.tokenizer.Tokenizer` (Hugging
 //! Face `tokenizers`) for the tokenizer.json forms it supports; `from_file` refuses the
 //! others (the edge then serves nothing natively).
+//!
+//! The pipeline `tokenizers` runs for these files, step for step:
+//!
+//!     text ─▶ added tokens cut out (raw ones, then "normalized" ones; no normalizer)
+//!          ─▶ each other piece: Split steps ─▶ ByteLevel (prefix space, GPT-2 regex)
+//!          ─▶ each word: BPE over its bytes (cached per word)
+//!          ─▶ post-processor: TemplateProcessing's BOS/EOS when add_special_tokens
+//!
+//! Supported: normalizer null; pre_tokenizer ByteLevel, or a Sequence of Split steps
+//! (regex or string pattern, any behavior, invert) ending in one ByteLevel; model BPE
+//! without dropout, continuing_subword_prefix, end_of_word_suffix or byte_fallback
+//! (ignore_merges, unk_token, fuse_unk are honoured); added tokens without
+//! single_word / lstrip / rstrip; post_processor null, ByteLevel, TemplateProcessing or
+//! a Sequence of those; decoder ByteLevel (token_bytes relies on it); no truncation or
+//! padding.
+#![allow(dead_code)]
+
+mod bpe;
+mod fast_split;
+mod load;
+mod pretok;
+#[rustfmt::skip]
+mod unicode_classes;
 
 use std::path::Path;
 
-pub struct Tokenizer {}
+use bpe::Bpe;
+pub use load::json_lines;
+use pretok::{AddedTokenMatcher, ByteLevelStep, Segment, SplitStep};
+
+pub struct Tokenizer {
+    /// Added tokens matched on the raw text (`normalized: false`), then those matched on
+    /// the normalized text (identical here: no normalizer), as two passes like
+    /// `tokenizers` makes.
+    added_raw: AddedTokenMatcher,
+    added_normalized: AddedTokenMatcher,
+    splits: Vec<SplitStep>,
+    byte_level: ByteLevelStep,
+    bpe: Bpe,
+    /// What add_special_tokens puts around the text's ids.
+    template: Vec<TemplatePiece>,
+    /// id -> its bytes (None: no token has this id).
+    token_bytes: Vec<Option<Box<[u8]>>>,
+    /// id -> an added token marked special.
+    special: Vec<bool>,
+    /// `\p{Cn}` of the edge's regex tables: chars assigned after their Unicode version
+    /// are letters, digits or marks to `tokenizers` (newer tables) and none to the split
+    /// regexes here, so a text holding one may split differently.
+    unassigned: fancy_regex::Regex,
+}
+
+/// One element of a TemplateProcessing `single` template.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum TemplatePiece {
+    Ids(Vec<u32>),
+    Sequence,
+}
 
 impl Tokenizer {
     /// A Hugging Face tokenizer.json (router/edge_tokenizer.py writes the model's).
-    pub fn from_file(_path: &Path) -> Result<Tokenizer, String> {
-        todo!("tokenizer")
+    pub fn from_file(path: &Path) -> Result<Tokenizer, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        Tokenizer::from_json(&text)
     }
 
-    /// The same ids as `Tokenizer.encode(text, add_special_tokens=...)` in Python.
-    pub fn encode(&self, _text: &str, _add_special_tokens: bool) -> Vec<u32> {
-        todo!("tokenizer")
+    /// The same as `from_file` for the file's text.
+    pub fn from_json(text: &str) -> Result<Tokenizer, String> {
+        load::from_json(text)
+    }
+
+    /// The same ids as `Tokenizer.encode(text, add_special_tokens=...)` in Python, except
+    /// where `try_encode` refuses the text: then the ids of this tokenizer's reading of it
+    /// (almost always the same), or none if a split regex failed.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Vec<u32> {
+        self.encode_unchecked(text, add_special_tokens)
+            .unwrap_or_default()
+    }
+
+    /// The same ids as `Tokenizer.encode(text, add_special_tokens=...)` in Python, or an
+    /// error where they might not be: the text holds a character unassigned in the edge's
+    /// Unicode tables (assigned in a later Unicode version, which `tokenizers` may know),
+    /// or a pathological split regex ran past its bound. The serving path proxies then.
+    pub fn try_encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String> {
+        if !text.is_ascii() {
+            if let Ok(Some(m)) = self.unassigned.find(text) {
+                let c = m.as_str().chars().next().unwrap_or_default();
+                return Err(format!(
+                    "U+{:04X} is unassigned in the edge's Unicode tables",
+                    u32::from(c)
+                ));
+            }
+        }
+        self.encode_unchecked(text, add_special_tokens)
+    }
+
+    fn encode_unchecked(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String> {
+        let mut ids = Vec::with_capacity(text.len() / 3 + 4);
+        if add_special_tokens {
+            for piece in &self.template {
+                match piece {
+                    TemplatePiece::Ids(special) => ids.extend_from_slice(special),
+                    TemplatePiece::Sequence => self.encode_text(text, &mut ids)?,
+                }
+            }
+        } else {
+            self.encode_text(text, &mut ids)?;
+        }
+        Ok(ids)
+    }
+
+    fn encode_text(&self, text: &str, ids: &mut Vec<u32>) -> Result<(), String> {
+        let mut raw = Vec::new();
+        self.added_raw.split(text, &mut raw);
+        let mut segments = Vec::with_capacity(raw.len());
+        for segment in raw {
+            match segment {
+                Segment::Text(piece) => self.added_normalized.split(piece, &mut segments),
+                token => segments.push(token),
+            }
+        }
+        for segment in segments {
+            match segment {
+                Segment::Token(id) => ids.push(id),
+                Segment::Text(piece) => self.encode_piece(piece, ids)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Split steps, then ByteLevel, then BPE of each word.
+    fn encode_piece(&self, piece: &str, ids: &mut Vec<u32>) -> Result<(), String> {
+        let mut pieces = vec![piece];
+        for step in &self.splits {
+            let mut next = Vec::with_capacity(pieces.len() * 2);
+            for p in pieces {
+                step.split(p, &mut next)?;
+            }
+            pieces = next;
+        }
+        let bpe = &self.bpe;
+        for p in pieces {
+            self.byte_level
+                .words(p, &mut |word| bpe.encode_word(word.as_bytes(), ids))?;
+        }
+        Ok(())
+    }
+
+    /// Pre-tokenization alone: how many words `text` splits into (benchmarks).
+    fn count_words(&self, text: &str) -> usize {
+        let mut raw = Vec::new();
+        self.added_raw.split(text, &mut raw);
+        let mut n = 0;
+        for segment in raw {
+            if let Segment::Text(piece) = segment {
+                let mut pieces = vec![piece];
+                for step in &self.splits {
+                    let mut next = Vec::new();
+                    for p in pieces {
+                        let _ = step.split(p, &mut next);
+                    }
+                    pieces = next;
+                }
+                for p in pieces {
+                    let _ = self.byte_level.words(p, &mut |_| n += 1);
+                }
+            }
+        }
+        n
     }
 
     /// The bytes a token stands for (None: not a token of the vocabulary).
-    pub fn token_bytes(&self, _id: u32) -> Option<&[u8]> {
-        todo!("tokenizer")
+    pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
+        self.token_bytes.get(id as usize).and_then(|b| b.as_deref())
     }
 
-    pub fn is_special(&self, _id: u32) -> bool {
-        todo!("tokenizer")
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.get(id as usize).copied().unwrap_or(false)
+    }
+
+    /// One more than the largest token id.
+    pub fn vocab_size(&self) -> usize {
+        self.token_bytes.len()
     }
 }
 
-/// `kvserve-edge tokenize --tokenizer FILE`: one JSON line in ({"text", "add_special_tokens"}),
-/// one out ({"ids": [...]}).
-pub fn cli(_args: &[String]) -> i32 {
-    todo!("tokenizer cli")
+/// `kvserve-edge tokenize --tokenizer FILE`: one JSON line in, one out:
+/// {"text", "add_special_tokens"} -> {"ids": [...]};
+/// {"token_bytes": [ids]} -> {"bytes_hex": [hex or null], "special": [bool]};
+/// {"bench": [texts], "repeat": n} -> {"ns_per_encode": ..., "num_tokens": ...}
+/// (benchmarks/edge_tokenizer.py: each text encoded n times, add_special_tokens false).
+pub fn cli(args: &[String]) -> i32 {
+    let path = match args {
+        [flag, path] if flag == "--tokenizer" => path,
+        _ => {
+            eprintln!("usage: kvserve-edge tokenize --tokenizer FILE");
+            return 2;
+        }
+    };
+    let tokenizer = match Tokenizer::from_file(Path::new(path)) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("{e}");
+            return 1;
+        }
+    };
+    crate::tokenizer::load::json_lines(|line| cli_answer(&tokenizer, line))
+}
+
+fn cli_answer(tokenizer: &Tokenizer, line: &serde_json::Value) -> serde_json::Value {
+    use serde_json::json;
+    if let Some(ids) = line.get("token_bytes").and_then(|v| v.as_array()) {
+        let ids: Vec<u32> = ids
+            .iter()
+            .map(|v| v.as_u64().unwrap_or(u64::MAX) as u32)
+            .collect();
+        let hex: Vec<serde_json::Value> = ids
+            .iter()
+            .map(|&id| match tokenizer.token_bytes(id) {
+                Some(b) => json!(b.iter().map(|x| format!("{x:02x}")).collect::<String>()),
+                None => serde_json::Value::Null,
+            })
+            .collect();
+        let special: Vec<bool> = ids.iter().map(|&id| tokenizer.is_special(id)).collect();
+        return json!({"bytes_hex": hex, "special": special});
+    }
+    if let Some(texts) = line.get("bench").and_then(|v| v.as_array()) {
+        return bench(
+            tokenizer,
+            texts,
+            line.get("repeat").and_then(|v| v.as_u64()).unwrap_or(1),
+        );
+    }
+    let Some(text) = line.get("text").and_then(|v| v.as_str()) else {
+        return json!({"error": "expected {\"text\": ...} or {\"token_bytes\": [...]}"});
+    };
+    let add = line
+        .get("add_special_tokens")
+        .and_then(|v| v.as_bool())
+        .unwrap_or(true);
+    match tokenizer.try_encode(text, add) {
+        Ok(ids) => json!({ "ids": ids }),
+        Err(e) => json!({ "error": e }),
+    }
+}
+
+/// Times `try_encode` of each text, `repeat` rounds (the first warms the word cache as
+/// serving does).
+fn bench(tokenizer: &Tokenizer, texts: &[serde_json::Value], repeat: u64) -> serde_json::Value {
+    let texts: Vec<&str> = texts.iter().filter_map(|t| t.as_str()).collect();
+    let mut num_tokens = 0;
+    for text in &texts {
+        num_tokens += tokenizer.try_encode(text, false).map_or(0, |ids| ids.len());
+    }
+    let start = std::time::Instant::now();
+    for _ in 0..repeat {
+        for text in &texts {
+            std::hint::black_box(tokenizer.try_encode(std::hint::black_box(text), false).ok());
+        }
+    }
+    let calls = (repeat as usize * texts.len()).max(1);
+    let ns = start.elapsed().as_nanos() as f64 / calls as f64;
+    let start = std::time::Instant::now();
+    let mut num_words = 0;
+    for _ in 0..repeat {
+        for text in &texts {
+            num_words += tokenizer.count_words(std::hint::black_box(text));
+        }
+    }
+    let split_ns = start.elapsed().as_nanos() as f64 / calls as f64;
+    serde_json::json!({ "ns_per_encode": ns, "ns_per_split": split_ns, "num_tokens": num_tokens,
+                        "num_words": num_words / repeat.max(1) as usize })
 }
