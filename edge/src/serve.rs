@@ -353,9 +353,14 @@ impl Edge {
     /// (the router answers it, invalid ones included).
     fn prepare(&self, endpoint: Endpoint, body: &[u8], headers: &HeaderMap) -> Option<(GenRequest, Vec<u32>, Option<String>)> {
         let tokenizer = self.tokenizer.as_ref()?;
+        // The router answers 415 to a body that is not JSON by its content-type.
+        let content_type = headers.get(CONTENT_TYPE).map(HeaderValue::as_bytes);
+        if !openai::is_json_content_type(content_type) {
+            return None;
+        }
         let mut gen = openai::parse(endpoint, body, &self.config.served_model_names)?;
         let prompt = match &gen.prompt {
-            Prompt::Text(text) => tokenizer.encode(text, true),
+            Prompt::Text(text) => tokenizer.try_encode(text, true).ok()?,
             Prompt::TokenIds(ids) => {
                 // An id outside the vocabulary is the router's 400 to write.
                 if ids.iter().any(|&id| tokenizer.token_bytes(id).is_none()) {
@@ -365,7 +370,7 @@ impl Edge {
             }
             Prompt::Messages(messages) => {
                 let text = self.chat.as_ref()?.render(messages, gen.add_generation_prompt)?;
-                tokenizer.encode(&text, false)
+                tokenizer.try_encode(&text, false).ok()?
             }
         };
         if !openai::finalize_with(&mut gen, prompt.len(), &self.limits) {
@@ -567,15 +572,5 @@ mod tests {
         assert!(!constant_time_eq(b"secret", b"secret2"));
         assert!(!constant_time_eq(b"", b"k"));
         assert!(constant_time_eq(b"", b""));
-    }
-}
-
-/// A chat request's messages as the template reads them.
-impl crate::chat::ChatTurn for crate::openai::ChatMessage {
-    fn role(&self) -> &str {
-        &self.role
-    }
-    fn content(&self) -> &str {
-        &self.content
     }
 }
