@@ -52,7 +52,7 @@ import socket
 import stat
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -205,8 +205,8 @@ class _EdgeConnection(asyncio.Protocol):
     # -- the connection ---------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # uvloop's transports (the router's loop) are not asyncio.Transport subclasses.
+        self._transport = cast(asyncio.Transport, transport)
         self.control.connections.add(self)
         self._send({"hello": {"version": WIRE_VERSION, "topology": self.control.topology}})
 
