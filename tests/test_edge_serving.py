@@ -253,12 +253,48 @@ def test_a_body_over_the_limit_is_the_routers_413(s: EdgeStack) -> None:
     assert declared.status_code == chunked.status_code == 413
 
 
-def test_a_client_that_leaves_mid_stream_aborts_the_workers(s: EdgeStack) -> None:
+def test_worker_errors_are_the_routers_answers(s: EdgeStack) -> None:
+    s.h.prefill[0].fail = {"prefill": (400, "prompt too long for this worker")}
+    r = _same(s, "POST", "/v1/completions", json=_completion())
+    assert r.status_code == 400
+    s.h.reset()
+    s.h.decode[0].fail = {"decode": (503, "decode is draining")}
+    assert _same(s, "POST", "/v1/chat/completions", json=_chat(stream=True)).status_code == 503
+
+
+def test_a_stop_string_ends_the_request_and_stops_the_workers(s: EdgeStack) -> None:
+    r = _same(s, "POST", "/v1/completions", json=_completion(stop=[" answer"]))
+    assert r.json()["choices"][0]["text"] == "Hello world! The"
+    _same(s, "POST", "/v1/completions", json=_completion(stop=[" answer"], stream=True))
+    rid = s.h.decode[0].received[0][1].request_id  # the edge's (sent first)
+    _wait_for(lambda: rid in s.h.decode[0].aborted_ids())
+    assert {a.reason for _, a in s.h.decode[0].aborts if a.request_id == rid} == {"finished"}
+
+
+def test_a_decode_that_breaks_mid_stream_is_an_error_event(s: EdgeStack) -> None:
+    h = s.h
+    h.set_output(list(range(100, 110)), crash_decode_after=3)
+    with httpx.Client(trust_env=False, timeout=30) as client:
+        body = _completion(stream=True)
+        r = client.post(s.url + "/v1/completions", json=body, headers=AUTH)
+    assert r.status_code == 200
+    *_, error, done = r.content.split(b"\n\n")[:-1]
+    assert done == b"data: [DONE]"
+    err = json.loads(error.removeprefix(b"data: "))["error"]
+    assert err["type"] == "server_error" and "failed during POST /decode" in err["message"]
+    d0 = next(i for i in h.app.state.registry.all() if i.name == "d0")
+    _wait_for(lambda: "failed during POST /decode" in (d0.last_error or ""))  # `broken`
+    _wait_for(lambda: s.num_open() == 0)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_client_that_leaves_mid_stream_aborts_the_workers(s: EdgeStack, path: str) -> None:
     h = s.h
     h.set_output(list(range(100, 400)), token_delay_s=0.02)
     with httpx.Client(trust_env=False, timeout=30) as client:
-        body = _completion(stream=True, max_tokens=300)
-        with client.stream("POST", s.url + "/v1/completions", json=body, headers=AUTH) as r:
+        make = _completion if path == "/v1/completions" else _chat
+        body = make(stream=True, max_tokens=300)
+        with client.stream("POST", s.url + path, json=body, headers=AUTH) as r:
             assert r.status_code == 200
             chunks = r.iter_bytes()  # held: a dropped iterator closes the connection
             next(chunks)
