@@ -43,8 +43,8 @@ class EdgeStack:
     """RouterHarness (the Python router over stand-ins), its EdgeControl on a Unix
     socket, and a kvserve-edge process in front of both."""
 
-    def __init__(self, edge_bin: Path, tmp: Path, num_prefill: int = 1) -> None:
-        self.h = RouterHarness(num_prefill=num_prefill, api_key=API_KEY)
+    def __init__(self, edge_bin: Path, tmp: Path, num_prefill: int = 1, **settings: Any) -> None:
+        self.h = RouterHarness(num_prefill=num_prefill, api_key=API_KEY, **settings)
         self.proc: subprocess.Popen[bytes] | None = None
         self.control: EdgeControl | None = None
         try:
@@ -322,6 +322,28 @@ def test_a_refused_prefill_is_retried_on_another(edge_bin: Path, tmp_path: Path)
         p0 = next(i for i in registry.all() if i.name == "p0")
         assert not p0.healthy
         assert len(h.prefill[1].received) == 4
+    finally:
+        st.close()
+
+
+def test_a_request_past_request_timeout_s_is_a_504(edge_bin: Path, tmp_path: Path) -> None:
+    st = EdgeStack(edge_bin, tmp_path, request_timeout_s=0.5)
+    try:
+        st.h.set_output([100, 101, 102], prefill_delay_s=3)
+        edge, python = _both(st, "POST", "/v1/completions", json=_completion())
+        assert edge.status_code == python.status_code == 504
+        error = edge.json()["error"]
+        assert error["type"] == "timeout"
+        assert re.fullmatch(
+            r"request cmpl-[0-9a-f]+ did not finish within 0.5 s \(router.request_timeout_s\)",
+            error["message"],
+        )
+        assert _normal(edge.content).replace(edge.json()["error"]["message"].encode(), b"") == (
+            _normal(python.content).replace(python.json()["error"]["message"].encode(), b"")
+        )
+        rid = st.h.prefill[0].received[0][1].request_id
+        _wait_for(lambda: rid in st.h.prefill[0].aborted_ids())
+        _wait_for(lambda: st.num_open() == 0)
     finally:
         st.close()
 

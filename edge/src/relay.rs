@@ -17,11 +17,13 @@
 //!   instances still working on it, reason "finished";
 //! - prefill finishes at its first token: decode, reason "finished".
 
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
 use tokio::sync::broadcast::error::RecvError;
+use tokio::time::Sleep;
 
 use crate::control::{ApiError, Control, End, Instance, Role, Topology};
 use crate::detok::OutputText;
@@ -73,6 +75,9 @@ pub struct Run {
     prompt: Vec<u32>,
     params: SamplingParams,
     deadline: tokio::time::Instant,
+    /// The run's one timer, registered once (a `timeout_at` per step would register and
+    /// cancel one in tokio's timer wheel for every token batch). None while a step runs.
+    timer: Option<Pin<Box<Sleep>>>,
     stage: Stage,
     sent: Vec<Sent>,
     decode: Option<(Instance, EventStream, String)>,
@@ -85,12 +90,14 @@ pub struct Run {
 impl Run {
     pub fn new(s: Arc<Services>, request_id: String, prompt: Vec<u32>, params: SamplingParams) -> Run {
         let timeout = std::time::Duration::from_secs_f64(s.request_timeout_s.max(0.0));
+        let deadline = tokio::time::Instant::now() + timeout;
         Run {
             s,
             request_id,
             prompt,
             params,
-            deadline: tokio::time::Instant::now() + timeout,
+            deadline,
+            timer: Some(Box::pin(tokio::time::sleep_until(deadline))),
             stage: Stage::Start,
             sent: Vec::with_capacity(2),
             decode: None,
@@ -107,9 +114,19 @@ impl Run {
     /// The next tokens: the first token, then token batches until one carries a finish
     /// (the caller stops there). An error ends the run: its instances are aborted.
     pub async fn next(&mut self) -> Result<Tokens, ApiError> {
-        let result = match tokio::time::timeout_at(self.deadline, self.step()).await {
-            Ok(result) => result,
-            Err(_) => {
+        let mut timer = match self.timer.take() {
+            Some(timer) => timer,
+            None => Box::pin(tokio::time::sleep_until(self.deadline)), // a step was cancelled
+        };
+        let stepped = tokio::select! {
+            biased;
+            result = self.step() => Some(result),
+            () = timer.as_mut() => None,
+        };
+        self.timer = Some(timer);
+        let result = match stepped {
+            Some(result) => result,
+            None => {
                 self.close("timeout");
                 Err(api_error(
                     504,
