@@ -348,6 +348,35 @@ def test_a_request_past_request_timeout_s_is_a_504(edge_bin: Path, tmp_path: Pat
         st.close()
 
 
+def test_sigterm_lets_in_flight_requests_finish(edge_bin: Path, tmp_path: Path) -> None:
+    st = EdgeStack(edge_bin, tmp_path)
+    try:
+        st.h.set_output(list(range(100, 150)), token_delay_s=0.01)
+        assert st.proc is not None
+        with httpx.Client(trust_env=False, timeout=30) as client:
+            body = _completion(stream=True, max_tokens=50)
+            with client.stream("POST", st.url + "/v1/completions", json=body, headers=AUTH) as r:
+                chunks = r.iter_bytes()
+                got = [next(chunks)]
+                st.proc.terminate()
+                got += list(chunks)
+        assert b"".join(got).endswith(b"data: [DONE]\n\n")
+        assert b'"finish_reason":"length"' in b"".join(got)
+        assert st.proc.wait(10) == 0
+    finally:
+        st.close()
+
+
+def test_the_edge_exits_when_the_control_socket_closes(edge_bin: Path, tmp_path: Path) -> None:
+    st = EdgeStack(edge_bin, tmp_path)
+    try:
+        assert st.proc is not None and st.control is not None
+        asyncio.run_coroutine_threadsafe(st.control.stop(), st.loop).result(10)
+        assert st.proc.wait(10) != 0  # the router restarts it
+    finally:
+        st.close()
+
+
 def _wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
