@@ -23,9 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
-from router_standin import RouterHarness
+from router_standin import NDJSON, RouterHarness, ServerThread, StandinWorker
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
+from protocol.messages import FirstToken, GenerateRequest, PromptUsage, TokenBatch, encode_line
+from router.config import InstanceEndpoint
 from router.edge_control import EdgeControl
 
 TEXT = "Hello world! The answer is 42."
@@ -45,6 +52,7 @@ class EdgeStack:
 
     def __init__(self, edge_bin: Path, tmp: Path, num_prefill: int = 1, **settings: Any) -> None:
         self.h = RouterHarness(num_prefill=num_prefill, api_key=API_KEY, **settings)
+        self.extra: list[ServerThread] = []
         self.proc: subprocess.Popen[bytes] | None = None
         self.control: EdgeControl | None = None
         try:
@@ -124,6 +132,8 @@ class EdgeStack:
         if self.control is not None:
             asyncio.run_coroutine_threadsafe(self.control.stop(), self.loop).result(10)
         self.h.close()
+        for server in self.extra:
+            server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -373,6 +383,73 @@ def test_the_edge_exits_when_the_control_socket_closes(edge_bin: Path, tmp_path:
         assert st.proc is not None and st.control is not None
         asyncio.run_coroutine_threadsafe(st.control.stop(), st.loop).result(10)
         assert st.proc.wait(10) != 0  # the router restarts it
+    finally:
+        st.close()
+
+
+class UnifiedStandin(StandinWorker):
+    """A stand-in unified instance: POST /generate answers FirstToken (tokens[0]), then
+    the other tokens one TokenBatch each, with the stand-ins' finish rules."""
+
+    def app(self) -> Starlette:
+        app = super().app()
+        app.router.routes.append(Route("/generate", self._generate, methods=["POST"]))
+        return app
+
+    async def _generate(self, request: Request) -> Response:
+        req = msgspec.json.decode(await request.body(), type=GenerateRequest)
+        self.received.append(("generate", req))
+        n = len(req.prompt_token_ids)
+        usage = PromptUsage(prompt_tokens=n, gpu_tokens=0, pool_tokens=0, computed_tokens=n)
+        params = req.params
+
+        async def events() -> Any:
+            count = 1
+            finish = self._finish(self.tokens[0], 1, params.max_tokens, params.ignore_eos)
+            yield encode_line(
+                FirstToken(
+                    request_id=req.request_id,
+                    token_id=self.tokens[0],
+                    logprob=None,
+                    usage=usage,
+                    finish_reason=finish,
+                )
+            )
+            for i, token in enumerate(self.tokens[1:]):
+                if finish is not None or req.request_id in self.aborted_ids():
+                    return
+                count += 1
+                finish = self._finish(token, count, params.max_tokens, params.ignore_eos)
+                if i == len(self.tokens) - 2 and finish is None:
+                    finish = "length"
+                batch = TokenBatch(req.request_id, [token], [None], finish, count)
+                yield encode_line(batch)
+
+        return StreamingResponse(events(), media_type=NDJSON)
+
+
+def test_a_unified_cluster_is_served_in_one_call(edge_bin: Path, tmp_path: Path) -> None:
+    worker = UnifiedStandin()
+    server = ServerThread(worker.app())
+    server.start()
+    try:
+        unified = (InstanceEndpoint(name="u0", url=server.url),)
+        st = EdgeStack(edge_bin, tmp_path, num_prefill=0, num_decode=0, unified=unified)
+    except BaseException:
+        server.stop()
+        raise
+    st.extra.append(server)
+    try:
+        h = st.h
+        worker.tokens = [*h.info.tokenizer.encode(TEXT), h.info.eos_token_ids[0]]
+        r = _same(st, "POST", "/v1/completions", json=_completion())
+        assert r.json()["choices"][0]["text"] == TEXT
+        usage = {"include_usage": True}
+        _same(st, "POST", "/v1/chat/completions", json=_chat(stream=True, stream_options=usage))
+        _same(st, "POST", "/v1/completions", json=_completion(max_tokens=1))
+        kinds = {kind for kind, _ in worker.received}
+        assert kinds == {"generate"} and len(worker.received) == 6  # 3 each: edge, router
+        _wait_for(lambda: st.num_open() == 0)
     finally:
         st.close()
 
