@@ -167,53 +167,88 @@ pub struct PromptUsage {
 
 // -- requests to the workers ----------------------------------------------------------------
 
-/// DecodeRequest / GenerateRequest's common head: version, request_id, prompt, params.
-fn request_head(request_id: &str, prompt: &[u32], params: &SamplingParams) -> Vec<u8> {
-    let mut out = Vec::with_capacity(400 + prompt.len() * 7);
-    out.extend_from_slice(b"{\"version\":");
-    write_i128(&mut out, PROTOCOL_VERSION as i128);
-    out.extend_from_slice(b",\"request_id\":");
-    write_str(&mut out, request_id);
-    out.extend_from_slice(b",\"prompt_token_ids\":");
-    write_ids(&mut out, prompt);
-    out.extend_from_slice(b",\"params\":");
-    params.write_json(&mut out);
-    out
+/// A request's prompt and params written once for all its worker calls: a long prompt's
+/// ids are most of each body, and a P/D request sends them twice (decode, prefill).
+pub struct EncodedRequest {
+    request_id: String,
+    /// `,"prompt_token_ids":[...],"params":{...}`.
+    tail: Vec<u8>,
+}
+
+impl EncodedRequest {
+    pub fn new(request_id: &str, prompt: &[u32], params: &SamplingParams) -> EncodedRequest {
+        let mut tail = Vec::with_capacity(360 + prompt.len() * 7);
+        tail.extend_from_slice(b",\"prompt_token_ids\":");
+        write_ids(&mut tail, prompt);
+        tail.extend_from_slice(b",\"params\":");
+        params.write_json(&mut tail);
+        EncodedRequest {
+            request_id: request_id.to_string(),
+            tail,
+        }
+    }
+
+    /// version, request_id, prompt_token_ids, params; room for `extra` more bytes.
+    fn head(&self, extra: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.tail.len() + self.request_id.len() + 32 + extra);
+        out.extend_from_slice(b"{\"version\":");
+        write_i128(&mut out, PROTOCOL_VERSION as i128);
+        out.extend_from_slice(b",\"request_id\":");
+        write_str(&mut out, &self.request_id);
+        out.extend_from_slice(&self.tail);
+        out
+    }
+
+    /// msgspec.json.encode(DecodeRequest(...)): POST /decode's body.
+    pub fn decode(&self) -> Vec<u8> {
+        let mut out = self.head(1);
+        out.push(b'}');
+        out
+    }
+
+    /// msgspec.json.encode(GenerateRequest(...)): POST /generate's body (unified).
+    pub fn generate(&self) -> Vec<u8> {
+        self.decode()
+    }
+
+    /// msgspec.json.encode(PrefillRequest(...)): POST /prefill's body, with decode's
+    /// landing and notify URL as relay.py passes them (`ready` None: `[]` and "", a
+    /// request that ends at its first token). The landing is DecodeReady's bytes, untouched.
+    pub fn prefill(&self, ready: Option<&DecodeReady>) -> Vec<u8> {
+        let extra = ready.map_or(0, |r| r.landing.get().len() + r.notify_url.len());
+        let mut out = self.head(40 + extra);
+        out.extend_from_slice(b",\"landing\":");
+        match ready {
+            Some(r) => {
+                out.extend_from_slice(r.landing.get().as_bytes());
+                out.extend_from_slice(b",\"notify_url\":");
+                write_str(&mut out, &r.notify_url);
+            }
+            None => out.extend_from_slice(b"[],\"notify_url\":\"\""),
+        }
+        out.push(b'}');
+        out
+    }
 }
 
 /// msgspec.json.encode(DecodeRequest(...)): POST /decode's body.
 pub fn decode_request_json(request_id: &str, prompt: &[u32], params: &SamplingParams) -> Vec<u8> {
-    let mut out = request_head(request_id, prompt, params);
-    out.push(b'}');
-    out
+    EncodedRequest::new(request_id, prompt, params).decode()
 }
 
 /// msgspec.json.encode(GenerateRequest(...)): POST /generate's body (unified instances).
 pub fn generate_request_json(request_id: &str, prompt: &[u32], params: &SamplingParams) -> Vec<u8> {
-    decode_request_json(request_id, prompt, params)
+    EncodedRequest::new(request_id, prompt, params).generate()
 }
 
-/// msgspec.json.encode(PrefillRequest(...)): POST /prefill's body, with decode's landing
-/// and notify URL as relay.py passes them (`ready` None: `[]` and "", a request that ends
-/// at its first token). The landing is DecodeReady's bytes, untouched.
+/// msgspec.json.encode(PrefillRequest(...)): `EncodedRequest::prefill` in one call.
 pub fn prefill_request_json(
     request_id: &str,
     prompt: &[u32],
     params: &SamplingParams,
     ready: Option<&DecodeReady>,
 ) -> Vec<u8> {
-    let mut out = request_head(request_id, prompt, params);
-    out.extend_from_slice(b",\"landing\":");
-    match ready {
-        Some(r) => {
-            out.extend_from_slice(r.landing.get().as_bytes());
-            out.extend_from_slice(b",\"notify_url\":");
-            write_str(&mut out, &r.notify_url);
-        }
-        None => out.extend_from_slice(b"[],\"notify_url\":\"\""),
-    }
-    out.push(b'}');
-    out
+    EncodedRequest::new(request_id, prompt, params).prefill(ready)
 }
 
 /// msgspec.json.encode(AbortRequest(...)): POST /abort's body. `reason` is one of
@@ -372,6 +407,11 @@ mod tests {
             ..p
         };
         assert_eq!(serde_json::to_vec(&p).unwrap(), p.to_json());
+        let v = serde_json::to_value(&p).unwrap();
+        assert_eq!(
+            (v["stop"][0].as_str(), v["seed"].as_i64()),
+            (Some("a"), Some(-5))
+        );
     }
 
     #[test]

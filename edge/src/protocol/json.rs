@@ -286,6 +286,22 @@ mod tests {
     }
 
     #[test]
+    fn ids_as_msgspec_writes_them() {
+        let mut ids = vec![0, 7, 10, 99, 100, 101, 4_294_967_295, 1_000_000_000, 49_151];
+        ids.extend((0..2000).map(|i| i * 2_147_483 + 9)); // past one block
+        let mut out = Vec::new();
+        write_ids(&mut out, &ids);
+        let want: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            format!("[{}]", want.join(","))
+        );
+        let mut out = Vec::new();
+        write_ids(&mut out, &[]);
+        assert_eq!(out, b"[]");
+    }
+
+    #[test]
     fn floats_as_msgspec_writes_them() {
         assert_eq!(f(1.0), "1.0");
         assert_eq!(f(0.7), "0.7");
