@@ -27,7 +27,7 @@ use tokio::time::Sleep;
 
 use crate::control::{ApiError, Control, End, Instance, Role, Topology};
 use crate::detok::OutputText;
-use crate::protocol::{self, DecodeReady, PromptUsage, SamplingParams, WorkerEvent};
+use crate::protocol::{self, DecodeReady, EncodedRequest, PromptUsage, SamplingParams, WorkerEvent};
 use crate::worker::{self, CallError, EventStream, Workers};
 
 /// What every run shares.
@@ -193,14 +193,17 @@ impl Run {
     // -- P/D ------------------------------------------------------------------------------
 
     async fn pd_first(&mut self) -> Result<Tokens, ApiError> {
-        let ready = if self.params.max_tokens > 1 { Some(self.open_decode().await?) } else { None };
+        // The prompt and params written once for both bodies.
+        let encoded = EncodedRequest::new(&self.request_id, &self.prompt, &self.params);
+        let ready = if self.params.max_tokens > 1 { Some(self.open_decode(&encoded).await?) } else { None };
         let mut lost = None;
         if let (Some(ready), Some((decode, _, _))) = (&ready, &self.decode) {
             // Subscribed before the binding exists: no `lost` can slip between the two.
             lost = Some(self.s.control.lost());
             self.s.control.bind(&self.request_id, decode, &ready.incarnation);
         }
-        let (prefill, mut events) = self.open_prefill(ready.as_ref()).await?;
+        let (prefill, mut events) = self.open_prefill(&encoded, ready.as_ref()).await?;
+        drop(encoded);
         let event = match lost {
             Some(mut lost) => {
                 let request_id = self.request_id.as_str();
@@ -250,9 +253,8 @@ impl Run {
     }
 
     /// Open decode's stream and read its DecodeReady (the request then waits there).
-    async fn open_decode(&mut self) -> Result<DecodeReady, ApiError> {
-        let body: Bytes =
-            protocol::decode_request_json(&self.request_id, &self.prompt, &self.params).into();
+    async fn open_decode(&mut self, encoded: &EncodedRequest) -> Result<DecodeReady, ApiError> {
+        let body: Bytes = encoded.decode().into();
         let mut tried: Vec<String> = Vec::new();
         loop {
             let left = self.deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -291,9 +293,12 @@ impl Run {
     }
 
     /// Send prefill the request (another instance while one cannot be connected to).
-    async fn open_prefill(&mut self, ready: Option<&DecodeReady>) -> Result<(Instance, EventStream), ApiError> {
-        let body: Bytes =
-            protocol::prefill_request_json(&self.request_id, &self.prompt, &self.params, ready).into();
+    async fn open_prefill(
+        &mut self,
+        encoded: &EncodedRequest,
+        ready: Option<&DecodeReady>,
+    ) -> Result<(Instance, EventStream), ApiError> {
+        let body: Bytes = encoded.prefill(ready).into();
         let mut tried: Vec<String> = Vec::new();
         loop {
             let inst = self.s.control.pick(&self.request_id, Role::Prefill, &tried).await?;
