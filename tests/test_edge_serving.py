@@ -17,6 +17,7 @@ import json
 import re
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -270,6 +271,28 @@ def test_worker_errors_are_the_routers_answers(s: EdgeStack) -> None:
     s.h.reset()
     s.h.decode[0].fail = {"decode": (503, "decode is draining")}
     assert _same(s, "POST", "/v1/chat/completions", json=_chat(stream=True)).status_code == 503
+
+
+def test_a_decode_lost_while_prefill_works_is_the_routers_503(s: EdgeStack) -> None:
+    h = s.h
+    h.set_output([100, 101, 102], prefill_delay_s=2)
+    registry = h.app.state.registry
+    d0 = next(i for i in registry.all() if i.name == "d0")
+
+    def lose() -> None:  # on the router's loop, as its health checks would
+        s.loop.call_soon_threadsafe(registry.mark_unhealthy, d0, "the process exited")
+
+    with httpx.Client(trust_env=False, timeout=30) as client:
+        timer = threading.Timer(0.3, lose)
+        timer.start()
+        r = client.post(s.url + "/v1/completions", json=_completion(), headers=AUTH)
+        timer.join()
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "decode_instance_lost"
+    assert r.headers["retry-after"] == "1"
+    rid = h.decode[0].received[0][1].request_id
+    _wait_for(lambda: rid in h.prefill[0].aborted_ids() and rid in h.decode[0].aborted_ids())
+    _wait_for(lambda: s.num_open() == 0)
 
 
 def test_a_stop_string_ends_the_request_and_stops_the_workers(s: EdgeStack) -> None:
