@@ -314,7 +314,7 @@ impl Edge {
             Some(at) => (&header[..at], &header[at + 1..]),
             None => (header, &b""[..]),
         };
-        let token = token.trim_ascii();
+        let token = trim_ascii(token);
         // Both checks run: a key must not leak through how fast a wrong guess is refused.
         let scheme_ok = scheme.eq_ignore_ascii_case(b"bearer");
         constant_time_eq(token, key) & scheme_ok
@@ -448,6 +448,13 @@ enum BodyRead {
     Gone,
 }
 
+/// `bytes` without ASCII whitespace at either end (str.strip for the ASCII a header holds).
+fn trim_ascii(bytes: &[u8]) -> &[u8] {
+    let start = bytes.iter().position(|b| !b.is_ascii_whitespace()).unwrap_or(bytes.len());
+    let end = bytes.iter().rposition(|b| !b.is_ascii_whitespace()).map_or(start, |i| i + 1);
+    &bytes[start..end]
+}
+
 /// Equal bytes, in a time that depends on the lengths only.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     let mut diff = (a.len() != b.len()) as u8;
@@ -564,6 +571,13 @@ fn empty(status: StatusCode) -> Response<Body> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn header_values_are_stripped_of_ascii_whitespace() {
+        assert_eq!(trim_ascii(b"  key \t"), b"key");
+        assert_eq!(trim_ascii(b"   "), b"");
+        assert_eq!(trim_ascii(b""), b"");
+    }
 
     #[test]
     fn keys_compare_equal_only_when_equal() {
