@@ -38,6 +38,9 @@ use crate::worker::Workers;
 
 /// How long the control socket may take to appear (the Python router starts it first).
 const CONTROL_CONNECT_S: f64 = 10.0;
+/// A prompt this long is tokenized off the runtime's event loop (`off_the_loop`; the
+/// router's _THREAD_TOKENIZE_CHARS).
+const LONG_PROMPT_BYTES: usize = 16 * 1024;
 /// How often the control connection is checked.
 const CONTROL_PING_MS: u64 = 500;
 /// After SIGTERM / SIGINT: how long in-flight requests may take to finish.
@@ -360,7 +363,7 @@ impl Edge {
         }
         let mut gen = openai::parse(endpoint, body, &self.config.served_model_names)?;
         let prompt = match &gen.prompt {
-            Prompt::Text(text) => tokenizer.try_encode(text, true).ok()?,
+            Prompt::Text(text) => off_the_loop(text.len(), || tokenizer.try_encode(text, true)).ok()?,
             Prompt::TokenIds(ids) => {
                 // An id outside the vocabulary is the router's 400 to write.
                 if ids.iter().any(|&id| tokenizer.token_bytes(id).is_none()) {
@@ -370,7 +373,7 @@ impl Edge {
             }
             Prompt::Messages(messages) => {
                 let text = self.chat.as_ref()?.render(messages, gen.add_generation_prompt)?;
-                tokenizer.try_encode(&text, false).ok()?
+                off_the_loop(text.len(), || tokenizer.try_encode(&text, false)).ok()?
             }
         };
         if !openai::finalize_with(&mut gen, prompt.len(), &self.limits) {
@@ -446,6 +449,17 @@ enum BodyRead {
     TooLarge(Body),
     /// The client left (or broke the body) before its end.
     Gone,
+}
+
+/// `work` on the current thread; for a long text (`size` bytes) with the runtime told
+/// first, so that the other tasks of this worker thread move to another one meanwhile
+/// (router/preprocess.py tokenizes long prompts in a thread for the same reason).
+fn off_the_loop<T>(size: usize, work: impl FnOnce() -> T) -> T {
+    if size >= LONG_PROMPT_BYTES {
+        tokio::task::block_in_place(work)
+    } else {
+        work()
+    }
 }
 
 /// `bytes` without ASCII whitespace at either end (str.strip for the ASCII a header holds).
