@@ -2,7 +2,8 @@
 and whether its tokenizer can give the router's ids for it.
 
 The edge reads Hugging Face tokenizer.json (the backend's own serialization, so a GGUF
-model's rebuilt tokenizer is written the same way) and implements byte-level BPE only:
+model's rebuilt tokenizer is written the same way) and implements byte-level BPE only
+(an NFC normalizer only for texts it leaves unchanged; it declines the others per request):
 `edge_can_tokenize` names the first thing outside that, and then the edge serves nothing
 natively for the model. edge/src/tokenizer/load.rs checks the same forms (and refuses a
 split regex it cannot compile).
@@ -30,9 +31,12 @@ def edge_can_tokenize(tokenizer: Tokenizer) -> str | None:
 
 def unsupported_form(spec: dict[str, Any]) -> str | None:
     """The first part of a tokenizer.json (parsed) outside the edge's forms, or None."""
-    for key in ("truncation", "padding", "normalizer"):
+    for key in ("truncation", "padding"):
         if spec.get(key) is not None:
             return f"{key} {_kind(spec[key])} is not supported (only null)"
+    normalizer = spec.get("normalizer")
+    if normalizer is not None and _kind(normalizer) != "NFC":
+        return f"normalizer {_kind(normalizer)} is not supported (only null and NFC)"
     if _kind(spec.get("decoder")) != "ByteLevel":
         return f"decoder {_kind(spec.get('decoder'))} is not supported (only ByteLevel)"
     return (

@@ -119,9 +119,10 @@ class CaseMaker:
 
 def routers(tokenizer: Tokenizer, case: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """RequestOutputText's answer to a case, and whether it decoded by windows."""
-    params = SamplingParams(
-        **{k: tuple(v) if isinstance(v, list) else v for k, v in case["params"].items()}
-    )
+    fields: dict[str, Any] = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in case["params"].items()
+    }
+    params = SamplingParams(**fields)
     out = RequestOutputText(
         tokenizer,
         params,

@@ -39,6 +39,7 @@ _WORDS = [
     "🦙", "🎉", "中文", "日本語", "'s", "'S", "'ll", "'ve", "ſ", "!!", "...", "Ġ", "hello",
     "World", "é", "naïve", "<", "|", ">", "<|im_start|>", "<|im_end|>", "<|endoftext|>",
     "<file_sep>", "<|im_start", "def ", "return x**2", "    ", "# comment", "{}", "\u200b",
+    "'ſ", "'LL", "'Re", "'x", "(x)", "\t\tword", "\r", "١٢٣", "Ⅻ", "x²", "\u3000",
 ]  # fmt: skip
 
 
@@ -89,19 +90,27 @@ def drive(edge_bin: Path, path: Path, lines: list[dict[str, Any]]) -> list[dict[
     return answers
 
 
-def assert_same_ids(edge_bin: Path, path: Path, backend: Any, texts: list[str]) -> None:
+def assert_same_ids(
+    edge_bin: Path, path: Path, backend: Any, texts: list[str], *, nfc: bool = False
+) -> int:
     """Every text, both add_special_tokens values: the edge's ids are the backend's; the
-    edge may decline only a text with a char its Unicode tables do not assign."""
-    lines = [{"text": t, "add_special_tokens": add} for t in texts for add in (True, False)]
+    edge may decline only a text with a char its Unicode tables do not assign (or, under
+    an NFC normalizer, one from U+0300 on). Returns how many it declined."""
+    lines: list[dict[str, Any]] = [
+        {"text": t, "add_special_tokens": add} for t in texts for add in (True, False)
+    ]
     declined = 0
     for line, answer in zip(lines, drive(edge_bin, path, lines), strict=True):
         text, add = line["text"], line["add_special_tokens"]
-        if "error" in answer and _unassigned(text):
+        may_decline = _unassigned(text) or (nfc and any(ord(c) >= 0x300 for c in text))
+        if "error" in answer and may_decline:
             declined += 1
             continue
         want = backend.encode(text, add_special_tokens=add).ids
         assert answer.get("ids") == want, (text[:200], add, answer)
-    assert declined <= len(lines) // 50
+    if not nfc:
+        assert declined <= len(lines) // 50
+    return declined
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +220,28 @@ def test_split_regex_variants(
     assert_same_ids(edge_bin, _write(tmp_path, spec), backend, corpus(seed=2, n=600))
 
 
+def test_nfc_normalizer_on_text_it_leaves_unchanged(
+    edge_bin: Path, tiny_spec: dict[str, Any], tmp_path: Path
+) -> None:
+    """Qwen 2's form: an NFC normalizer. The edge gives the ids for text below U+0300
+    (NFC leaves it as it is) and declines the rest, e.g. "e" + U+0301, which NFC turns
+    into "é"."""
+    spec = _split_variant(tiny_spec, gguf_tokenizer._QWEN2_SPLIT)
+    spec["normalizer"] = {"type": "NFC"}
+    backend = tokenizers.Tokenizer.from_str(json.dumps(spec))
+    assert edge_can_tokenize(Tokenizer(backend, {})) is None
+    texts = [*corpus(seed=5, n=400), "caf\u00e9 na\u00efve", "cafe\u0301"]
+    declined = assert_same_ids(edge_bin, _write(tmp_path, spec), backend, texts, nfc=True)
+    assert 0 < declined < 2 * len(texts) - 100  # both add_special_tokens values
+    accepted, refused = drive(
+        edge_bin,
+        tmp_path / "tokenizer.json",
+        [{"text": t, "add_special_tokens": False} for t in ("caf\u00e9", "cafe\u0301")],
+    )
+    assert accepted["ids"] == backend.encode("cafe\u0301", add_special_tokens=False).ids
+    assert "NFC" in refused["error"]
+
+
 def _added(content: str, *, special: bool, normalized: bool, id_: int = 0) -> dict[str, Any]:
     return {
         "id": id_, "content": content, "single_word": False, "lstrip": False,
@@ -300,7 +331,7 @@ def _refusals(spec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     lstrip = copy.deepcopy(spec)
     lstrip["added_tokens"][1]["lstrip"] = True
     return [
-        ("normalizer", changed(["normalizer"], {"type": "NFC"})),
+        ("normalizer", changed(["normalizer"], {"type": "NFKC"})),
         ("pre_tokenizer", changed(["pre_tokenizer"], {"type": "Metaspace", "replacement": "▁"})),
         ("decoder", changed(["decoder"], {"type": "Metaspace", "replacement": "▁"})),
         ("dropout", changed(["model", "dropout"], 0.1)),

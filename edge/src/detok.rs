@@ -56,43 +56,14 @@ impl Default for StopRules {
 }
 
 impl StopRules {
-    /// From SamplingParams' JSON (its msgspec field names; missing fields keep their
-    /// defaults).
-    pub fn from_json(params: &Value) -> StopRules {
-        let d = StopRules::default();
-        let usize_of = |key: &str, default: usize| {
-            params
-                .get(key)
-                .and_then(Value::as_u64)
-                .map_or(default, |v| v as usize)
-        };
-        let list = |key: &str| {
-            params
-                .get(key)
-                .and_then(Value::as_array)
-                .cloned()
-                .unwrap_or_default()
-        };
-        StopRules {
-            max_tokens: usize_of("max_tokens", d.max_tokens),
-            min_tokens: usize_of("min_tokens", d.min_tokens),
-            stop: list("stop")
-                .iter()
-                .filter_map(|s| s.as_str().map(str::to_string))
-                .collect(),
-            stop_token_ids: list("stop_token_ids")
-                .iter()
-                .filter_map(|i| i.as_u64().map(|i| i as u32))
-                .collect(),
-            ignore_eos: params
-                .get("ignore_eos")
-                .and_then(Value::as_bool)
-                .unwrap_or(d.ignore_eos),
-        }
-    }
-
     pub fn from_params(params: &SamplingParams) -> StopRules {
-        StopRules::from_json(&serde_json::to_value(params).unwrap_or(Value::Null))
+        StopRules {
+            max_tokens: usize::try_from(params.max_tokens).unwrap_or(usize::MAX),
+            min_tokens: usize::try_from(params.min_tokens).unwrap_or(usize::MAX),
+            stop: params.stop.clone(),
+            stop_token_ids: params.stop_token_ids.clone(),
+            ignore_eos: params.ignore_eos,
+        }
     }
 }
 
@@ -395,18 +366,18 @@ fn ids_of(value: Option<&Value>) -> Vec<u32> {
 
 fn run_case(tokenizer: &Arc<Tokenizer>, case: &Value) -> Value {
     use serde_json::json;
-    let rules = StopRules::from_json(case.get("params").unwrap_or(&Value::Null));
+    let params = case.get("params").cloned().unwrap_or(json!({}));
+    let params: SamplingParams = match serde_json::from_value(params) {
+        Ok(p) => p,
+        Err(e) => return json!({ "error": format!("params: {e}") }),
+    };
     let skip = case
         .get("skip_special_tokens")
         .and_then(Value::as_bool)
         .unwrap_or(true);
-    let mut out = OutputText::with_rules(
-        tokenizer.clone(),
-        rules,
-        &ids_of(case.get("eos")),
-        &ids_of(case.get("prompt")),
-        skip,
-    );
+    let eos = ids_of(case.get("eos"));
+    let prompt = ids_of(case.get("prompt"));
+    let mut out = OutputText::new(tokenizer.clone(), &params, &eos, &prompt, skip);
     let mut deltas = Vec::new();
     for call in case
         .get("calls")
@@ -428,4 +399,32 @@ fn run_case(tokenizer: &Arc<Tokenizer>, case: &Value) -> Value {
         deltas.push(json!([text, reason, 0]));
     }
     json!({"deltas": deltas, "final": out.output_text()})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stops(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn held_back_is_the_longest_proper_prefix_of_a_stop_at_the_end() {
+        let s = stops(&["###END", "ab"]);
+        assert_eq!(held_back_len("Hello world###", &s, 0), 3);
+        assert_eq!(held_back_len("Hello world###", &s, 12), 2); // only unsent text counts
+        assert_eq!(held_back_len("xa", &s, 0), 1);
+        assert_eq!(held_back_len("x###END", &s, 0), 0); // whole stops are cut, not held
+                                                        // "é" is two bytes: a one-byte prefix of "éx" never matches text
+        assert_eq!(held_back_len("caf\u{e9}", &stops(&["\u{e9}x"]), 0), 2);
+    }
+
+    #[test]
+    fn find_stop_takes_the_earliest_in_unsent_text() {
+        let s = stops(&["END", "lo"]);
+        assert_eq!(find_stop("Hello END", &s, 0), Some(3));
+        assert_eq!(find_stop("Hello END", &s, 4), Some(6));
+        assert_eq!(find_stop("Hello", &s, 5), None);
+    }
 }

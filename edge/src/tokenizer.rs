@@ -9,7 +9,8 @@
 //!          ─▶ each word: BPE over its bytes (cached per word)
 //!          ─▶ post-processor: TemplateProcessing's BOS/EOS when add_special_tokens
 //!
-//! Supported: normalizer null; pre_tokenizer ByteLevel, or a Sequence of Split steps
+//! Supported: normalizer null, or NFC (Qwen 2) for texts below U+0300, which it leaves
+//! as they are; pre_tokenizer ByteLevel, or a Sequence of Split steps
 //! (regex or string pattern, any behavior, invert) ending in one ByteLevel; model BPE
 //! without dropout, continuing_subword_prefix, end_of_word_suffix or byte_fallback
 //! (ignore_merges, unk_token, fuse_unk are honoured); added tokens without
@@ -19,6 +20,8 @@
 #![allow(dead_code)]
 
 mod bpe;
+mod byte_map;
+mod driver;
 mod fast_split;
 mod load;
 mod pretok;
@@ -28,7 +31,7 @@ mod unicode_classes;
 use std::path::Path;
 
 use bpe::Bpe;
-pub use load::json_lines;
+pub use driver::{cli, json_lines};
 use pretok::{AddedTokenMatcher, ByteLevelStep, Segment, SplitStep};
 
 pub struct Tokenizer {
@@ -50,6 +53,9 @@ pub struct Tokenizer {
     /// are letters, digits or marks to `tokenizers` (newer tables) and none to the split
     /// regexes here, so a text holding one may split differently.
     unassigned: fancy_regex::Regex,
+    /// The normalizer is NFC: texts it would change are declined (there are no
+    /// normalization tables here); on the others it is the identity.
+    nfc: bool,
 }
 
 /// One element of a TemplateProcessing `single` template.
@@ -83,9 +89,13 @@ impl Tokenizer {
     /// The same ids as `Tokenizer.encode(text, add_special_tokens=...)` in Python, or an
     /// error where they might not be: the text holds a character unassigned in the edge's
     /// Unicode tables (assigned in a later Unicode version, which `tokenizers` may know),
-    /// or a pathological split regex ran past its bound. The serving path proxies then.
+    /// or one from U+0300 on under an NFC normalizer, or a pathological split regex ran
+    /// past its bound. The serving path proxies then.
     pub fn try_encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String> {
         if !text.is_ascii() {
+            if self.nfc && !load::nfc_stable(text) {
+                return Err("NFC normalization of chars from U+0300 on is not implemented".into());
+            }
             if let Ok(Some(m)) = self.unassigned.find(text) {
                 let c = m.as_str().chars().next().unwrap_or_default();
                 return Err(format!(
@@ -185,92 +195,4 @@ impl Tokenizer {
     pub fn vocab_size(&self) -> usize {
         self.token_bytes.len()
     }
-}
-
-/// `kvserve-edge tokenize --tokenizer FILE`: one JSON line in, one out:
-/// {"text", "add_special_tokens"} -> {"ids": [...]};
-/// {"token_bytes": [ids]} -> {"bytes_hex": [hex or null], "special": [bool]};
-/// {"bench": [texts], "repeat": n} -> {"ns_per_encode": ..., "num_tokens": ...}
-/// (benchmarks/edge_tokenizer.py: each text encoded n times, add_special_tokens false).
-pub fn cli(args: &[String]) -> i32 {
-    let path = match args {
-        [flag, path] if flag == "--tokenizer" => path,
-        _ => {
-            eprintln!("usage: kvserve-edge tokenize --tokenizer FILE");
-            return 2;
-        }
-    };
-    let tokenizer = match Tokenizer::from_file(Path::new(path)) {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!("{e}");
-            return 1;
-        }
-    };
-    crate::tokenizer::load::json_lines(|line| cli_answer(&tokenizer, line))
-}
-
-fn cli_answer(tokenizer: &Tokenizer, line: &serde_json::Value) -> serde_json::Value {
-    use serde_json::json;
-    if let Some(ids) = line.get("token_bytes").and_then(|v| v.as_array()) {
-        let ids: Vec<u32> = ids
-            .iter()
-            .map(|v| v.as_u64().unwrap_or(u64::MAX) as u32)
-            .collect();
-        let hex: Vec<serde_json::Value> = ids
-            .iter()
-            .map(|&id| match tokenizer.token_bytes(id) {
-                Some(b) => json!(b.iter().map(|x| format!("{x:02x}")).collect::<String>()),
-                None => serde_json::Value::Null,
-            })
-            .collect();
-        let special: Vec<bool> = ids.iter().map(|&id| tokenizer.is_special(id)).collect();
-        return json!({"bytes_hex": hex, "special": special});
-    }
-    if let Some(texts) = line.get("bench").and_then(|v| v.as_array()) {
-        return bench(
-            tokenizer,
-            texts,
-            line.get("repeat").and_then(|v| v.as_u64()).unwrap_or(1),
-        );
-    }
-    let Some(text) = line.get("text").and_then(|v| v.as_str()) else {
-        return json!({"error": "expected {\"text\": ...} or {\"token_bytes\": [...]}"});
-    };
-    let add = line
-        .get("add_special_tokens")
-        .and_then(|v| v.as_bool())
-        .unwrap_or(true);
-    match tokenizer.try_encode(text, add) {
-        Ok(ids) => json!({ "ids": ids }),
-        Err(e) => json!({ "error": e }),
-    }
-}
-
-/// Times `try_encode` of each text, `repeat` rounds (the first warms the word cache as
-/// serving does).
-fn bench(tokenizer: &Tokenizer, texts: &[serde_json::Value], repeat: u64) -> serde_json::Value {
-    let texts: Vec<&str> = texts.iter().filter_map(|t| t.as_str()).collect();
-    let mut num_tokens = 0;
-    for text in &texts {
-        num_tokens += tokenizer.try_encode(text, false).map_or(0, |ids| ids.len());
-    }
-    let start = std::time::Instant::now();
-    for _ in 0..repeat {
-        for text in &texts {
-            std::hint::black_box(tokenizer.try_encode(std::hint::black_box(text), false).ok());
-        }
-    }
-    let calls = (repeat as usize * texts.len()).max(1);
-    let ns = start.elapsed().as_nanos() as f64 / calls as f64;
-    let start = std::time::Instant::now();
-    let mut num_words = 0;
-    for _ in 0..repeat {
-        for text in &texts {
-            num_words += tokenizer.count_words(std::hint::black_box(text));
-        }
-    }
-    let split_ns = start.elapsed().as_nanos() as f64 / calls as f64;
-    serde_json::json!({ "ns_per_encode": ns, "ns_per_split": split_ns, "num_tokens": num_tokens,
-                        "num_words": num_words / repeat.max(1) as usize })
 }

@@ -5,12 +5,15 @@
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::sync::RwLock;
 
 /// Most words the cache keeps (then it stops adding, as `tokenizers` does: the
 /// vocabulary's frequent words are in it by then).
 const CACHE_CAPACITY: usize = 20_000;
+/// The cache is split in shards by word hash so that requests tokenized on different
+/// cores at once do not all take the same lock.
+const CACHE_SHARDS: usize = 16;
 /// Longer words are merged every time: they are rare and would crowd the cache.
 const CACHE_MAX_WORD_BYTES: usize = 64;
 
@@ -78,10 +81,12 @@ pub struct BpeModel {
     pub whole_words: Option<FxMap<Box<[u8]>, u32>>,
 }
 
+type WordCache = RwLock<FxMap<Box<[u8]>, Box<[u32]>>>;
+
 /// The model plus its word cache.
 pub struct Bpe {
     model: BpeModel,
-    cache: RwLock<FxMap<Box<[u8]>, Box<[u32]>>>,
+    cache: Vec<WordCache>,
 }
 
 /// One symbol of a word being merged; merged-away symbols keep `len == 0`.
@@ -119,10 +124,10 @@ impl PartialOrd for Candidate {
 
 impl Bpe {
     pub fn new(model: BpeModel) -> Bpe {
-        Bpe {
-            model,
-            cache: RwLock::new(FxMap::default()),
-        }
+        let cache = (0..CACHE_SHARDS)
+            .map(|_| RwLock::new(FxMap::default()))
+            .collect();
+        Bpe { model, cache }
     }
 
     /// Appends the ids of one pre-token (its UTF-8 bytes; each byte is one byte-level
@@ -131,22 +136,24 @@ impl Bpe {
         if word.is_empty() {
             return;
         }
-        let cacheable = word.len() <= CACHE_MAX_WORD_BYTES;
-        if cacheable {
-            if let Ok(cache) = self.cache.read() {
-                if let Some(ids) = cache.get(word) {
-                    out.extend_from_slice(ids);
-                    return;
-                }
+        if word.len() > CACHE_MAX_WORD_BYTES {
+            self.merge_word(word, out);
+            return;
+        }
+        let mut hasher = FxHasher::default();
+        word.hash(&mut hasher);
+        let shard = &self.cache[hasher.finish() as usize % CACHE_SHARDS];
+        if let Ok(cache) = shard.read() {
+            if let Some(ids) = cache.get(word) {
+                out.extend_from_slice(ids);
+                return;
             }
         }
         let start = out.len();
         self.merge_word(word, out);
-        if cacheable {
-            if let Ok(mut cache) = self.cache.write() {
-                if cache.len() < CACHE_CAPACITY {
-                    cache.insert(word.into(), out[start..].into());
-                }
+        if let Ok(mut cache) = shard.write() {
+            if cache.len() < CACHE_CAPACITY / CACHE_SHARDS {
+                cache.insert(word.into(), out[start..].into());
             }
         }
     }

@@ -31,13 +31,14 @@ impl FastSplit {
     /// The matcher for `pattern`, if it is one of the known regexes (its char tables
     /// are built now, not on the first request).
     pub fn for_regex(pattern: &str) -> Option<FastSplit> {
+        let fast = match pattern {
+            BYTE_LEVEL_REGEX => FastSplit::Gpt2,
+            LLAMA3_REGEX => FastSplit::Llama3 { max_digits: 3 },
+            QWEN2_REGEX => FastSplit::Llama3 { max_digits: 1 },
+            _ => return None,
+        };
         classes();
-        match pattern {
-            BYTE_LEVEL_REGEX => Some(FastSplit::Gpt2),
-            LLAMA3_REGEX => Some(FastSplit::Llama3 { max_digits: 3 }),
-            QWEN2_REGEX => Some(FastSplit::Llama3 { max_digits: 1 }),
-            _ => None,
-        }
+        Some(fast)
     }
 
     /// Calls `piece` with each match of `text` in order (they cover all of it).

@@ -3,53 +3,19 @@
 //! natively rather than give different ids than the router).
 
 use std::collections::HashMap;
-use std::io::{BufRead, Write};
 
 use serde_json::{Map, Value};
 
 use super::bpe::{Bpe, BpeModel, FxMap};
+use super::byte_map::{byte_chars, char_bytes, spelled_bytes};
 use super::pretok::{
     self, AddedTokenMatcher, Behavior, ByteLevelStep, Pattern, SplitStep, Splitter,
 };
 use super::{TemplatePiece, Tokenizer};
 
-/// GPT-2's byte -> char map (printable bytes are themselves, the others 256, 257, ...).
-pub fn byte_chars() -> [char; 256] {
-    let printable = |b: u32| {
-        (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
-    };
-    let mut chars = ['\0'; 256];
-    let mut extra = 0;
-    for b in 0..256u32 {
-        let c = if printable(b) {
-            b
-        } else {
-            extra += 1;
-            255 + extra
-        };
-        chars[b as usize] = char::from_u32(c).unwrap_or('\0');
-    }
-    chars
-}
-
-/// The inverse of `byte_chars`: (chars < 324) -> byte.
-fn char_bytes() -> HashMap<char, u8> {
-    byte_chars()
-        .iter()
-        .enumerate()
-        .map(|(b, &c)| (c, b as u8))
-        .collect()
-}
-
-/// A token's bytes: its chars through the byte map when all are in it, else its UTF-8
-/// (an added token spelled in plain text), as `tokenizers`' ByteLevel decoder reads it.
-fn spelled_bytes(token: &str, map: &HashMap<char, u8>) -> Vec<u8> {
-    token
-        .chars()
-        .map(|c| map.get(&c).copied())
-        .collect::<Option<Vec<u8>>>()
-        .unwrap_or_else(|| token.as_bytes().to_vec())
-}
+/// Largest token id accepted: the id -> bytes table has one entry per id up to the
+/// largest (vocabularies have at most a few hundred thousand tokens).
+const MAX_TOKEN_ID: u64 = 16_000_000;
 
 pub fn from_json(text: &str) -> Result<Tokenizer, String> {
     let root: Value =
@@ -57,7 +23,7 @@ pub fn from_json(text: &str) -> Result<Tokenizer, String> {
     let root = root
         .as_object()
         .ok_or("tokenizer.json is not a JSON object")?;
-    for key in ["truncation", "padding", "normalizer"] {
+    for key in ["truncation", "padding"] {
         if !root.get(key).map_or(true, Value::is_null) {
             return Err(format!(
                 "{key} {} is not supported (only null)",
@@ -65,6 +31,16 @@ pub fn from_json(text: &str) -> Result<Tokenizer, String> {
             ));
         }
     }
+    let nfc = match root.get("normalizer") {
+        None | Some(Value::Null) => false,
+        Some(n) if type_of(n) == "NFC" => true,
+        other => {
+            return Err(format!(
+                "normalizer {} is not supported (only null and NFC)",
+                kind(other)
+            ))
+        }
+    };
     check_decoder(root.get("decoder"))?;
     let (splits, byte_level) = pre_tokenizer(root.get("pre_tokenizer"))?;
     let model = root
@@ -75,6 +51,15 @@ pub fn from_json(text: &str) -> Result<Tokenizer, String> {
     let added = read_added_tokens(root.get("added_tokens"), &vocab)?;
     let bpe = bpe_model(model, &vocab)?;
     let template = post_processor(root.get("post_processor"))?;
+    if let Some(t) = added
+        .iter()
+        .find(|t| nfc && t.normalized && !nfc_stable(&t.content))
+    {
+        return Err(format!(
+            "added token {:?} is normalized by NFC: not supported",
+            t.content
+        ));
+    }
     let (token_bytes, special) = token_table(&vocab, &added);
     let raw: Vec<(String, u32)> = added
         .iter()
@@ -96,7 +81,15 @@ pub fn from_json(text: &str) -> Result<Tokenizer, String> {
         token_bytes,
         special,
         unassigned: pretok::compile(r"\p{Cn}")?,
+        nfc,
     })
+}
+
+/// Text that NFC leaves as it is, known without Unicode's normalization tables: chars
+/// below U+0300 all have combining class 0, none is a composition exclusion or a
+/// singleton, and no two of them compose.
+pub fn nfc_stable(text: &str) -> bool {
+    text.chars().all(|c| u32::from(c) < 0x300)
 }
 
 fn kind(value: Option<&Value>) -> String {
@@ -207,7 +200,7 @@ fn read_vocab(model: &Map<String, Value>) -> Result<HashMap<String, u32>, String
         .map(|(token, id)| {
             let id = id
                 .as_u64()
-                .filter(|&i| i < u64::from(u32::MAX))
+                .filter(|&i| i <= MAX_TOKEN_ID)
                 .ok_or_else(|| format!("vocab id of {token:?} is not a token id"))?;
             Ok((token.clone(), id as u32))
         })
@@ -459,26 +452,4 @@ fn token_table(
         special[t.id as usize] = t.special;
     }
     (table, special)
-}
-
-/// The test drivers' loop: a JSON value per stdin line, `answer`'s value per stdout
-/// line (an {"error"} for a line that is not JSON). Returns the exit status.
-pub fn json_lines(mut answer: impl FnMut(&Value) -> Value) -> i32 {
-    let stdin = std::io::stdin();
-    let stdout = std::io::stdout();
-    let mut out = std::io::BufWriter::new(stdout.lock());
-    for line in stdin.lock().lines() {
-        let Ok(line) = line else { return 1 };
-        if line.trim().is_empty() {
-            continue;
-        }
-        let reply = match serde_json::from_str::<Value>(&line) {
-            Ok(value) => answer(&value),
-            Err(e) => serde_json::json!({ "error": format!("not JSON: {e}") }),
-        };
-        if writeln!(out, "{reply}").and_then(|()| out.flush()).is_err() {
-            return 1;
-        }
-    }
-    0
 }
