@@ -319,7 +319,8 @@ impl Edge {
         };
         let token = trim_ascii(token);
         // Both checks run: a key must not leak through how fast a wrong guess is refused.
-        let scheme_ok = scheme.eq_ignore_ascii_case(b"bearer");
+        // A value beyond ASCII is the router's to judge (it reads headers as latin-1).
+        let scheme_ok = scheme.eq_ignore_ascii_case(b"bearer") & header.is_ascii();
         constant_time_eq(token, key) & scheme_ok
     }
 
@@ -398,6 +399,9 @@ impl Edge {
 
     /// Run the request and answer it.
     async fn serve(&self, gen: GenRequest, prompt: Vec<u32>, session: Option<String>, arrival: Instant) -> Response<Body> {
+        let Some(tokenizer) = self.tokenizer.clone() else {
+            return empty(StatusCode::INTERNAL_SERVER_ERROR); // `prepare` served nothing
+        };
         let request_id = openai::new_request_id(gen.endpoint);
         let s = &self.services;
         let opened = s
@@ -412,11 +416,8 @@ impl Edge {
             })
             .await;
         if let Err(e) = opened {
-            return error_response(&e);
+            return error_response(&e); // not opened: no `end` owed
         }
-        let Some(tokenizer) = self.tokenizer.clone() else {
-            return empty(StatusCode::INTERNAL_SERVER_ERROR);
-        };
         let text = OutputText::new(
             tokenizer,
             &gen.params,
