@@ -324,3 +324,75 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(ids: &str, finish: &str, n: u32) -> String {
+        format!(
+            "{{\"type\":\"tokens\",\"request_id\":\"r\",\"token_ids\":[{ids}],\"logprobs\":[],\
+             \"finish_reason\":{finish},\"num_output_tokens\":{n},\"top_logprobs\":null}}\n"
+        )
+    }
+
+    fn stream_of(chunks: Vec<String>) -> EventStream {
+        let items: Vec<Result<Bytes, std::io::Error>> = chunks.into_iter().map(|c| Ok(Bytes::from(c))).collect();
+        EventStream {
+            body: Body::wrap_stream(futures_util::stream::iter(items)),
+            buf: BytesMut::new(),
+            ended: false,
+            pending: None,
+            what: Describe {
+                role: "decode".into(),
+                inst: Instance { name: "d0".into(), url: "http://127.0.0.1:1".into() },
+                path: DECODE_PATH,
+            },
+        }
+    }
+
+    fn ids(event: Option<WorkerEvent>) -> (Vec<u32>, Option<String>) {
+        match event {
+            Some(WorkerEvent::Tokens(b)) => (b.token_ids, b.finish_reason),
+            _ => panic!("not a token batch"),
+        }
+    }
+
+    #[tokio::test]
+    async fn batches_already_read_are_joined_up_to_a_finish() {
+        let first = format!("{}\n{}", batch("1", "null", 1), batch("2,3", "null", 3));
+        let tail = batch("4", "\"stop\"", 4);
+        // A line split across reads, a blank line, then a batch after the finish.
+        let split = tail.len() / 2;
+        let mut s = stream_of(vec![
+            first,
+            tail[..split].to_string(),
+            format!("{}{}", &tail[split..], batch("5", "null", 5)),
+        ]);
+        assert_eq!(ids(s.next().await.unwrap()), (vec![1, 2, 3], None));
+        assert_eq!(ids(s.next().await.unwrap()), (vec![4], Some("stop".into())));
+        assert_eq!(ids(s.next().await.unwrap()), (vec![5], None));
+        assert!(s.next().await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn an_error_after_batches_is_kept_for_the_next_call() {
+        let error = "{\"type\":\"error\",\"request_id\":\"r\",\"status\":400,\"message\":\"m\"}";
+        // The last line has no newline: it still counts at the body's end.
+        let mut s = stream_of(vec![format!("{}{}", batch("1", "null", 1), error)]);
+        assert_eq!(ids(s.next().await.unwrap()), (vec![1], None));
+        match s.next().await.unwrap() {
+            Some(WorkerEvent::Error(e)) => assert_eq!((e.status, e.message.as_str()), (400, "m")),
+            _ => panic!("not the error"),
+        }
+    }
+
+    #[tokio::test]
+    async fn an_invalid_line_is_a_failure_naming_the_instance() {
+        let mut s = stream_of(vec!["{\"type\":\"nonsense\"}\n".to_string()]);
+        match s.next().await {
+            Err(CallError::Failed(m)) => assert!(m.starts_with("decode instance d0 (http://127.0.0.1:1) sent an invalid event")),
+            _ => panic!("not a failure"),
+        }
+    }
+}
