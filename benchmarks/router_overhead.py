@@ -20,13 +20,17 @@ keep-alive pool, uvloop) drives everything; the routers, the workers and the cli
 the machine's cores. Correctness first: each router's text must equal the canned
 tokens' text before anything is timed.
 
-    python -m benchmarks.router_overhead [--systems kvserve sglang-router vllm-router]
-        [--kvserve-processes 1 2] [--concurrency 64] [--seconds 5] [--sequential 300]
-        [--out FILE.json]
+    python -m benchmarks.router_overhead [--systems kvserve kvserve-edge sglang-router
+        vllm-router] [--kvserve-processes 1 2] [--edge-threads 0] [--concurrency 64]
+        [--seconds 5] [--sequential 300] [--out FILE.json]
 
 `--kvserve-processes 1 2`: kvserve's router once as one process and once as two on one
 port (router.processes, SO_REUSEPORT; the rows "kvserve-x2"); its CPU column is then the
 sum over its processes.
+
+`kvserve-edge`: kvserve's router with `router.data_plane: native` (docs/edge.md): the
+Rust kvserve-edge serves the port and the Python router is its control plane; its CPU
+column is the sum of both processes. `--edge-threads N` sets router.edge_threads.
 
 sglang-router and vllm-router are installed once into their own virtual environments
 (~/.cache/kvserve/, benchmarks/router_peers.py); not run in CI.
@@ -70,7 +74,7 @@ SERVED = "smollm2-135m-instruct"
 PROMPT = "Write one short sentence about caching."
 OUTPUT_TEXT = " Caching keeps recent work close so the next request is fast."
 NUM_OUTPUT_TOKENS = 12
-SYSTEMS = ("kvserve", "sglang-router", "vllm-router")
+SYSTEMS = ("kvserve", "kvserve-edge", "sglang-router", "vllm-router")
 Call = Callable[[], Awaitable[str]]
 
 
@@ -258,11 +262,13 @@ def serve_router(
     process_index: int = 0,
     metrics_port: int | None = None,
     model: str = MODEL,
+    edge_threads: int | None = None,
 ) -> None:
     """`quiet`: health checks every 30 s and KV polls once an hour, so that what the
     router executes is nearly all the requests' work (benchmarks/router_instructions.py).
     `processes` > 1: this is process `process_index` of that many on `port` (the
-    benchmark starts each, as router/processes.py would)."""
+    benchmark starts each, as router/processes.py would). `edge_threads` (not None):
+    router.data_plane native with that many edge threads (0: one per core)."""
     from router.config import InstanceEndpoint, RouterSettings
     from router.server import run_router
 
@@ -275,6 +281,8 @@ def serve_router(
         processes=processes,
         process_index=process_index,
         metrics_port=metrics_port,
+        data_plane="python" if edge_threads is None else "native",
+        edge_threads=edge_threads or 0,
     )
     if quiet:
         settings = msgspec.structs.replace(
@@ -328,6 +336,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 num = _num_processes(name)
                 cmd = [*me, "--serve-router", str(ports[name]), url["prefill"], url["decode"]]
                 cmd.append(f"--model={args.model}")
+                if name == "kvserve-edge":
+                    cmd.append(f"--edge-threads={args.edge_threads}")
                 metrics = _free_port()
                 for i in range(num):
                     key = name if i == 0 else f"{name}/{i}"
@@ -351,6 +361,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         client = Client(pool, url["prefill"], url["decode"], tokenizer.encode(PROMPT))
         for name in systems:
             _wait_up(url[name], procs[name], "/health")
+            if name == "kvserve-edge":  # the edge is the router's child: count both
+                children = psutil.Process(procs[name].pid).children(recursive=True)
+                router_pids[name] += [c.pid for c in children]
         for key, metrics_url in metrics_urls.items():
             _wait_up(metrics_url, procs[key], "/metrics")
         for name in systems:  # correctness before speed: every router, both modes
@@ -373,7 +386,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "kvserve": lambda _s: client.direct_kvserve(),
                     "sglang-router": client.direct_sglang,
                     "vllm-router": client.direct_vllm,
-                }[name.partition("-x")[0] if name.startswith("kvserve") else name],
+                }["kvserve" if name.startswith("kvserve") else name],
                 stream,
             )
             routed: Call = functools.partial(client.via_router, url[name], stream)
@@ -404,7 +417,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _kvserve_systems(name: str, processes: Sequence[int]) -> list[str]:
-    """kvserve's router once per process count: "kvserve", "kvserve-x2", ..."""
+    """kvserve's router once per process count: "kvserve", "kvserve-x2", ... (the edge
+    runs as one router process: its threads are set apart)."""
     if name != "kvserve":
         return [name]
     return [name if n == 1 else f"{name}-x{n}" for n in processes]
@@ -423,7 +437,7 @@ def main() -> None:
         serve(sys.argv[2], int(sys.argv[3]), canned["tokens"], canned["pieces"], canned["ttft_s"])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-router":
-        index, num, metrics, model = 0, 1, None, MODEL
+        index, num, metrics, model, edge_threads = 0, 1, None, MODEL, None
         for arg in sys.argv[5:]:
             if arg.startswith("--model="):
                 model = arg.removeprefix("--model=")
@@ -431,8 +445,20 @@ def main() -> None:
                 index, num = map(int, arg.removeprefix("--process=").split("/"))
             if arg.startswith("--metrics-port="):
                 metrics = int(arg.removeprefix("--metrics-port="))
+            if arg.startswith("--edge-threads="):
+                edge_threads = int(arg.removeprefix("--edge-threads="))
         quiet = "--quiet" in sys.argv[5:]
-        serve_router(int(sys.argv[2]), sys.argv[3], sys.argv[4], quiet, num, index, metrics, model)
+        serve_router(
+            int(sys.argv[2]),
+            sys.argv[3],
+            sys.argv[4],
+            quiet,
+            num,
+            index,
+            metrics,
+            model,
+            edge_threads,
+        )
         return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -444,6 +470,12 @@ def main() -> None:
         nargs="+",
         default=[1],
         help="kvserve's router once per count of router processes (router.processes)",
+    )
+    parser.add_argument(
+        "--edge-threads",
+        type=int,
+        default=0,
+        help="kvserve-edge: router.edge_threads (0: one per core)",
     )
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=5.0, help="load phase per path")
