@@ -1,4 +1,4 @@
-//! The OpenAI bodies: which requests the edge serves natively (`parse`, `finalize`), and
+//! The OpenAI bodies: which requests the edge serves natively (`parse`, `finalize_with`), and
 //! the responses, byte for byte what router/openai_format.py and router/choices.py write
 //! for the same values.
 //!
@@ -10,7 +10,7 @@
 //! / assistant whose content is a string or a list of text parts. Anything else, valid or
 //! not, is None: the request goes to the Python router unchanged and it answers (its 4xx
 //! included), so the edge never needs an error message for bad input. Where acceptance
-//! needs the prompt's length or the vocabulary, `finalize` decides after tokenizing.
+//! needs the prompt's length or the vocabulary, `finalize_with` decides after tokenizing.
 //!
 //! # A request's sequence
 //! 0. `is_json_content_type(first content-type header)`: false: proxy (the router's 415).
@@ -18,8 +18,8 @@
 //! 2. Tokenize (`Prompt::Text`: `encode(text, true)`, as the router's PromptEncoder;
 //!    `Prompt::Messages`: the chat template with `add_generation_prompt`, then
 //!    `encode(text, false)`).
-//! 3. `finalize_with(&mut req, prompt_len, &limits)` (or `finalize` with the context
-//!    length only): false: proxy. It sets `req.params.max_tokens`.
+//! 3. `finalize_with(&mut req, prompt_len, &limits)`: false: proxy. It sets
+//!    `req.params.max_tokens`.
 //! 4. `new_request_id(endpoint)` and `created = created_now()`: the response's `created`
 //!    is Unix time in whole seconds taken here, once the request is prepared (the
 //!    router's PreparedRequest.created, `int(time.time())`), the same in every chunk.
@@ -55,7 +55,9 @@ pub use driver::cli;
 #[allow(unused_imports)]
 pub use format::{error_body, error_event, Formatter, Usage, DONE};
 #[allow(unused_imports)]
-pub use parse::{finalize, finalize_with, is_json_content_type, parse, Limits};
+#[cfg(test)]
+pub use parse::finalize;
+pub use parse::{finalize_with, is_json_content_type, parse, Limits};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {

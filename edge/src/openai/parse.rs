@@ -391,9 +391,8 @@ pub struct Limits {
     pub vocab_size: Option<u32>,
 }
 
-/// After tokenizing: the router's max_tokens default and length checks; false: proxy.
-/// Knows only the context length: requests with token ids to check are proxied, and a
-/// router with max_input_tokens / max_output_tokens needs `finalize_with`.
+/// `finalize_with` knowing only the context length (the unit tests' shorthand).
+#[cfg(test)]
 pub fn finalize(req: &mut GenRequest, prompt_len: usize, max_model_len: usize) -> bool {
     let limits = Limits {
         context_len: max_model_len,
