@@ -99,6 +99,18 @@ class Cluster:
     def status(self, url: str) -> dict:
         return httpx.get(url + "/status", timeout=5, headers=self.headers).json()
 
+    def idle(self) -> bool:
+        """Nothing left on the workers: decode runs and waits for nothing, holds no KV
+        block and no landing byte; prefill runs nothing."""
+        d, p = self.status(self.decode_url), self.status(self.prefill_url)
+        return (
+            d["num_running"] == 0
+            and d["num_waiting"] == 0
+            and d["kv_blocks_free"] == d["kv_blocks_total"]
+            and d["landing_bytes_used"] == 0
+            and p["num_running"] == 0
+        )
+
     def pids(self) -> dict[str, int]:
         state = json.loads((self.state_dir / self.name / "state.json").read_text())
         return {c["name"]: c["pid"] for c in state["components"]}

@@ -42,17 +42,6 @@ def _local_instance(role: str) -> dict:
     return inst
 
 
-def _free(c: Cluster) -> bool:
-    d, p = c.status(c.decode_url), c.status(c.prefill_url)
-    return (
-        d["num_running"] == 0
-        and d["num_waiting"] == 0
-        and d["kv_blocks_free"] == d["kv_blocks_total"]
-        and d["landing_bytes_used"] == 0
-        and p["num_running"] == 0
-    )
-
-
 def _tiny_cluster(tmp: Path, model: str, cache_dir: str, faults: dict) -> Cluster:
     """The tiny Llama (768 bytes of KV per token) with 1 MiB of landing: a request's
     region holds ~340 tokens, so a 3,000-token prompt turns the ring ~10 times."""
@@ -126,7 +115,7 @@ def test_streamed_handoff_is_exact_and_a_failed_one_recomputes_alone(faulty: Clu
         )
         >= 1
     )
-    assert wait_until(lambda: _free(faulty), timeout_s=5)
+    assert wait_until(faulty.idle, timeout_s=5)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +140,7 @@ def test_8100_token_prompt_streams_through_the_landing_ring(local: Cluster):
     assert res["status"] == 200, res["body"]
     usage = res["body"]["usage"]
     assert usage["prompt_tokens"] == 8100 and usage["completion_tokens"] == 64
-    assert wait_until(lambda: _free(local), timeout_s=5)
+    assert wait_until(local.idle, timeout_s=5)
 
 
 @pytest.mark.slow
@@ -162,7 +151,7 @@ def test_four_8100_token_prompts_at_once(local: Cluster):
         )
     assert [r["status"] for r in results] == [200] * 4, results
     assert all(r["body"]["usage"]["completion_tokens"] == 64 for r in results)
-    assert wait_until(lambda: _free(local), timeout_s=5), (
+    assert wait_until(local.idle, timeout_s=5), (
         local.status(local.decode_url),
         local.status(local.prefill_url),
     )
@@ -194,7 +183,7 @@ def test_client_disconnect_mid_transfer_frees_everything_within_1s(slow: Cluster
 
     def freed() -> bool:
         p = slow.status(slow.prefill_url)
-        return _free(slow) and p["kv_blocks_free"] == p["kv_blocks_total"]
+        return slow.idle() and p["kv_blocks_free"] == p["kv_blocks_total"]
 
     assert wait_until(freed, timeout_s=1.0), (
         slow.status(slow.decode_url),
@@ -238,4 +227,4 @@ def test_slow_transport_does_not_slow_other_decodes(slow: Cluster):
     # 0.2 s per piece (the median); the bounds leave room for a loaded 2-core machine
     assert max(during) < 2.0, f"decode stalled {max(during):.2f}s during a slow handoff"
     assert p50_during < 3 * p50_before + 0.05, (p50_before, p50_during)
-    assert wait_until(lambda: _free(slow), timeout_s=5)
+    assert wait_until(slow.idle, timeout_s=5)

@@ -529,17 +529,21 @@ mod tests {
         assert!(parse_hello(b"not json").is_err());
     }
 
-    #[test]
-    fn a_closed_connection_fails_pending_asks_with_503() {
-        let (lost_tx, _) = broadcast::channel(4);
-        let shared = Shared {
+    fn shared_with(lost_tx: broadcast::Sender<String>) -> Shared {
+        Shared {
             pending: Mutex::new(Pending {
                 closed: None,
                 waiting: HashMap::new(),
             }),
             lost_tx,
             lost_errors: Mutex::new(HashMap::new()),
-        };
+        }
+    }
+
+    #[test]
+    fn a_closed_connection_fails_pending_asks_with_503() {
+        let (lost_tx, _) = broadcast::channel(4);
+        let shared = shared_with(lost_tx);
         let (tx, mut rx) = oneshot::channel();
         lock(&shared.pending).waiting.insert(1, tx);
         shared.close("gone");
@@ -553,14 +557,7 @@ mod tests {
     #[test]
     fn answers_and_pushes_are_routed() {
         let (lost_tx, mut lost_rx) = broadcast::channel(4);
-        let shared = Shared {
-            pending: Mutex::new(Pending {
-                closed: None,
-                waiting: HashMap::new(),
-            }),
-            lost_tx,
-            lost_errors: Mutex::new(HashMap::new()),
-        };
+        let shared = shared_with(lost_tx);
         let (tx, mut rx) = oneshot::channel();
         lock(&shared.pending).waiting.insert(3, tx);
         let msg: Incoming =
