@@ -229,14 +229,23 @@ def test_unknown_transport_and_protocol_are_config_errors() -> None:
         TransportConfig(name="mooncake", protocol="udp")
 
 
+# More than the kernel's loopback socket buffers hold (tcp_rmem max + tcp_wmem max).
+STALLED_WRITE_BYTES = 96 << 20
+
+
 def test_mooncake_stalled_peer_fails_within_the_write_timeout() -> None:
     """A decode process that stops answering (SIGSTOP) fails the write, bounded by
-    write_timeout_s; the same transport works again once the peer resumes."""
+    write_timeout_s; the same transport works again once the peer resumes.
+
+    The stalled write is larger than loopback's socket buffers can take (tcp_rmem's
+    ceiling is 32 MiB here, tcp_wmem's 4 MiB): a 1 MiB write could land in the stopped
+    peer's receive buffer and succeed."""
+    nbytes = STALLED_WRITE_BYTES
     config = TransportConfig(name="mooncake", host="127.0.0.1", write_timeout_s=5)
-    with ProbeProcess(config, 1 << 20) as peer:
+    with ProbeProcess(config, nbytes) as peer:
         sender = create_transport(config)
-        source = torch.zeros(1 << 20, dtype=torch.uint8)
-        sender.register_buffer(source.data_ptr(), 1 << 20)
+        source = torch.zeros(nbytes, dtype=torch.uint8)
+        sender.register_buffer(source.data_ptr(), nbytes)
         try:
             sender.write(peer.peer, source.data_ptr(), peer.buffer_addr, 4096)
             os.kill(peer.pid, signal.SIGSTOP)
@@ -244,9 +253,7 @@ def test_mooncake_stalled_peer_fails_within_the_write_timeout() -> None:
                 start = time.monotonic()
                 with pytest.raises(TransferError):
                     bounded(
-                        lambda: sender.write(
-                            peer.peer, source.data_ptr(), peer.buffer_addr, 1 << 20
-                        )
+                        lambda: sender.write(peer.peer, source.data_ptr(), peer.buffer_addr, nbytes)
                     )
                 assert 4 < time.monotonic() - start < 15
             finally:
