@@ -62,8 +62,8 @@ prepare() {
   rm -rf "$tmp"
   (cd "$ROOT" && "$PY" -m benchmarks.tokenizer_folder "$CARRY/smollm2")
   # kvserve-edge (docs/edge.md), built here: the GPU machine has no crates to build it with.
-  (cd "$ROOT/edge" && cargo build --release --offline --quiet)
-  cp "$ROOT/edge/target/release/kvserve-edge" "$CARRY/"
+  (cd "$ROOT/edge" && cargo build --profile dist --offline --quiet)
+  cp "$ROOT/edge/target/dist/kvserve-edge" "$CARRY/"
   du -sh "$CARRY"
 }
 
