@@ -28,10 +28,12 @@ import msgspec
 from protocol.kv_layout import KVLayout
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """3: the router opens decode first (DecodeReady carries the landing), prefill tells
 decode directly (HandoffNotice), the landing region is a ring the flows stream through.
-4: a LandingInfo carries its capability and expiry (protocol/landing_capability.py)."""
+4: a LandingInfo carries its capability and expiry (protocol/landing_capability.py).
+5: the router may send prefill beside decode (PrefillRequest.await_landing) and forward
+decode's landing later (LandingGrant, POST /landing)."""
 
 
 class PromptUsage(msgspec.Struct, frozen=True):
@@ -128,6 +130,22 @@ class PrefillRequest(msgspec.Struct, frozen=True):
     """Empty when the request ends at its first token (max_tokens == 1)."""
     notify_url: str = ""
     """Decode's POST endpoint for this request's HandoffNotices (with `landing`)."""
+    await_landing: bool = False
+    """Decode's landing follows in a LandingGrant (POST /landing): the router sends this
+    request beside decode's, not after its DecodeReady, so prefill computes while decode
+    reserves. `landing` and `notify_url` are then empty; prefill holds the request's KV
+    (and its PrefillFirstToken to decode) until the grant comes."""
+
+
+class LandingGrant(msgspec.Struct, frozen=True):
+    """POST /landing on prefill: decode's DecodeReady for a request sent with
+    `await_landing` (the router forwards it as it comes; it may arrive before the
+    PrefillRequest itself)."""
+
+    version: int
+    request_id: str
+    landing: list[LandingInfo]
+    notify_url: str
 
 
 class FirstToken(msgspec.Struct, frozen=True, tag="first_token"):

@@ -31,6 +31,7 @@ from protocol.messages import (
     DecodeRequest,
     ErrorEvent,
     FirstToken,
+    LandingGrant,
     LandingInfo,
     PrefillRequest,
     PromptUsage,
@@ -76,6 +77,7 @@ class StandinWorker:
             routes=[
                 Route("/prefill", self._prefill, methods=["POST"]),
                 Route("/decode", self._decode, methods=["POST"]),
+                Route("/landing", self._landing, methods=["POST"]),
                 Route("/abort", self._abort, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/admin/reset_prefix_cache", self._reset, methods=["POST"]),
@@ -199,6 +201,15 @@ class StandinWorker:
                     return
 
         return StreamingResponse(events(), media_type=NDJSON)
+
+    async def _landing(self, request: Request) -> Response:
+        """POST /landing: decode's landing for a request sent with await_landing
+        (recorded as ("landing", LandingGrant); `fail["landing"]` answers that error)."""
+        grant = msgspec.json.decode(await request.body(), type=LandingGrant)
+        self.received.append(("landing", grant))
+        if "landing" in self.fail:
+            return _error(grant.request_id, *self.fail["landing"])
+        return Response(b"{}", media_type="application/json")
 
     async def _abort(self, request: Request) -> Response:
         self.aborts.append(

@@ -16,7 +16,7 @@ use json::{write_bool, write_f64, write_i128, write_ids, write_str, write_u64};
 pub mod json;
 
 /// protocol/messages.py PROTOCOL_VERSION.
-pub const PROTOCOL_VERSION: i64 = 4;
+pub const PROTOCOL_VERSION: i64 = 5;
 
 /// protocol/sampling.py GrammarSpec (the edge never sets one: such requests are proxied).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -216,7 +216,7 @@ impl EncodedRequest {
     /// request that ends at its first token). The landing is DecodeReady's bytes, untouched.
     pub fn prefill(&self, ready: Option<&DecodeReady>) -> Vec<u8> {
         let extra = ready.map_or(0, |r| r.landing.get().len() + r.notify_url.len());
-        let mut out = self.head(40 + extra);
+        let mut out = self.head(64 + extra);
         out.extend_from_slice(b",\"landing\":");
         match ready {
             Some(r) => {
@@ -226,7 +226,7 @@ impl EncodedRequest {
             }
             None => out.extend_from_slice(b"[],\"notify_url\":\"\""),
         }
-        out.push(b'}');
+        out.extend_from_slice(b",\"await_landing\":false}");
         out
     }
 }
