@@ -55,6 +55,8 @@ class StandinWorker:
     """(gpu_tokens, pool_tokens) to report; the rest of the prompt is "computed"."""
     token_delay_s: float = 0.0
     prefill_delay_s: float = 0.0
+    ready_delay_s: float = 0.0
+    """Decode sends DecodeReady only after this long (an engine reserving pages)."""
     fail: dict[str, tuple[int, str]] = field(default_factory=dict)
     """endpoint ("prefill" | "decode") -> (status, message) sent as ErrorEvent (decode:
     the HTTP answer, before DecodeReady)."""
@@ -65,6 +67,13 @@ class StandinWorker:
     """GET /health answers only after this long (past the router's control timeout: a
     process that keeps its port open but never answers)."""
     received: list[tuple[str, Any]] = field(default_factory=list)
+    """("prefill" | "decode", request) in arrival order."""
+    landings: list[LandingGrant] = field(default_factory=list)
+    """POST /landing's grants in arrival order (not in `received`)."""
+    arrivals: dict[tuple[str, str], float] = field(default_factory=dict)
+    """("prefill" | "decode" | "landing", request id) -> time.monotonic() at arrival."""
+    readies: dict[str, float] = field(default_factory=dict)
+    """Request id -> time.monotonic() when its DecodeReady went out."""
     aborts: list[tuple[float, AbortRequest]] = field(default_factory=list)
     resets: int = 0
     kv_capacity_tokens: int | None = None
@@ -128,6 +137,7 @@ class StandinWorker:
 
     async def _prefill(self, request: Request) -> Response:
         req = msgspec.json.decode(await request.body(), type=PrefillRequest)
+        self.arrivals["prefill", req.request_id] = time.monotonic()
         self.received.append(("prefill", req))
         if "prefill" in self.fail:
             status, message = self.fail["prefill"]
@@ -159,6 +169,7 @@ class StandinWorker:
 
     async def _decode(self, request: Request) -> Response:
         req = msgspec.json.decode(await request.body(), type=DecodeRequest)
+        self.arrivals["decode", req.request_id] = time.monotonic()
         self.received.append(("decode", req))
         if "decode" in self.fail:
             return _error(req.request_id, *self.fail["decode"])
@@ -175,6 +186,9 @@ class StandinWorker:
         ready = DecodeReady(req.request_id, [landing], "http://127.0.0.1:0/kv_notify")
 
         async def events() -> Any:
+            if self.ready_delay_s:
+                await asyncio.sleep(self.ready_delay_s)
+            self.readies[req.request_id] = time.monotonic()
             yield encode_line(ready)
             count = 1
             for i, token in enumerate(self.tokens[1:]):
@@ -204,9 +218,10 @@ class StandinWorker:
 
     async def _landing(self, request: Request) -> Response:
         """POST /landing: decode's landing for a request sent with await_landing
-        (recorded as ("landing", LandingGrant); `fail["landing"]` answers that error)."""
+        (recorded in `landings`; `fail["landing"]` answers that error)."""
         grant = msgspec.json.decode(await request.body(), type=LandingGrant)
-        self.received.append(("landing", grant))
+        self.arrivals["landing", grant.request_id] = time.monotonic()
+        self.landings.append(grant)
         if "landing" in self.fail:
             return _error(grant.request_id, *self.fail["landing"])
         return Response(b"{}", media_type="application/json")
