@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         num_devices=len(inst.devices),
         faults=handoff_faults(inst),
         trace=engine.trace,
+        landing_wait_s=inst.landing_wait_s,
     )
     stages.connect(cluster, inst, service.registry, service.kv_reporter)
     serve_metrics_port(service.registry, node.host, inst.metrics_port)

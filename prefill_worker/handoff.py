@@ -13,6 +13,16 @@ decode from every pipeline stage, on the stages' own threads (transfer/sender.py
 
 The first token leaves the engine as soon as it is sampled; the transfers finish on
 their own time (FirstToken is not delayed by them), and each stage tells decode directly.
+
+A request sent before decode answered (PrefillRequest.await_landing, protocol 5) is
+registered with `await_landing`: it computes at once; build_step_meta only notes how far
+its KV is computed (and in which blocks), and request_finished keeps its blocks. Its
+LandingGrant (`grant`, possibly before the request itself: kept as early) makes the next
+step open the flow on every stage and send everything computed so far in one FlowSend;
+later steps send the rest as usual. A request waiting for its grant with its prompt
+computed costs no steps (has_pending is False for it). `cancel` of one that never opened
+a flow drops it at once and frees blocks it kept (an abort, no grant in time, a finish
+at the first token).
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import msgspec
 import torch
@@ -58,28 +69,62 @@ _report = msgspec.msgpack.Decoder(FlowReport)
 
 OPENED_KEPT = 65536
 """Request ids a stage remembers having opened (a flow lives seconds; this is hours)."""
+ENDED_KEPT = 4096
+"""Request ids stage 0 remembers as ended (a late grant for one: "gone")."""
+EARLY_KEPT = 4096
+"""Grants kept for requests not (yet) registered: the oldest is dropped beyond this."""
 
 
 @dataclass
 class _Handoff:
     """What stage 0 knows of one request's handoff."""
 
-    open: FlowOpen
+    num_prompt_tokens: int
+    open: FlowOpen | None
+    """None while the request awaits its landing (await_landing, no grant yet)."""
     sent_upto: int = 0
     opened: bool = False
     finished: bool = False
     """The request left the engine (blocks held while flows are open)."""
     closed: dict[int, FlowResult] = field(default_factory=dict)
     """Stage index (report order) -> its closed flow."""
+    computed_upto: int = 0
+    """Before its flow opened: prompt tokens whose KV the scheduled steps compute..."""
+    block_ids: list[BlockId] = field(default_factory=list)
+    """... into these blocks (the request's table at its latest step)."""
+
+    @property
+    def flush_due(self) -> bool:
+        """Granted with computed KV not sent yet: the next step opens and sends it."""
+        return self.open is not None and not self.opened and self.computed_upto > 0
+
+
+class GrantOutcome(StrEnum):
+    """What `HandoffScheduler.grant` did with a LandingGrant."""
+
+    ACCEPTED = "accepted"
+    EARLY = "early"
+    """The request is not registered (yet): kept until it is, or until it expires."""
+    CONFLICT = "conflict"
+    """The request has a landing already (inline, or an earlier grant)."""
+    GONE = "gone"
+    """The request awaited a landing and has ended (aborted, expired, finished)."""
 
 
 class HandoffScheduler(KVConnectorScheduler):
     """Owns the live handoffs of one prefill instance (stage 0, engine thread only)."""
 
-    def __init__(self, num_stages: int) -> None:
+    def __init__(self, num_stages: int, early_ttl_s: float = 60.0) -> None:
         self.num_stages = num_stages
+        self.early_ttl_s = early_ttl_s
+        """How long a grant for an unregistered request is kept."""
         self._live: dict[str, _Handoff] = {}
         self._cancels: list[str] = []
+        self._released_now: set[RequestId] = set()
+        """Requests whose kept blocks no flow will read (dropped while awaiting)."""
+        self._early: OrderedDict[str, tuple[float, FlowOpen]] = OrderedDict()
+        """Grants that came before their request: id -> (monotonic expiry, the flow)."""
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self.on_closed: Callable[[str, list[FlowResult]], None] = lambda _r, _s: None
         """Called when every stage closed a request's flow (results in stage order)."""
 
@@ -88,17 +133,70 @@ class HandoffScheduler(KVConnectorScheduler):
     ) -> None:
         """Send this request's prompt KV to `landing` (call before add_request)."""
         self._live[request_id] = _Handoff(
-            FlowOpen(request_id, num_prompt_tokens, list(landing), notify_url)
+            num_prompt_tokens, FlowOpen(request_id, num_prompt_tokens, list(landing), notify_url)
         )
+
+    def await_landing(self, request_id: str, num_prompt_tokens: int) -> str | None:
+        """Register a request whose landing comes later in a grant (call before
+        add_request). Returns the notify URL of a grant that came first (applied now)."""
+        h = _Handoff(num_prompt_tokens, None)
+        self._live[request_id] = h
+        early = self._early.pop(request_id, None)
+        if early is None or early[0] < time.monotonic():
+            return None
+        h.open = msgspec.structs.replace(early[1], num_prompt_tokens=num_prompt_tokens)
+        return h.open.notify_url
+
+    def grant(self, request_id: str, landing: list[LandingInfo], notify_url: str) -> GrantOutcome:
+        """Decode's landing for a request registered with await_landing (or not yet
+        registered: kept as early)."""
+        h = self._live.get(request_id)
+        if h is None:
+            if request_id in self._ended:
+                return GrantOutcome.GONE
+            now = time.monotonic()
+            while self._early and (
+                len(self._early) >= EARLY_KEPT or next(iter(self._early.values()))[0] < now
+            ):
+                self._early.popitem(last=False)
+            flow = FlowOpen(request_id, 0, list(landing), notify_url)
+            self._early[request_id] = (now + self.early_ttl_s, flow)
+            return GrantOutcome.EARLY
+        if h.open is not None:
+            return GrantOutcome.CONFLICT
+        h.open = FlowOpen(request_id, h.num_prompt_tokens, list(landing), notify_url)
+        return GrantOutcome.ACCEPTED
 
     def discard(self, request_id: str) -> None:
         """Forget a request that never entered the engine."""
         self._live.pop(request_id, None)
 
     def cancel(self, request_id: str) -> None:
-        """Stop sending (the request ended at its first token, or decode is gone)."""
-        if request_id in self._live:
+        """Stop sending (the request ended at its first token, or decode is gone, or it
+        never got its landing): a request that opened no flow is dropped at once, and
+        blocks it kept are freed with the next update."""
+        h = self._live.get(request_id)
+        if h is None:
+            self._early.pop(request_id, None)
+            return
+        if h.opened:
             self._cancels.append(request_id)
+            return
+        del self._live[request_id]
+        self._end(request_id)
+        if h.finished:
+            self._released_now.add(RequestId(request_id))
+
+    def _end(self, request_id: str) -> None:
+        """Remember a request that ended (a late grant for it: GONE)."""
+        self._ended[request_id] = None
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
+
+    def awaiting(self, request_id: str) -> bool:
+        """Registered with await_landing and not granted."""
+        h = self._live.get(request_id)
+        return h is not None and h.open is None
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -112,17 +210,29 @@ class HandoffScheduler(KVConnectorScheduler):
 
     def build_step_meta(self, computed: Sequence[StepKV]) -> bytes:
         opens, sends = [], []
+        for rid, g in self._live.items():  # granted since the last step: what is computed
+            if g.flush_due:
+                assert g.open is not None
+                opens.append(g.open)
+                g.opened = True
+                last = g.computed_upto == g.num_prompt_tokens
+                sends.append(FlowSend(rid, 0, g.computed_upto, list(g.block_ids), last))
+                g.sent_upto = g.computed_upto
         for kv in computed:
             h = self._live.get(kv.request.request_id)
             if h is None or h.finished:
                 continue
-            end = min(kv.token_end, h.open.num_prompt_tokens)
+            end = min(kv.token_end, h.num_prompt_tokens)
+            if h.open is None:  # awaiting its landing: remember, send once granted
+                h.computed_upto = end
+                h.block_ids = list(kv.block_ids)
+                continue
             if end <= h.sent_upto:
                 continue
             if not h.opened:
                 opens.append(h.open)
                 h.opened = True
-            last = end == h.open.num_prompt_tokens
+            last = end == h.num_prompt_tokens
             sends.append(
                 FlowSend(kv.request.request_id, h.sent_upto, end, list(kv.block_ids), last)
             )
@@ -153,7 +263,8 @@ class HandoffScheduler(KVConnectorScheduler):
         return failing
 
     def update_from_workers(self, reports: Sequence[bytes]) -> ConnectorUpdate:
-        update = ConnectorUpdate()
+        update = ConnectorUpdate(released=self._released_now)
+        self._released_now = set()
         for stage, payload in enumerate(reports):
             if not payload:
                 continue
@@ -164,6 +275,7 @@ class HandoffScheduler(KVConnectorScheduler):
                 h.closed[stage] = res
                 if len(h.closed) == self.num_stages:
                     del self._live[res.request_id]
+                    self._end(res.request_id)
                     self.on_closed(res.request_id, [h.closed[s] for s in sorted(h.closed)])
                     # blocks kept at a finish or a preemption are free now (none: no-op)
                     update.released.add(RequestId(res.request_id))
@@ -174,20 +286,23 @@ class HandoffScheduler(KVConnectorScheduler):
         if h is None:
             return False
         if request.status is RequestStatus.WAITING:
+            if not h.opened:  # preempted before any send: its blocks go, it recomputes
+                h.computed_upto, h.block_ids = 0, []
             return h.opened  # preempted: keep the blocks the stages may be reading
+        aborted = request.status is RequestStatus.FINISHED_ABORTED
         h.finished = True
         if not h.opened:
+            if h.computed_upto > 0 and not aborted:
+                return True  # kept for its grant (or until cancel drops it)
             del self._live[request.request_id]  # nothing was ever sent
+            self._end(request.request_id)
             return False
-        if (
-            request.status is RequestStatus.FINISHED_ABORTED
-            or h.sent_upto < h.open.num_prompt_tokens
-        ):
+        if aborted or h.sent_upto < h.num_prompt_tokens:
             self._cancels.append(request.request_id)
         return True
 
     def has_pending(self) -> bool:
-        return any(h.opened for h in self._live.values())
+        return bool(self._released_now) or any(h.opened or h.flush_due for h in self._live.values())
 
 
 class HandoffWorker(KVConnectorWorker):

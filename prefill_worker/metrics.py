@@ -3,7 +3,13 @@
     kvserve_prompt_tokens_total{instance, source}          gpu | pool | computed, per request
     kvserve_generated_tokens_total{instance, role}         first tokens sampled by prefill
     kvserve_prefill_requests_total{instance, outcome}      handed_off | finished | rejected |
-                                                           handoff_failed | failed | aborted
+                                                           handoff_failed | failed | aborted |
+                                                           landing_expired
+    kvserve_prefill_landing_grants_total{instance, outcome}  LandingGrants (POST /landing):
+                                                           accepted | early | refused |
+                                                           conflict | gone
+    kvserve_prefill_landing_wait_seconds{instance}        an await_landing request's arrival
+                                                           -> its grant applied
     kvserve_prefill_first_token_seconds{instance}          /prefill received -> first token
     kvserve_handoff_bytes_total{instance, stage}           KV bytes written to decode landing
     kvserve_handoff_ops_total{instance, stage}             transfer ops (each <= 8 MiB)
@@ -24,7 +30,10 @@ from enginehost.metrics import engine_registry
 from protocol.handoff_messages import FlowResult
 from protocol.messages import PromptUsage
 
-OUTCOMES = ("handed_off", "finished", "rejected", "handoff_failed", "failed", "aborted")
+OUTCOMES = (
+    "handed_off", "finished", "rejected", "handoff_failed", "failed", "aborted", "landing_expired",
+)  # fmt: skip
+GRANT_OUTCOMES = ("accepted", "early", "refused", "conflict", "gone")
 SOURCES = ("gpu", "pool", "computed")
 FIRST_TOKEN_BUCKETS_S = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60,
@@ -72,6 +81,21 @@ class PrefillMetrics:
             buckets=FIRST_TOKEN_BUCKETS_S,
             registry=r,
         ).labels(instance)
+        self.landing_grants = Counter(
+            "kvserve_prefill_landing_grants",
+            "LandingGrants (decode's landing for a request sent beside decode's) by outcome",
+            ["instance", "outcome"],
+            registry=r,
+        )
+        for outcome in GRANT_OUTCOMES:
+            self.landing_grants.labels(instance, outcome)
+        self.landing_wait_seconds = Histogram(
+            "kvserve_prefill_landing_wait_seconds",
+            "From an await_landing request's arrival to its LandingGrant applied",
+            ["instance"],
+            buckets=HANDOFF_BUCKETS_S,
+            registry=r,
+        ).labels(instance)
         self.handoff_bytes = Counter(
             "kvserve_handoff_bytes",
             "KV bytes written to decode landing buffers",
@@ -109,6 +133,12 @@ class PrefillMetrics:
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(self.instance, outcome).inc()
+
+    def grant(self, outcome: str) -> None:
+        self.landing_grants.labels(self.instance, outcome).inc()
+
+    def landing_waited(self, seconds: float) -> None:
+        self.landing_wait_seconds.observe(seconds)
 
     def count_prompt(self, usage: PromptUsage) -> None:
         for source, n in (

@@ -177,7 +177,9 @@ def start_stages(
     sender = handoff_worker(inst, transport, secret)
     pp = inst.pipeline_parallel
     if pp == 1:
-        return PrefillStages(LLMEngine(info, config), HandoffScheduler(1), sender, None)
+        return PrefillStages(
+            LLMEngine(info, config), HandoffScheduler(1, inst.landing_wait_s), sender, None
+        )
     split = layer_split(inst, info.config.num_layers)
     init_method = rendezvous(os.environ.get("MASTER_ADDR"), inst.dist_port)
     children = ChildProcesses(
@@ -188,7 +190,7 @@ def start_stages(
     ctx = init_parallel(0, pp, config.device, init_method)
     engine = build_pp_engine(info, config, ctx, split, depth=pp)
     log.info("PP %d: layer split %s, every stage is up", pp, list(split))
-    return PrefillStages(engine, HandoffScheduler(pp), sender, children)
+    return PrefillStages(engine, HandoffScheduler(pp, inst.landing_wait_s), sender, children)
 
 
 def stage_secret() -> str:

@@ -75,6 +75,10 @@ class PrefillConfig(Section, frozen=True, kw_only=True):
     """Token budget of one forward step (chunked prefill)."""
     max_num_seqs: PositiveInt = 256
     """Requests scheduled at once."""
+    landing_wait_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
+    """How long a request sent beside decode's (PrefillRequest.await_landing) keeps its
+    computed KV waiting for decode's landing (LandingGrant), from its arrival; then the KV
+    is freed and a later grant answered 410."""
     kv_cache_memory: ByteSize = ByteSize(512 * MiB)
     """Paged KV cache per device (GPU prefix cache)."""
     pool_buffer_memory: ByteSize = ByteSize(256 * MiB)
