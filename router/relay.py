@@ -1,20 +1,29 @@
-"""One request's trip through a decode and a prefill instance: two worker calls.
+"""One request's trip through a decode and a prefill instance: two worker calls, sent at
+once (protocol 5).
 
-    pick decode ──DecodeRequest──▶ decode   (skipped when max_tokens == 1)
-                ◀─ DecodeReady              pages reserved, landing ring allocated; the
-                                            stream stays open, decode waits in its engine
-    pick prefill ─PrefillRequest─▶ prefill  (with decode's landing and notify URL)
-                ◀─ FirstToken               yielded at once; prefill's stages write the KV
-                                            and tell decode directly (HandoffNotice)
+    admit decode, pick prefill              both choices first
+    ──DecodeRequest──▶ decode               pages reserved, landing ring allocated
+    ──PrefillRequest(await_landing)──▶ prefill   at the same time: computes at once and
+                                            keeps the KV (one task of the run)
+                ◀─ DecodeReady              decode's landing; its stream stays open
+    ──LandingGrant (POST /landing)──▶ prefill    the landing, forwarded: prefill's stages
+                                            write the KV and tell decode directly
+                ◀─ FirstToken               yielded once DecodeReady came and the grant
+                                            was accepted (200)
                 ◀─ TokenBatch ...           on decode's stream (yielded as they arrive)
 
+max_tokens == 1: prefill alone, no landing. A grant answered 410 yields to prefill's own
+answer (an error, or a first token that finished the request: nothing to hand over).
+
 Retries: an instance that cannot be connected to never saw the request, so it is marked
-unhealthy and another one is tried. Anything later is an error for the client.
+unhealthy and another one is tried (a prefill retried after DecodeReady gets the landing
+inline, no grant). Anything later is an error for the client.
 
 Aborts (AbortRequest, sent in the background, never awaited):
 - the run fails (client gone, worker error, timeout): every instance that was sent the
   request gets one, finished or not, so each frees whatever it still holds (decode is
-  told whether a prefill was contacted: if not, its landing ring is reused at once);
+  told whether a prefill was given its landing, by a grant or inline: if not, its
+  landing ring is reused at once);
 - the router finishes first (a stop string the worker has not matched yet, see
   `finish_early`): only the instances still working on it;
 - prefill finishes at its first token: decode, to free the pages and landing it reserved.
@@ -36,6 +45,7 @@ from protocol.messages import (
     DecodeRequest,
     ErrorEvent,
     FirstToken,
+    LandingGrant,
     PrefillEvent,
     PrefillRequest,
     PromptUsage,
@@ -147,6 +157,12 @@ class RequestRun:
         self._reservation: Reservation | None = None
         self._prefill_stream: AsyncIterator[PrefillEvent] | None = None
         """Prefill's event stream while it is open (`_open_prefill`)."""
+        self._ready: DecodeReady | None = None
+        """Decode's landing, once its DecodeReady came."""
+        self._grant_to: Instance | None = None
+        """The prefill instance sent the request with await_landing (the grant's target)."""
+        self._landing_sent = False
+        """A prefill was given decode's landing (a grant, or inline): it may write there."""
 
     @property
     def request_id(self) -> str:
@@ -164,9 +180,8 @@ class RequestRun:
         """The run failed: abort every instance that was sent it. Idempotent."""
         if not self._closed:
             self._closed = True
-            prefill_contacted = any(i.role == "prefill" for i in self._contacted)
             for inst in self._contacted:
-                self._s.client.abort_soon(inst, self.request_id, reason, prefill_contacted)
+                self._s.client.abort_soon(inst, self.request_id, reason, self._landing_sent)
 
     def finish_early(self) -> None:
         """The router has its finish before the workers: stop those still working."""
@@ -184,23 +199,36 @@ class RequestRun:
         (`_open_prefill`, `_read_prefill`: coroutines, no generator of their own)."""
         with RunEnd(self):
             decode_events: AsyncIterator[DecodeEvent] | None = None
+            prefill_task: asyncio.Task[PrefillEvent | None] | None = None
             try:
                 ready: DecodeReady | None = None
+                refused: WorkerError | None = None
                 if self.params.max_tokens > 1:
-                    decode_events, ready = await self._open_decode()
-                opening = self._open_prefill(ready)
-                if ready is not None and self.decode is not None:  # router/decode_bindings.py
+                    decode_inst = await self._admit_decode(set())
+                    first_prefill = self._pick("prefill", set())
+                    prefill_task = asyncio.create_task(self._open_prefill(first_prefill))
+                    decode_events, ready = await self._open_decode(decode_inst)
+                    self._ready = ready
+                    target = self._grant_to
+                    if target is not None:  # else the prefill had the landing inline
+                        refused = await self._grant(target, ready)
+                    assert self.decode is not None  # router/decode_bindings.py
                     bindings = self._s.registry.bindings
                     binding = bindings.bind(self.decode, ready.incarnation, self.request_id)
-                    event = await binding.watch(opening)
+                    event = await binding.watch(_result(prefill_task))
                 else:
-                    event = await opening
+                    event = await self._open_prefill(None)
                 prefill = self.prefill
                 first = None
                 while event is not None:
                     if not isinstance(event, FirstToken):
                         raise WorkerError(event.status, event.message)
                     assert prefill is not None
+                    if refused is not None and event.finish_reason is None:
+                        raise WorkerFailed(
+                            f"{_name(prefill)} refused decode's landing for the request "
+                            f"({refused.status}): {refused.message}"
+                        )
                     first = event
                     self.usage = event.usage
                     self._prefilled(prefill, event.usage)
@@ -247,14 +275,37 @@ class RequestRun:
                 raise WorkerFailed(f"{_name(decode)} ended its stream without a finish_reason")
             finally:
                 try:
+                    if prefill_task is not None:
+                        await _settle(prefill_task)
                     if self._prefill_stream is not None:
                         await self._close_prefill()
                 finally:
                     if decode_events is not None:
                         await decode_events.aclose()  # type: ignore[attr-defined]
 
-    async def _open_decode(self) -> tuple[AsyncIterator[DecodeEvent], DecodeReady]:
-        """Open decode's stream and read its DecodeReady (the request then waits there)."""
+    async def _grant(self, target: Instance, ready: DecodeReady) -> WorkerError | None:
+        """Forward decode's landing to the prefill sent the request with await_landing.
+        Returns a 410 answer (the request ended there: prefill's own answer decides
+        what the client gets); raises for any other refusal. An unreachable prefill never
+        got the request either: its retry carries the landing inline."""
+        grant = LandingGrant(PROTOCOL_VERSION, self.request_id, ready.landing, ready.notify_url)
+        self._landing_sent = True
+        try:
+            await self._s.client.grant(target, grant, self.deadline)
+        except InstanceUnreachable:
+            return None
+        except WorkerError as e:
+            if e.status == 410:
+                return e
+            raise WorkerFailed(
+                f"{target.describe()} refused decode's landing for the request "
+                f"({e.status}): {e.message}"
+            ) from None
+        return None
+
+    async def _open_decode(self, inst: Instance) -> tuple[AsyncIterator[DecodeEvent], DecodeReady]:
+        """Open decode's stream on `inst` (admitted; another one while one cannot be
+        connected to) and read its DecodeReady (the request then waits there)."""
         req = DecodeRequest(
             version=PROTOCOL_VERSION,
             request_id=self.request_id,
@@ -263,7 +314,6 @@ class RequestRun:
         )
         tried: set[str] = set()
         while True:
-            inst = await self._admit_decode(tried)
             self._start(inst)
             events = self._s.client.decode(inst, req, self.deadline)
             try:
@@ -273,6 +323,7 @@ class RequestRun:
                 if self._reservation is not None:
                     self._reservation.release()
                     self._reservation = None
+                inst = await self._admit_decode(tried)
                 continue
             except StopAsyncIteration:
                 message = f"{inst.describe()} ended its stream before DecodeReady"
@@ -311,22 +362,30 @@ class RequestRun:
         self._reservation = reservation
         return reservation.instance
 
-    async def _open_prefill(self, ready: DecodeReady | None) -> PrefillEvent | None:
-        """Send prefill the request (another instance while one cannot be connected to)
-        and read its first event (None: its stream ended). The stream stays open in
-        `_prefill_stream` until `_close_prefill`."""
-        req = PrefillRequest(
-            version=PROTOCOL_VERSION,
-            request_id=self.request_id,
-            prompt_token_ids=list(self.ctx.prompt_token_ids),
-            params=self.params,
-            landing=ready.landing if ready is not None else [],
-            notify_url=ready.notify_url if ready is not None else "",
-        )
+    async def _open_prefill(self, inst: Instance | None) -> PrefillEvent | None:
+        """Send prefill the request (on `inst`, or the policy's pick; another instance
+        while one cannot be connected to) and read its first event (None: its stream
+        ended). The stream stays open in `_prefill_stream` until `_close_prefill`.
+        With decode in the run, before its DecodeReady: await_landing (the landing
+        follows in a grant); after it: the landing inline."""
         view = self._s.view
         tried: set[str] = set()
         while True:
-            inst = self._pick("prefill", tried)
+            if inst is None:
+                inst = self._pick("prefill", tried)
+            ready = self._ready
+            awaits = self.params.max_tokens > 1 and ready is None
+            req = PrefillRequest(
+                version=PROTOCOL_VERSION,
+                request_id=self.request_id,
+                prompt_token_ids=list(self.ctx.prompt_token_ids),
+                params=self.params,
+                landing=ready.landing if ready is not None else [],
+                notify_url=ready.notify_url if ready is not None else "",
+                await_landing=awaits,
+            )
+            self._grant_to = inst if awaits else None
+            self._landing_sent = self._landing_sent or ready is not None
             self.prefill = inst
             self._start(inst)
             n = self.ctx.predicted_compute_tokens
@@ -338,6 +397,7 @@ class RequestRun:
                 self._prefill_stream = None
                 view.on_prefill_done(inst, self.request_id, [], None, None)
                 self._forget(inst, e, tried)
+                inst = None
 
     async def _read_prefill(self) -> PrefillEvent | None:
         """Prefill's next event, None at the stream's end."""
@@ -427,3 +487,19 @@ class RequestRun:
 
 def _name(inst: Instance | None) -> str:
     return inst.describe() if inst is not None else "the instance"
+
+
+async def _result(task: asyncio.Task[PrefillEvent | None]) -> PrefillEvent | None:
+    """The task's result as a coroutine (a binding watches coroutines; cancelling this
+    one cancels the task)."""
+    return await task
+
+
+async def _settle(task: asyncio.Task[PrefillEvent | None]) -> None:
+    """Cancel the task if it still runs and wait for it; its error is the run's to
+    raise elsewhere (or moot once the run failed)."""
+    if not task.done():
+        task.cancel()
+        await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()  # retrieved: the run already raised or returned

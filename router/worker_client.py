@@ -5,6 +5,8 @@ Endpoints the router calls (JSON bodies are the msgspec structs named):
     decode   POST /decode      DecodeRequest  -> 200 NDJSON stream of DecodeEvent:
                                DecodeReady first, then TokenBatch ...
     prefill  POST /prefill     PrefillRequest -> 200 NDJSON stream of PrefillEvent
+             POST /landing     LandingGrant   -> 200 (decode's landing for a request sent
+                                                 with await_landing)
              POST /admin/reset_prefix_cache   -> 200 (any JSON)
     unified  POST /generate    GenerateRequest -> 200 NDJSON stream of GenerateEvent:
                                FirstToken first, then TokenBatch ...
@@ -39,6 +41,7 @@ from protocol.messages import (
     ErrorEvent,
     GenerateEvent,
     GenerateRequest,
+    LandingGrant,
     PrefillEvent,
     PrefillRequest,
     TokenBatch,
@@ -51,6 +54,7 @@ log = logging.getLogger(__name__)
 
 DECODE_PATH = "/decode"
 PREFILL_PATH = "/prefill"
+LANDING_PATH = "/landing"
 GENERATE_PATH = "/generate"
 ABORT_PATH = "/abort"
 HEALTH_PATH = "/health"
@@ -122,6 +126,26 @@ class WorkerClient:
     ) -> AsyncIterator[GenerateEvent]:
         """A unified instance's event stream for `req` (FirstToken, then TokenBatch ...)."""
         return self._events(inst, GENERATE_PATH, req, self._generate_decoder, deadline)
+
+    async def grant(self, inst: Instance, grant: LandingGrant, deadline: float) -> None:
+        """POST /landing on the prefill instance: InstanceUnreachable when it never got
+        the grant, WorkerError / WorkerFailed for its refusal or a broken connection."""
+        try:
+            resp = await self._pool.post(
+                inst.url + LANDING_PATH, msgspec.json.encode(grant), deadline=deadline
+            )
+        except ConnectFailed as e:
+            raise InstanceUnreachable(inst, e) from None
+        except ConnectionBroken as e:
+            raise _failed(inst, LANDING_PATH, e) from None
+        try:
+            if resp.status != 200:
+                raise await self._refused(inst, LANDING_PATH, resp)
+            await resp.read()
+        except ConnectionBroken as e:
+            raise _failed(inst, LANDING_PATH, e) from None
+        finally:
+            resp.close()
 
     def abort_soon(
         self,

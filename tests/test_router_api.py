@@ -162,7 +162,8 @@ def test_sampling_params_reach_workers(h: RouterHarness) -> None:
         response_format={"type": "json_object"},
         extra_body={"top_k": 5, "min_tokens": 2, "ignore_eos": True, "repetition_penalty": 1.1},
     )
-    # two worker calls: decode first (it answers DecodeReady), then prefill with its landing
+    # two worker calls at once: decode (it answers DecodeReady) and prefill, which gets
+    # decode's landing in a LandingGrant
     kind, decode_req = h.decode[0].received[0]
     assert kind == "decode" and decode_req.params.max_tokens == 7
     assert len(h.decode[0].received) == 1 and len(h.prefill[0].received) == 1
@@ -175,7 +176,10 @@ def test_sampling_params_reach_workers(h: RouterHarness) -> None:
     assert p.grammar is not None and p.grammar.kind == "json_object"
     assert decode_req.params == p
     assert decode_req.prompt_token_ids == prefill_req.prompt_token_ids
-    assert prefill_req.landing and prefill_req.notify_url.endswith("/kv_notify")
+    assert prefill_req.await_landing and not prefill_req.landing
+    (grant,) = h.prefill[0].landings
+    assert grant.request_id == prefill_req.request_id and grant.landing
+    assert grant.notify_url.endswith("/kv_notify")
 
 
 def test_default_max_tokens_is_remaining_context(h: RouterHarness) -> None:

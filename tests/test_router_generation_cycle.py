@@ -246,7 +246,8 @@ def test_token_batches_of_one_read_are_joined_in_order() -> None:
 def test_one_task_per_request_and_the_streams_closed_in_it(h: RouterHarness) -> None:
     """A finished request's worker streams are closed in its own task: no task of the
     event loop's async-generator finalizer per request (a task, and a wake-up of the
-    loop through its self-pipe), JSON or streamed."""
+    loop through its self-pipe), JSON or streamed. The one other task of a request is
+    its prefill call, sent beside decode's (router/relay.py)."""
     loop = h.router.server.servers[0].get_loop()
     names: list[str] = []
 
@@ -271,4 +272,4 @@ def test_one_task_per_request_and_the_streams_closed_in_it(h: RouterHarness) -> 
     finally:
         loop.call_soon_threadsafe(loop.set_task_factory, None)
     per_request = [n for n in names if n not in ("KVWatcher._follow", "WorkerClient.health")]
-    assert per_request == ["GenerationCycle.run_asgi"] * 4, names
+    assert per_request == ["GenerationCycle.run_asgi", "RequestRun._open_prefill"] * 4, names
