@@ -7,7 +7,8 @@ decode) answer after the same delays in every protocol: the first token `--ttft-
 mode (streamed SSE or one JSON body):
 
   direct   the client makes the worker calls of that system's protocol itself:
-           kvserve: decode's stream (DecodeReady) then prefill, as the router does;
+           kvserve: decode and prefill (await_landing) at once, DecodeReady forwarded
+           to prefill as a LandingGrant, as the router does;
            sglang: /v1/completions to prefill and decode at once, decode's answer;
            vllm: prefill's /v1/completions (max_tokens 1), then decode's with its
            kv_transfer_params
@@ -63,6 +64,7 @@ from protocol.messages import (
     DecodeReady,
     DecodeRequest,
     FirstToken,
+    LandingGrant,
     PrefillRequest,
     TokenBatch,
 )
@@ -113,11 +115,17 @@ class Client:
         return completion_text(data, stream)
 
     async def direct_kvserve(self) -> str:
-        """decode's stream first (DecodeReady), then prefill; tokens as ids joined."""
+        """What kvserve's router does (protocol 5): decode and prefill (await_landing) at
+        once, decode's DecodeReady forwarded to prefill as a LandingGrant, then prefill's
+        first token and decode's tokens; tokens as ids joined."""
         self.count += 1
         rid = f"bench-{self.count}"
         enc = msgspec.json.encode
         decode = DecodeRequest(PROTOCOL_VERSION, rid, self.prompt_ids, self.params)
+        prefill = PrefillRequest(
+            PROTOCOL_VERSION, rid, self.prompt_ids, self.params, [], "", await_landing=True
+        )
+        prefilled = asyncio.ensure_future(self.post(self.prefill + "/prefill", enc(prefill)))
         resp = await self.pool.post(self.decode + "/decode", enc(decode))
         try:
             buf = b""
@@ -128,17 +136,15 @@ class Client:
                     break
             head, _, buf = buf.partition(b"\n")
             ready = msgspec.json.decode(head, type=DecodeReady)
-            prefill = PrefillRequest(
-                PROTOCOL_VERSION, rid, self.prompt_ids, self.params, ready.landing, ready.notify_url
-            )
-            first = msgspec.json.decode(
-                (await self.post(self.prefill + "/prefill", enc(prefill))).splitlines()[0],
-                type=FirstToken,
-            )
+            grant = LandingGrant(PROTOCOL_VERSION, rid, ready.landing, ready.notify_url)
+            await self.post(self.prefill + "/landing", enc(grant))
+            first = msgspec.json.decode((await prefilled).splitlines()[0], type=FirstToken)
             async for chunk in chunks:
                 buf += chunk
         finally:
             resp.close()
+            if not prefilled.done():
+                prefilled.cancel()
         ids = [first.token_id]
         for line in buf.splitlines():
             ids += msgspec.json.decode(line, type=TokenBatch).token_ids

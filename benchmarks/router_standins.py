@@ -5,9 +5,10 @@ kvserve's router, sglang-router and vllm-router proxy the same work.
 Timing (`ttft_s`, 20 ms by default; then the remaining tokens streamed one per write):
 
 kvserve  (protocol/messages.py, NDJSON)
-    POST /prefill   FirstToken after ttft_s
+    POST /prefill   FirstToken after ttft_s (sent with await_landing beside /decode)
     POST /decode    DecodeReady at once, then the other tokens as TokenBatches once ttft_s
                     passed (decode waits for prefill's KV; the router calls both at once)
+    POST /landing   200 at once (the LandingGrant that forwards DecodeReady)
 sglang-router in PD mode (POST /v1/completions to both roles at once, bootstrap_* fields)
     prefill         the first token after ttft_s (JSON, or SSE when asked)
     decode          every token, starting after ttft_s (SSE when asked, else one JSON)
