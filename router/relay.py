@@ -286,8 +286,10 @@ class RequestRun:
     async def _grant(self, target: Instance, ready: DecodeReady) -> WorkerError | None:
         """Forward decode's landing to the prefill sent the request with await_landing.
         Returns a 410 answer (the request ended there: prefill's own answer decides
-        what the client gets); raises for any other refusal. An unreachable prefill never
-        got the request either: its retry carries the landing inline."""
+        what the client gets); a 5xx is the worker's own state (an engine stalled, an
+        instance lost), passed on as prefill's errors are; any other refusal is the
+        router's failure (502). An unreachable prefill never got the request either:
+        its retry carries the landing inline."""
         grant = LandingGrant(PROTOCOL_VERSION, self.request_id, ready.landing, ready.notify_url)
         self._landing_sent = True
         try:
@@ -297,6 +299,8 @@ class RequestRun:
         except WorkerError as e:
             if e.status == 410:
                 return e
+            if e.status >= 500:
+                raise
             raise WorkerFailed(
                 f"{target.describe()} refused decode's landing for the request "
                 f"({e.status}): {e.message}"

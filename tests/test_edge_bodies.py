@@ -38,6 +38,7 @@ from protocol.messages import (
     ErrorEvent,
     FirstToken,
     GenerateRequest,
+    LandingGrant,
     LandingInfo,
     PrefillRequest,
     PromptUsage,
@@ -763,6 +764,21 @@ def test_prefill_carries_decodes_landing_untouched(edge: Driver, ready: bool) ->
     )
     assert got["bytes"].encode() == msgspec.json.encode(want)
     for info in sent.landing:
+        verify(key, rid, info, now_s=1.7e9)
+    # protocol 5: the same request sent beside decode's, and the grant that follows
+    got = edge.ask(
+        op="worker",
+        kind="prefill_awaiting",
+        request_id=rid,
+        prompt=[1, 2, 3],
+        params=msgspec.to_builtins(params),
+    )
+    awaiting = msgspec.structs.replace(want, landing=[], notify_url="", await_landing=True)
+    assert got["bytes"].encode() == msgspec.json.encode(awaiting)
+    got = edge.ask(op="worker", kind="grant", request_id=rid, ready=encode_line(event).decode())
+    grant = LandingGrant(PROTOCOL_VERSION, rid, event.landing, event.notify_url)
+    assert got["bytes"].encode() == msgspec.json.encode(grant)
+    for info in msgspec.json.decode(got["bytes"].encode(), type=LandingGrant).landing:
         verify(key, rid, info, now_s=1.7e9)
 
 

@@ -241,6 +241,62 @@ def test_max_tokens_one_and_a_first_token_finish(s: EdgeStack) -> None:
     _same(s, "POST", "/v1/completions", json=_completion(max_tokens=5))
 
 
+def _edge_rid(s: EdgeStack) -> str:
+    """The id of the edge's request (the first the decode stand-in was sent)."""
+    return str(s.h.decode[0].received[0][1].request_id)
+
+
+def test_prefill_computes_while_decode_reserves(s: EdgeStack) -> None:
+    """Protocol 5, as the Python router runs it: decode and prefill (await_landing) at
+    once, DecodeReady forwarded as a LandingGrant, the first token once it is accepted."""
+    prefill, decode = s.h.prefill[0], s.h.decode[0]
+    decode.ready_delay_s = 0.3
+    req = _completion(stream=True)
+    with (
+        httpx.Client(trust_env=False, timeout=30) as client,
+        client.stream("POST", s.url + "/v1/completions", json=req, headers=AUTH) as r,
+    ):
+        lines = (line for line in r.iter_lines() if line.startswith("data: {"))
+        next(lines)
+        first_at = time.monotonic()
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines)
+    assert "server" not in r.headers  # served natively (a proxied answer: uvicorn's)
+    rid = _edge_rid(s)
+    ((kind, sent),) = prefill.received
+    assert kind == "prefill" and sent.request_id == rid
+    assert sent.await_landing and sent.landing == [] and sent.notify_url == ""
+    assert prefill.arrivals["prefill", rid] < decode.readies[rid] - 0.2
+    (grant,) = prefill.landings
+    assert grant.request_id == rid and len(grant.landing) == 1
+    assert grant.notify_url.endswith("/kv_notify")
+    assert first_at >= prefill.arrivals["landing", rid] >= decode.readies[rid]
+    assert TEXT.endswith(text) and text
+    _same(s, "POST", "/v1/completions", json=_completion())  # the same answer as Python's
+
+
+@pytest.mark.parametrize(
+    "fail", [(403, "landing refused: altered"), (410, "gone"), (503, "engine loop stalled")]
+)
+def test_a_refused_grant_is_the_routers_answer(s: EdgeStack, fail: tuple[int, str]) -> None:
+    s.h.prefill[0].fail = {"landing": fail}
+    r = _same(s, "POST", "/v1/completions", json=_completion())
+    assert r.status_code == (503 if fail[0] == 503 else 502), r.text
+    assert fail[1] in r.json()["error"]["message"]
+    rid = _edge_rid(s)
+    _wait_for(lambda: rid in s.h.prefill[0].aborted_ids() and rid in s.h.decode[0].aborted_ids())
+    (abort,) = [a for _, a in s.h.decode[0].aborts if a.request_id == rid]
+    assert abort.prefill_contacted  # the grant went out
+
+
+def test_decode_refusing_tells_it_no_prefill_writes(s: EdgeStack) -> None:
+    s.h.decode[0].fail = {"decode": (503, "decode is draining")}
+    r = _same(s, "POST", "/v1/completions", json=_completion())
+    assert r.status_code == 503
+    rid = _edge_rid(s)
+    _wait_for(lambda: rid in s.h.prefill[0].aborted_ids())
+    assert not s.h.prefill[0].landings
+
+
 def test_proxied_paths_are_the_routers_answers(s: EdgeStack) -> None:
     _same(s, "GET", "/v1/models")
     _same(s, "GET", "/health")

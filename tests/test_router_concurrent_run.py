@@ -96,6 +96,15 @@ def test_a_refused_grant_fails_the_run_and_aborts_both(h: RouterHarness, status:
     assert abort.prefill_contacted  # the grant went out: a write may be in flight
 
 
+def test_a_grant_answered_5xx_is_the_workers_error(h: RouterHarness) -> None:
+    h.prefill[0].fail["landing"] = (503, "engine loop stalled: no progress for 2.4 s")
+    r = _complete(h)
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["message"] == "engine loop stalled: no progress for 2.4 s"
+    rid = _rid(h)
+    _wait_for(lambda: rid in h.prefill[0].aborted_ids() and rid in h.decode[0].aborted_ids(), 2)
+
+
 def test_a_gone_grant_yields_to_prefills_answer(h: RouterHarness) -> None:
     h.prefill[0].fail["landing"] = (410, "request has ended here")
     r = _complete(h)  # prefill's first token did not finish the request: nothing to decode

@@ -229,6 +229,31 @@ impl EncodedRequest {
         out.extend_from_slice(b",\"await_landing\":false}");
         out
     }
+
+    /// POST /prefill's body sent beside decode's (protocol 5): no landing yet, it
+    /// follows in a LandingGrant (`landing_grant_json`).
+    pub fn prefill_awaiting(&self) -> Vec<u8> {
+        let mut out = self.head(64);
+        out.extend_from_slice(b",\"landing\":[],\"notify_url\":\"\",\"await_landing\":true}");
+        out
+    }
+}
+
+/// msgspec.json.encode(LandingGrant(...)): POST /landing's body, decode's DecodeReady
+/// forwarded to prefill (the landing is DecodeReady's bytes, untouched).
+pub fn landing_grant_json(ready: &DecodeReady) -> Vec<u8> {
+    let landing = ready.landing.get();
+    let mut out = Vec::with_capacity(64 + ready.request_id.len() + landing.len() + ready.notify_url.len());
+    out.extend_from_slice(b"{\"version\":");
+    write_i128(&mut out, PROTOCOL_VERSION as i128);
+    out.extend_from_slice(b",\"request_id\":");
+    write_str(&mut out, &ready.request_id);
+    out.extend_from_slice(b",\"landing\":");
+    out.extend_from_slice(landing.as_bytes());
+    out.extend_from_slice(b",\"notify_url\":");
+    write_str(&mut out, &ready.notify_url);
+    out.push(b'}');
+    out
 }
 
 /// msgspec.json.encode(DecodeRequest(...)): POST /decode's body.
@@ -423,8 +448,18 @@ mod tests {
                 let body = prefill_request_json("r", &[1], &SamplingParams::default(), Some(&r));
                 let text = String::from_utf8(body).unwrap();
                 assert!(text.ends_with(
-                    r#""landing":[ {"rank":0,"expires_at_s":1.50} ],"notify_url":"http://x"}"#
+                    r#""landing":[ {"rank":0,"expires_at_s":1.50} ],"notify_url":"http://x","await_landing":false}"#
                 ));
+                let grant = String::from_utf8(landing_grant_json(&r)).unwrap();
+                assert_eq!(
+                    grant,
+                    format!(
+                        r#"{{"version":{PROTOCOL_VERSION},"request_id":"r","landing":[ {{"rank":0,"expires_at_s":1.50}} ],"notify_url":"http://x"}}"#
+                    )
+                );
+                let encoded = EncodedRequest::new("r", &[1], &SamplingParams::default());
+                let awaiting = String::from_utf8(encoded.prefill_awaiting()).unwrap();
+                assert!(awaiting.ends_with(r#","landing":[],"notify_url":"","await_landing":true}"#));
             }
             other => panic!("{other:?}"),
         }

@@ -2,17 +2,25 @@
 //! UnifiedRun), with the control plane deciding where it goes, and its output
 //! (router/output.py's OutputStream: tokens -> text deltas with the stop rules).
 //!
-//!     P/D:      admit decode ──/decode──▶ DecodeReady      (skipped when max_tokens == 1)
-//!               bind; pick prefill ──/prefill (landing)──▶ FirstToken ─▶ prefilled
+//!     P/D (protocol 5, max_tokens > 1):
+//!               admit decode + pick prefill      (two control asks, back to back)
+//!               ──/decode──▶ and ──/prefill (await_landing)──▶ at once
+//!               DecodeReady ──/landing (LandingGrant)──▶ prefill; bind
+//!               prefill's FirstToken (read once the grant was accepted) ─▶ prefilled
 //!               decode's TokenBatches ... until one carries a finish
+//!     P/D, max_tokens == 1: pick prefill ──/prefill (no landing)──▶ FirstToken
 //!     unified:  pick unified ──/generate──▶ FirstToken, TokenBatch ... until a finish
 //!
 //! An instance that refuses the connection never saw the request: the control plane is
-//! told (`unreachable`) and another one is tried. Anything later is the client's error.
+//! told (`unreachable`) and another one is tried (a prefill retried after DecodeReady
+//! gets the landing inline, no grant). A grant answered 410 yields to prefill's own
+//! answer (an error, or a first token that finished the request). Anything later is
+//! the client's error.
 //!
 //! Aborts (sent in the background, never awaited), as relay.py's:
 //! - the run fails (worker error, timeout, the client gone: `Run` dropped unfinished):
-//!   every instance that was sent the request, each told whether a prefill was;
+//!   every instance that was sent the request, decode told whether a prefill was given
+//!   its landing (a grant, or inline);
 //! - the router finishes first (a stop string the worker has not matched yet): the
 //!   instances still working on it, reason "finished";
 //! - prefill finishes at its first token: decode, reason "finished".
@@ -62,7 +70,6 @@ enum Stage {
 /// One instance the run sent the request to.
 struct Sent {
     inst: Instance,
-    prefill: bool,
     /// Still working on it (abort target of an early finish).
     open: bool,
 }
@@ -81,6 +88,8 @@ pub struct Run {
     stage: Stage,
     sent: Vec<Sent>,
     decode: Option<(Instance, EventStream, String)>,
+    /// A prefill was given decode's landing (a grant, or inline): it may write there.
+    landing_sent: bool,
     /// The prompt's usage as prefill (or unified) reported it.
     pub usage: Option<PromptUsage>,
     completed: bool,
@@ -101,6 +110,7 @@ impl Run {
             stage: Stage::Start,
             sent: Vec::with_capacity(2),
             decode: None,
+            landing_sent: false,
             usage: None,
             completed: false,
             closed: false,
@@ -163,9 +173,8 @@ impl Run {
             return;
         }
         self.closed = true;
-        let prefill_contacted = self.sent.iter().any(|s| s.prefill);
         for sent in &self.sent {
-            self.s.workers.abort_soon(&sent.inst, &self.request_id, reason, prefill_contacted);
+            self.s.workers.abort_soon(&sent.inst, &self.request_id, reason, self.landing_sent);
         }
     }
 
@@ -195,15 +204,20 @@ impl Run {
     async fn pd_first(&mut self) -> Result<Tokens, ApiError> {
         // The prompt and params written once for both bodies.
         let encoded = EncodedRequest::new(&self.request_id, &self.prompt, &self.params);
-        let ready = if self.params.max_tokens > 1 { Some(self.open_decode(&encoded).await?) } else { None };
+        let (ready, prefill, mut events, refused) = if self.params.max_tokens > 1 {
+            let (ready, prefill, events, refused) = self.open_both(&encoded).await?;
+            (Some(ready), prefill, events, refused)
+        } else {
+            let (prefill, events) = self.open_prefill(&encoded, None, Vec::new()).await?;
+            (None, prefill, events, None)
+        };
+        drop(encoded);
         let mut lost = None;
         if let (Some(ready), Some((decode, _, _))) = (&ready, &self.decode) {
             // Subscribed before the binding exists: no `lost` can slip between the two.
             lost = Some(self.s.control.lost());
             self.s.control.bind(&self.request_id, decode, &ready.incarnation);
         }
-        let (prefill, mut events) = self.open_prefill(&encoded, ready.as_ref()).await?;
-        drop(encoded);
         let event = match lost {
             Some(mut lost) => {
                 let request_id = self.request_id.as_str();
@@ -239,6 +253,9 @@ impl Run {
             }
             Err(e) => return Err(self.stream_failed(&prefill, e, "")),
         };
+        if let (Some((status, message)), None) = (&refused, &first.finish_reason) {
+            return Err(landing_refused(&prefill, *status, message));
+        }
         self.s.control.prefilled(&self.request_id, &prefill, &first.usage);
         self.usage = Some(first.usage);
         self.done(&prefill);
@@ -252,57 +269,142 @@ impl Run {
         Ok(Tokens { token_ids: vec![first.token_id], finish_reason: first.finish_reason })
     }
 
-    /// Open decode's stream and read its DecodeReady (the request then waits there).
-    async fn open_decode(&mut self, encoded: &EncodedRequest) -> Result<DecodeReady, ApiError> {
+    /// Protocol 5: both choices first (the control plane's two asks back to back), then
+    /// decode's call and prefill's (await_landing) at once; decode's DecodeReady goes to
+    /// prefill as a LandingGrant. Returns DecodeReady, the prefill instance and its
+    /// stream, and a 410 answer to the grant (prefill's first event decides then).
+    async fn open_both(
+        &mut self,
+        encoded: &EncodedRequest,
+    ) -> Result<(DecodeReady, Instance, EventStream, Option<(u16, String)>), ApiError> {
+        let left = self.deadline.saturating_duration_since(tokio::time::Instant::now());
+        let control = Arc::clone(&self.s.control);
+        let (decode_inst, prefill_inst) = tokio::join!(
+            control.admit_decode(&self.request_id, &[], left.as_secs_f64()),
+            control.pick(&self.request_id, Role::Prefill, &[]),
+        );
+        let (decode_inst, prefill_inst) = (decode_inst?, prefill_inst?);
+        self.start(&decode_inst);
+        self.start(&prefill_inst);
+        let s = Arc::clone(&self.s);
+        let decode_call = async {
+            let body: Bytes = encoded.decode().into();
+            let mut events = s.workers.stream(&decode_inst, "decode", worker::DECODE_PATH, body).await?;
+            let first = events.next().await;
+            Ok::<_, CallError>((events, first))
+        };
+        let prefill_body: Bytes = encoded.prefill_awaiting().into();
+        let prefill_call = s.workers.stream(&prefill_inst, "prefill", worker::PREFILL_PATH, prefill_body);
+        let (decoded, prefilled) = tokio::join!(decode_call, prefill_call);
+        let mut tried_prefill: Vec<String> = Vec::new();
+        let prefill = match prefilled {
+            Ok(events) => Some(events),
+            Err(CallError::Unreachable(message)) => {
+                self.forget(&prefill_inst, &message, &mut tried_prefill);
+                None
+            }
+            Err(e) => return Err(self.call_failed(&prefill_inst, "prefill", e)),
+        };
+        let mut tried_decode: Vec<String> = Vec::new();
+        let ready = match self.took_ready(decode_inst, decoded, &mut tried_decode)? {
+            Some(ready) => ready,
+            None => self.open_decode(encoded, tried_decode).await?,
+        };
+        let Some(events) = prefill else {
+            // the first prefill never got the request: another one, with the landing inline
+            let (inst, events) = self.open_prefill(encoded, Some(&ready), tried_prefill).await?;
+            return Ok((ready, inst, events, None));
+        };
+        self.landing_sent = true;
+        let grant: Bytes = protocol::landing_grant_json(&ready).into();
+        let refused = match self.s.workers.grant(&prefill_inst, grant).await {
+            // unreachable now: it died after taking the request; its stream tells
+            Ok(()) | Err(CallError::Unreachable(_)) => None,
+            Err(CallError::Answered(410, message)) => Some((410, message)),
+            // the worker's own state (an engine stalled, an instance lost), as its errors
+            Err(CallError::Answered(status, message)) if status >= 500 => {
+                return Err(worker_error(status, message))
+            }
+            Err(CallError::Answered(status, message)) => {
+                return Err(landing_refused(&prefill_inst, status, &message))
+            }
+            Err(CallError::Failed(message)) => return Err(failed(message)),
+        };
+        Ok((ready, prefill_inst, events, refused))
+    }
+
+    /// Admit decode instances (another while one cannot be connected to), open the
+    /// stream and read its DecodeReady (the request then waits there).
+    async fn open_decode(
+        &mut self,
+        encoded: &EncodedRequest,
+        mut tried: Vec<String>,
+    ) -> Result<DecodeReady, ApiError> {
         let body: Bytes = encoded.decode().into();
-        let mut tried: Vec<String> = Vec::new();
         loop {
             let left = self.deadline.saturating_duration_since(tokio::time::Instant::now());
             let inst = self.s.control.admit_decode(&self.request_id, &tried, left.as_secs_f64()).await?;
-            self.start(&inst, false);
-            let mut events =
-                match self.s.workers.stream(&inst, "decode", worker::DECODE_PATH, body.clone()).await {
-                    Ok(events) => events,
-                    Err(CallError::Unreachable(message)) => {
-                        self.forget(&inst, &message, &mut tried);
-                        continue;
-                    }
-                    Err(e) => return Err(self.call_failed(&inst, "decode", e)),
-                };
-            match events.next().await {
-                Ok(Some(WorkerEvent::Ready(ready))) => {
-                    self.decode = Some((inst, events, ready.incarnation.clone()));
-                    return Ok(ready);
-                }
-                Ok(Some(WorkerEvent::Error(e))) => return Err(worker_error(e.status, e.message)),
-                Ok(Some(_)) => {
-                    return Err(failed(format!(
-                        "{} sent tokens before DecodeReady",
-                        worker::describe("decode", &inst)
-                    )))
-                }
-                Ok(None) => {
-                    let message =
-                        format!("{} ended its stream before DecodeReady", worker::describe("decode", &inst));
-                    self.s.control.broken(&self.request_id, &inst, &message, "");
-                    return Err(failed(message));
-                }
-                Err(e) => return Err(self.call_failed(&inst, "decode", e)),
+            self.start(&inst);
+            let called = async {
+                let mut events =
+                    self.s.workers.stream(&inst, "decode", worker::DECODE_PATH, body.clone()).await?;
+                let first = events.next().await;
+                Ok::<_, CallError>((events, first))
+            }
+            .await;
+            if let Some(ready) = self.took_ready(inst, called, &mut tried)? {
+                return Ok(ready);
             }
         }
     }
 
-    /// Send prefill the request (another instance while one cannot be connected to).
+    /// Decode's answer to the call: its DecodeReady (the stream kept in `self.decode`),
+    /// None when it could not be connected to (told, and added to `tried`), or the error.
+    fn took_ready(
+        &mut self,
+        inst: Instance,
+        called: Result<(EventStream, Result<Option<WorkerEvent>, CallError>), CallError>,
+        tried: &mut Vec<String>,
+    ) -> Result<Option<DecodeReady>, ApiError> {
+        let (events, first) = match called {
+            Ok(called) => called,
+            Err(CallError::Unreachable(message)) => {
+                self.forget(&inst, &message, tried);
+                return Ok(None);
+            }
+            Err(e) => return Err(self.call_failed(&inst, "decode", e)),
+        };
+        match first {
+            Ok(Some(WorkerEvent::Ready(ready))) => {
+                self.decode = Some((inst, events, ready.incarnation.clone()));
+                Ok(Some(ready))
+            }
+            Ok(Some(WorkerEvent::Error(e))) => Err(worker_error(e.status, e.message)),
+            Ok(Some(_)) => {
+                Err(failed(format!("{} sent tokens before DecodeReady", worker::describe("decode", &inst))))
+            }
+            Ok(None) => {
+                let message = format!("{} ended its stream before DecodeReady", worker::describe("decode", &inst));
+                self.s.control.broken(&self.request_id, &inst, &message, "");
+                Err(failed(message))
+            }
+            Err(e) => Err(self.call_failed(&inst, "decode", e)),
+        }
+    }
+
+    /// Send prefill the request (another instance while one cannot be connected to),
+    /// with decode's landing inline when `ready` is known (none: max_tokens == 1).
     async fn open_prefill(
         &mut self,
         encoded: &EncodedRequest,
         ready: Option<&DecodeReady>,
+        mut tried: Vec<String>,
     ) -> Result<(Instance, EventStream), ApiError> {
         let body: Bytes = encoded.prefill(ready).into();
-        let mut tried: Vec<String> = Vec::new();
         loop {
             let inst = self.s.control.pick(&self.request_id, Role::Prefill, &tried).await?;
-            self.start(&inst, true);
+            self.start(&inst);
+            self.landing_sent |= ready.is_some();
             match self.s.workers.stream(&inst, "prefill", worker::PREFILL_PATH, body.clone()).await {
                 Ok(events) => return Ok((inst, events)),
                 Err(CallError::Unreachable(message)) => self.forget(&inst, &message, &mut tried),
@@ -385,7 +487,7 @@ impl Run {
         let mut tried: Vec<String> = Vec::new();
         loop {
             let inst = self.s.control.pick(&self.request_id, Role::Unified, &tried).await?;
-            self.start(&inst, false);
+            self.start(&inst);
             let mut events =
                 match self.s.workers.stream(&inst, "unified", worker::GENERATE_PATH, body.clone()).await {
                     Ok(events) => events,
@@ -456,8 +558,8 @@ impl Run {
 
     // -- bookkeeping --------------------------------------------------------------------------
 
-    fn start(&mut self, inst: &Instance, prefill: bool) {
-        self.sent.push(Sent { inst: inst.clone(), prefill, open: true });
+    fn start(&mut self, inst: &Instance) {
+        self.sent.push(Sent { inst: inst.clone(), open: true });
     }
 
     fn done(&mut self, inst: &Instance) {
@@ -522,6 +624,11 @@ fn drain_soon(mut events: EventStream) {
 
 fn describe_p(inst: &Instance) -> String {
     worker::describe("prefill", inst)
+}
+
+/// 502: prefill refused decode's landing (relay.py's message, word for word).
+fn landing_refused(prefill: &Instance, status: u16, message: &str) -> ApiError {
+    failed(format!("{} refused decode's landing for the request ({status}): {message}", describe_p(prefill)))
 }
 
 pub fn api_error(status: u16, message: String, error_type: &str) -> ApiError {

@@ -18,6 +18,7 @@ use crate::protocol::{self, WorkerEvent};
 
 pub const DECODE_PATH: &str = "/decode";
 pub const PREFILL_PATH: &str = "/prefill";
+pub const LANDING_PATH: &str = "/landing";
 pub const GENERATE_PATH: &str = "/generate";
 pub const ABORT_PATH: &str = "/abort";
 
@@ -111,6 +112,33 @@ impl Workers {
             pending: None,
             what: Describe { role: role.to_string(), inst: inst.clone(), path },
         })
+    }
+
+    /// POST `body` (a LandingGrant) to prefill instance `inst`'s /landing and read its
+    /// answer: Ok on 200; `Unreachable`, `Answered` (its ErrorEvent) or `Failed` else.
+    pub async fn grant(&self, inst: &Instance, body: Bytes) -> Result<(), CallError> {
+        let url = format!("{}{}", inst.url, LANDING_PATH);
+        let req = self.post(&url, body).map_err(CallError::Failed)?;
+        let resp = match self.client.request(req).await {
+            Ok(resp) => resp,
+            Err(e) if e.is_connect() => {
+                return Err(CallError::Unreachable(format!(
+                    "{} is unreachable: {}",
+                    describe("prefill", inst),
+                    error_chain(&e)
+                )))
+            }
+            Err(e) => return Err(CallError::Failed(failed("prefill", inst, LANDING_PATH, &e))),
+        };
+        let status = resp.status();
+        let body = resp.into_body();
+        if status != StatusCode::OK {
+            return Err(refused("prefill", inst, LANDING_PATH, status, body).await);
+        }
+        hyper::body::to_bytes(body)
+            .await
+            .map(|_| ())
+            .map_err(|e| CallError::Failed(failed("prefill", inst, LANDING_PATH, &e)))
     }
 
     /// Tell `inst` to free `request_id`, in the background (never awaited; bounded by

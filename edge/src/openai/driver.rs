@@ -23,9 +23,10 @@ use crate::protocol::SamplingParams;
 ///    "usage": USAGE} -> {"bytes"}
 ///   {"op": "error_body", "message", "type", "param", "code"} / {"op": "error_event",
 ///    "message", "type", "code"} -> {"bytes"}
-///   {"op": "worker", "kind": "decode"|"prefill"|"generate"|"abort", "request_id",
-///    "prompt", "params" (SamplingParams fields), "ready"? (a ready event's line),
-///    "reason", "prefill_contacted"} -> {"bytes"}
+///   {"op": "worker", "kind": "decode"|"prefill"|"prefill_awaiting"|"generate"|"abort"|
+///    "grant", "request_id", "prompt", "params" (SamplingParams fields), "ready"? (a ready
+///    event's line: prefill's landing, the grant's), "reason", "prefill_contacted"}
+///    -> {"bytes"}
 ///   {"op": "event", "line": TEXT} -> the event's fields, or {"error": ..}
 ///   {"op": "request_id", "endpoint"} -> {"id"}
 ///   {"op": "content_type", "header": [bytes]|null} -> {"json": bool}
@@ -179,6 +180,17 @@ fn worker_op<'a>(
         let contacted = raw("prefill_contacted").and_then(read_bool).unwrap_or(true);
         return Ok(crate::protocol::abort_json(id, &reason, contacted));
     }
+    let ready = match raw("ready").and_then(read_string) {
+        None => None,
+        Some(line) => match crate::protocol::parse_event(line.as_bytes())? {
+            crate::protocol::WorkerEvent::Ready(r) => Some(r),
+            _ => return Err("ready: not a ready event".to_string()),
+        },
+    };
+    if kind == "grant" {
+        let ready = ready.ok_or("grant: needs ready")?;
+        return Ok(crate::protocol::landing_grant_json(&ready));
+    }
     let prompt = raw("prompt")
         .and_then(read_u32s)
         .ok_or("prompt: token ids")?;
@@ -188,20 +200,14 @@ fn worker_op<'a>(
     match kind {
         "decode" => Ok(crate::protocol::decode_request_json(id, &prompt, &params)),
         "generate" => Ok(crate::protocol::generate_request_json(id, &prompt, &params)),
-        "prefill" => {
-            let ready = match raw("ready").and_then(read_string) {
-                None => None,
-                Some(line) => match crate::protocol::parse_event(line.as_bytes())? {
-                    crate::protocol::WorkerEvent::Ready(r) => Some(r),
-                    _ => return Err("ready: not a ready event".to_string()),
-                },
-            };
-            Ok(crate::protocol::prefill_request_json(
-                id,
-                &prompt,
-                &params,
-                ready.as_ref(),
-            ))
+        "prefill" => Ok(crate::protocol::prefill_request_json(
+            id,
+            &prompt,
+            &params,
+            ready.as_ref(),
+        )),
+        "prefill_awaiting" => {
+            Ok(crate::protocol::EncodedRequest::new(id, &prompt, &params).prefill_awaiting())
         }
         other => Err(format!("unknown worker kind {other:?}")),
     }
