@@ -420,23 +420,42 @@ def cluster_ports(c: ClusterConfig) -> Iterator[tuple[str, str, int]]:
 MOONCAKE_RPC_PORTS = (15000, 17000)
 """Mooncake's default MC_MIN_RPC_PORT..MC_MAX_RPC_PORT (inclusive): every Transfer Engine
 (a pool store's, a worker's) binds its RPC port at random in it when it starts."""
+MOONCAKE_STORE_CLIENT_PORTS = (12300, 14300)
+"""Mooncake's default MC_STORE_CLIENT_MIN_PORT..MAX (inclusive): a pool client given a
+host without a port (a prefill's or unified instance's pool client) binds one at random
+in it when it starts."""
+_MOONCAKE_RANGES = (
+    (
+        MOONCAKE_RPC_PORTS,
+        ("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"),
+        "every Mooncake Transfer Engine (pool stores, workers) binds its RPC port",
+    ),
+    (
+        MOONCAKE_STORE_CLIENT_PORTS,
+        ("MC_STORE_CLIENT_MIN_PORT", "MC_STORE_CLIENT_MAX_PORT"),
+        "every Mooncake pool client of an instance binds its transfer port",
+    ),
+)
 
 
 def _check_ports(c: ClusterConfig) -> None:
     used: dict[tuple[str, int], str] = {}
     envs = [c.router.env, *(inst.env for _, inst in _instances(c))]
-    mooncake_range_moved = any("MC_MIN_RPC_PORT" in e or "MC_MAX_RPC_PORT" in e for e in envs)
-    low, high = MOONCAKE_RPC_PORTS
+    ranges = [
+        (low, high, who)
+        for (low, high), names, who in _MOONCAKE_RANGES
+        if not any(name in e for e in envs for name in names)  # moved: the user knows
+    ]
     for host, path, port in cluster_ports(c):
         if port > 65535:
             raise ConfigError(path, f"port {port} is beyond 65535")
-        if low <= port <= high and not mooncake_range_moved:
-            raise ConfigError(
-                path,
-                f"port {port} is inside {low}-{high}, where every Mooncake Transfer Engine "
-                "(pool stores, workers) binds its RPC port at random: one may take it before "
-                "this component starts; choose a port outside that range",
-            )
+        for low, high, who in ranges:
+            if low <= port <= high:
+                raise ConfigError(
+                    path,
+                    f"port {port} is inside {low}-{high}, where {who} at random: one may "
+                    "take it before this component starts; choose a port outside that range",
+                )
         key = (host, port)
         if key in used:
             raise ConfigError(

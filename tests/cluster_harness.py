@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from protocol.cluster_checks import MOONCAKE_RPC_PORTS
+from protocol.cluster_checks import MOONCAKE_RPC_PORTS, MOONCAKE_STORE_CLIENT_PORTS
 
 
 def internal_headers(state_dir: Path, cluster_name: str) -> dict[str, str]:
@@ -47,7 +47,9 @@ def free_ports(n: int) -> list[int]:
     can be taken as the local port of any outgoing connection (the cluster's own
     Mooncake, torch.distributed and HTTP clients) before the component binds it; a port
     below it only by a bind. None in Mooncake's RPC port range (MOONCAKE_RPC_PORTS: a
-    port there, free when picked, can be taken by a store's or a worker's engine first). Picked at random (not by the seeded
+    port there, free when picked, can be taken by a store's or a worker's engine first)
+    nor in its pool clients' (MOONCAKE_STORE_CLIENT_PORTS: a router once failed to bind
+    a port a prefill's pool client had taken). Picked at random (not by the seeded
     `random` of the test run), so runs sharing the machine rarely pick the same one.
     """
     first_ephemeral, _ = _ephemeral_range()
@@ -55,7 +57,9 @@ def free_ports(n: int) -> list[int]:
     ports: list[int] = []
     while len(ports) < n:
         port = pick.randrange(LOWEST_TEST_PORT, max(first_ephemeral, LOWEST_TEST_PORT + 1000))
-        if port in ports or MOONCAKE_RPC_PORTS[0] <= port <= MOONCAKE_RPC_PORTS[1]:
+        if port in ports or any(
+            low <= port <= high for low, high in (MOONCAKE_RPC_PORTS, MOONCAKE_STORE_CLIENT_PORTS)
+        ):
             continue
         with socket.socket() as s:  # no SO_REUSEADDR: a port in TIME_WAIT is not free
             try:

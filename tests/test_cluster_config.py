@@ -222,6 +222,8 @@ BAD = [
     # Mooncake's engines bind RPC ports at random in 15000-17000
     ("mooncake-range", _set("decode.0.port", 16000), "decode[0].port", "inside 15000-17000"),
     ("mooncake-top", _set("router.port", 17000), "router.port", "inside 15000-17000"),
+    # ... and its pool clients take a transfer port at random in 12300-14300
+    ("mooncake-client", _set("router.port", 12885), "router.port", "inside 12300-14300"),
     ("mooncake-above", _set("router.port", 17001), None, None),  # valid
 ]
 
