@@ -57,6 +57,9 @@ class StandinWorker:
     prefill_delay_s: float = 0.0
     ready_delay_s: float = 0.0
     """Decode sends DecodeReady only after this long (an engine reserving pages)."""
+    prefill_answers_late: bool = False
+    """Prefill's HTTP answer itself (its headers) waits prefill_delay_s, as a server that
+    answers with the whole body does, not only its FirstToken."""
     fail: dict[str, tuple[int, str]] = field(default_factory=dict)
     """endpoint ("prefill" | "decode") -> (status, message) sent as ErrorEvent (decode:
     the HTTP answer, before DecodeReady)."""
@@ -152,8 +155,12 @@ class StandinWorker:
         token = self.tokens[0]
         finish = self._finish(token, 1, req.params.max_tokens, req.params.ignore_eos)
 
+        late = self.prefill_answers_late
+        if late and self.prefill_delay_s:
+            await asyncio.sleep(self.prefill_delay_s)
+
         async def events() -> Any:
-            if self.prefill_delay_s:
+            if self.prefill_delay_s and not late:
                 await asyncio.sleep(self.prefill_delay_s)
             yield encode_line(
                 FirstToken(

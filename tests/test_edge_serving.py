@@ -274,6 +274,17 @@ def test_prefill_computes_while_decode_reserves(s: EdgeStack) -> None:
     _same(s, "POST", "/v1/completions", json=_completion())  # the same answer as Python's
 
 
+def test_the_grant_does_not_wait_for_prefills_answer(s: EdgeStack) -> None:
+    """A prefill that answers (headers and all) only with its first token: the grant
+    still goes out on DecodeReady, while prefill computes."""
+    prefill = s.h.prefill[0]
+    prefill.prefill_delay_s, prefill.prefill_answers_late = 0.4, True
+    r = _same(s, "POST", "/v1/completions", json=_completion())
+    assert r.json()["choices"][0]["text"] == TEXT
+    rid = _edge_rid(s)
+    assert prefill.arrivals["landing", rid] < prefill.arrivals["prefill", rid] + 0.3
+
+
 @pytest.mark.parametrize(
     "fail", [(403, "landing refused: altered"), (410, "gone"), (503, "engine loop stalled")]
 )

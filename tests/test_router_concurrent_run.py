@@ -66,6 +66,14 @@ def test_prefill_computes_while_decode_reserves(h: RouterHarness) -> None:
     assert not prefill.aborts and not decode.aborts  # a run that ends well aborts nothing
 
 
+def test_the_grant_does_not_wait_for_prefills_answer(h: RouterHarness) -> None:
+    prefill = h.prefill[0]
+    prefill.prefill_delay_s, prefill.prefill_answers_late = 0.4, True  # headers with it
+    assert _complete(h).status_code == 200
+    rid = _rid(h)
+    assert prefill.arrivals["landing", rid] < prefill.arrivals["prefill", rid] + 0.3
+
+
 def test_the_first_token_waits_for_the_grant(h: RouterHarness) -> None:
     h.decode[0].ready_delay_s = 0.3  # prefill's FirstToken is in long before DecodeReady
     req = {"model": h.served_name, "prompt": [5, 6, 7], "max_tokens": 4, "stream": True}

@@ -286,38 +286,63 @@ impl Run {
         let (decode_inst, prefill_inst) = (decode_inst?, prefill_inst?);
         self.start(&decode_inst);
         self.start(&prefill_inst);
-        let s = Arc::clone(&self.s);
-        let decode_call = async {
+        let (s, target) = (Arc::clone(&self.s), decode_inst.clone());
+        let decode_call = async move {
             let body: Bytes = encoded.decode().into();
-            let mut events = s.workers.stream(&decode_inst, "decode", worker::DECODE_PATH, body).await?;
+            let mut events = s.workers.stream(&target, "decode", worker::DECODE_PATH, body).await?;
             let first = events.next().await;
             Ok::<_, CallError>((events, first))
         };
         let prefill_body: Bytes = encoded.prefill_awaiting().into();
-        let prefill_call = s.workers.stream(&prefill_inst, "prefill", worker::PREFILL_PATH, prefill_body);
-        let (decoded, prefilled) = tokio::join!(decode_call, prefill_call);
-        let mut tried_prefill: Vec<String> = Vec::new();
-        let prefill = match prefilled {
-            Ok(events) => Some(events),
-            Err(CallError::Unreachable(message)) => {
-                self.forget(&prefill_inst, &message, &mut tried_prefill);
-                None
+        let (s, target) = (Arc::clone(&self.s), prefill_inst.clone());
+        let prefill_call =
+            async move { s.workers.stream(&target, "prefill", worker::PREFILL_PATH, prefill_body).await };
+        tokio::pin!(decode_call);
+        tokio::pin!(prefill_call);
+        // Until DecodeReady, both calls are driven; prefill may answer (its headers) only
+        // with its first token, so the grant must not wait for that answer.
+        let mut prefilled = None;
+        let decoded = loop {
+            tokio::select! {
+                decoded = &mut decode_call => break decoded,
+                answered = &mut prefill_call, if prefilled.is_none() => prefilled = Some(answered),
             }
-            Err(e) => return Err(self.call_failed(&prefill_inst, "prefill", e)),
         };
         let mut tried_decode: Vec<String> = Vec::new();
         let ready = match self.took_ready(decode_inst, decoded, &mut tried_decode)? {
             Some(ready) => ready,
+            None if prefilled.is_none() => {
+                let (ready, answered) = tokio::join!(self.open_decode(encoded, tried_decode), &mut prefill_call);
+                prefilled = Some(answered);
+                ready?
+            }
             None => self.open_decode(encoded, tried_decode).await?,
         };
-        let Some(events) = prefill else {
+        let mut tried_prefill: Vec<String> = Vec::new();
+        if let Some(Err(CallError::Unreachable(message))) = &prefilled {
             // the first prefill never got the request: another one, with the landing inline
+            self.forget(&prefill_inst, message, &mut tried_prefill);
             let (inst, events) = self.open_prefill(encoded, Some(&ready), tried_prefill).await?;
             return Ok((ready, inst, events, None));
-        };
+        }
         self.landing_sent = true;
-        let grant: Bytes = protocol::landing_grant_json(&ready).into();
-        let refused = match self.s.workers.grant(&prefill_inst, grant).await {
+        let grant_body: Bytes = protocol::landing_grant_json(&ready).into();
+        let s = Arc::clone(&self.s);
+        let grant_call = s.workers.grant(&prefill_inst, grant_body);
+        let (granted, answered) = match prefilled {
+            Some(answered) => (grant_call.await, answered),
+            None => tokio::join!(grant_call, &mut prefill_call),
+        };
+        let events = match answered {
+            Ok(events) => events,
+            Err(CallError::Unreachable(message)) => {
+                self.forget(&prefill_inst, &message, &mut tried_prefill);
+                let (inst, events) = self.open_prefill(encoded, Some(&ready), tried_prefill).await?;
+                return Ok((ready, inst, events, None));
+            }
+            Err(e) => return Err(self.call_failed(&prefill_inst, "prefill", e)),
+        };
+        let refused = match granted {
             // unreachable now: it died after taking the request; its stream tells
             Ok(()) | Err(CallError::Unreachable(_)) => None,
             Err(CallError::Answered(410, message)) => Some((410, message)),
