@@ -41,6 +41,8 @@ Row = tuple[str, int, int, bool]
 MILESTONES = {
     "arrival": "the request reached the worker (its HTTP handler started)",
     "added": "the engine took it (add_request returned)",
+    "granted": "prefill: decode's landing came (a LandingGrant, for a request sent beside "
+    "decode's)",
     "kv_loaded": "its external KV is in (a pool restore, decode's landing and first token "
     "from prefill): it computes from here",
     "first_token": "its first line of tokens left the worker (prefill, unified: the first "
