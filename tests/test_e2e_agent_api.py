@@ -145,6 +145,7 @@ def test_streamed_tool_call_deltas_reassemble_to_the_whole_response(client, clus
     assert num_argument_chunks > 1  # the arguments streamed in fragments
 
 
+@pytest.mark.slow  # CI time: docs/testing.md
 def test_json_schema_output_is_valid_in_10_seeded_samples(client, cluster) -> None:
     """Ten choices sampled at temperature 1 under the schema's grammar, all valid and not
     all the same (tests/test_logits_processing.py samples the grammar on random logits)."""

@@ -188,6 +188,7 @@ def test_history_restored_from_the_pool_after_a_reset(cluster, client, reference
     assert cluster.metric(url, "kvserve_pool_hit_chunks_total") >= 2
 
 
+@pytest.mark.slow  # CI time: docs/testing.md
 def test_a_short_prompt_is_not_stuck_behind_a_long_prefill(cluster, client, reference):
     """cache.prefill_order shortest: a 1,200-token prompt prefills in 5 chunks of 256; a
     30-token prompt sent once it is running gets its first token before the long one does
@@ -253,6 +254,7 @@ def test_restarted_instance_restores_from_the_pool(cluster, client, reference):
     assert got == _ref_text(reference, ids, 8)
 
 
+@pytest.mark.slow  # CI time: docs/testing.md
 def test_store_killed_mid_run_fails_no_request(cluster, client, reference):
     prompts = [_prompt(reference, 30 + i, 300 + 40 * i) for i in range(4)]
     want = [text for _, text in _ref_outs(reference, prompts, 16)]

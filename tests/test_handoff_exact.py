@@ -32,7 +32,11 @@ MODEL = "builtin:smollm2-135m-instruct"
 
 @pytest.fixture(
     scope="module",
-    params=[("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8_e4m3")],
+    params=[
+        ("float32", "auto"),
+        ("bfloat16", "auto"),
+        pytest.param(("float32", "fp8_e4m3"), marks=pytest.mark.slow),  # docs/testing.md
+    ],
     ids=["float32", "bfloat16", "fp8_e4m3"],
 )
 def engines(request: pytest.FixtureRequest, weights_cache_dir: str):
