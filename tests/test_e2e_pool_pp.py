@@ -10,6 +10,7 @@ one process (engine/kv_connector_guard.py: prefill stage 1's loads or saves, dec
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 import random
 import signal
@@ -17,12 +18,24 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
 from cluster_harness import Cluster, free_ports, launch, metric_sum, router_section, wait_until
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    DecodeReady,
+    DecodeRequest,
+    ErrorEvent,
+    FirstToken,
+    LandingGrant,
+    PrefillRequest,
+    TokenBatch,
+)
 from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
@@ -280,31 +293,66 @@ def _complete(c: PPPoolCluster, prompt: str) -> httpx.Response:
 
 
 def test_handoff_sends_call_failed_on_one_stage_fail_alone(cluster: PPPoolCluster, reference):
-    """Stage 1's start_saves raises for the first step of three new requests: those its
-    metadata named (opens and sends: decode would miss stage 1's layers) fail with a
-    clear error, the others are exact, every flow closes (no KV held), and the next
-    requests are exact."""
+    """Stage 1's start_saves raises for the first step of three new requests whose
+    landings prefill already holds: those its metadata named (opens and sends: decode
+    would miss stage 1's layers) fail with a clear error, the others are exact, every
+    flow closes (no KV held), and the next requests are exact. The workers are called as
+    the router calls them, with each grant sent before its request (kept by prefill), so
+    that the handoff opens in the very step the fault hits (through the router the grant
+    may come a step later than the first compute, whose metadata then holds only the
+    pool's saves)."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     prompts = [_fresh(300 + i, 40 + 30 * i) for i in range(3)]
     tok = reference.info.tokenizer
-    want = [c.text for c in reference.generate([tok.encode(p) for p in prompts], params)]
+    ids = [tok.encode(p) for p in prompts]
+    want = [c.token_ids for c in reference.generate(ids, params)]
     assert wait_until(lambda: _no_kv_held(cluster), 20)
-    (cluster.fault_dir / "start_saves-p1").touch()
-    with cf.ThreadPoolExecutor(3) as ex:
-        answers = list(ex.map(lambda p: _complete(cluster, p), prompts))
-    assert not (cluster.fault_dir / "start_saves-p1").exists(), "the fault was never taken"
-    failed = [r for r in answers if r.status_code != 200]
-    assert failed, "no request was named by the failed call"
-    for r in failed:
-        assert r.status_code == 500, r.text
-        assert "KV connector's start_saves failed in process 1" in r.text, r.text
-    for r, w in zip(answers, want, strict=True):
-        if r.status_code == 200:
-            assert r.json()["choices"][0]["text"] == w
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(httpx.Client(headers=cluster.headers, timeout=120))
+        decodes = []
+        for i, prompt in enumerate(ids):
+            req = DecodeRequest(PROTOCOL_VERSION, f"saves-{i}", prompt, params)
+            stream = stack.enter_context(
+                client.stream(
+                    "POST", cluster.decode_url + "/decode", content=msgspec.json.encode(req)
+                )
+            )
+            lines = (line for line in stream.iter_lines() if line)
+            ready = msgspec.json.decode(next(lines), type=DecodeReady)
+            grant = LandingGrant(
+                PROTOCOL_VERSION, ready.request_id, ready.landing, ready.notify_url
+            )
+            r = client.post(cluster.prefill_url + "/landing", content=msgspec.json.encode(grant))
+            assert r.status_code == 200 and r.json()["outcome"] == "early", r.text
+            decodes.append(lines)
+        (cluster.fault_dir / "start_saves-p1").touch()
+
+        def prefill(i: int) -> FirstToken | ErrorEvent:
+            req = PrefillRequest(PROTOCOL_VERSION, f"saves-{i}", ids[i], params, [], "", True)
+            r = client.post(cluster.prefill_url + "/prefill", content=msgspec.json.encode(req))
+            assert r.status_code == 200, r.text
+            return msgspec.json.decode(r.content.splitlines()[0], type=FirstToken | ErrorEvent)
+
+        with cf.ThreadPoolExecutor(3) as ex:
+            firsts = list(ex.map(prefill, range(3)))
+        assert not (cluster.fault_dir / "start_saves-p1").exists(), "the fault was never taken"
+        failed = [i for i, f in enumerate(firsts) if isinstance(f, ErrorEvent)]
+        assert failed, "no request was named by the failed call"
+        for i, first in enumerate(firsts):
+            if isinstance(first, ErrorEvent):
+                assert first.status == 500, first
+                assert "KV connector's start_saves failed in process 1" in first.message
+                abort = AbortRequest(f"saves-{i}", "error", prefill_contacted=True)
+                client.post(cluster.decode_url + "/abort", content=msgspec.json.encode(abort))
+                continue
+            tokens = [first.token_id]
+            for line in decodes[i]:
+                tokens += msgspec.json.decode(line, type=TokenBatch).token_ids
+            assert tokens == want[i]
     assert wait_until(lambda: _no_kv_held(cluster), 30), "a flow of a failed request stayed open"
     for p, w in zip(prompts, want, strict=True):
         r = _complete(cluster, p)
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == w, r.text
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == tok.decode(w), r.text
 
 
 def test_decode_scatter_call_failed_on_one_rank_recomputes(cluster: PPPoolCluster, reference):

@@ -87,6 +87,35 @@ impl Workers {
         path: &'static str,
         body: Bytes,
     ) -> Result<EventStream, CallError> {
+        let body = self.answered(inst, role, path, body).await?;
+        Ok(EventStream {
+            body,
+            buf: BytesMut::new(),
+            ended: false,
+            pending: None,
+            what: Describe { role: role.to_string(), inst: inst.clone(), path },
+        })
+    }
+
+    /// POST `body` (a LandingGrant) to prefill instance `inst`'s /landing and read its
+    /// answer: Ok on 200; `Unreachable`, `Answered` (its ErrorEvent) or `Failed` else.
+    pub async fn grant(&self, inst: &Instance, body: Bytes) -> Result<(), CallError> {
+        let body = self.answered(inst, "prefill", LANDING_PATH, body).await?;
+        hyper::body::to_bytes(body)
+            .await
+            .map(|_| ())
+            .map_err(|e| CallError::Failed(failed("prefill", inst, LANDING_PATH, &e)))
+    }
+
+    /// POST `body` to `inst`'s `path`: the body of a 200 answer (unread), else the call's
+    /// error (a non-200 answer read: `Answered` with its ErrorEvent, or `Failed`).
+    async fn answered(
+        &self,
+        inst: &Instance,
+        role: &str,
+        path: &'static str,
+        body: Bytes,
+    ) -> Result<Body, CallError> {
         let url = format!("{}{}", inst.url, path);
         let req = self.post(&url, body).map_err(CallError::Failed)?;
         let resp = match self.client.request(req).await {
@@ -105,40 +134,7 @@ impl Workers {
         if status != StatusCode::OK {
             return Err(refused(role, inst, path, status, body).await);
         }
-        Ok(EventStream {
-            body,
-            buf: BytesMut::new(),
-            ended: false,
-            pending: None,
-            what: Describe { role: role.to_string(), inst: inst.clone(), path },
-        })
-    }
-
-    /// POST `body` (a LandingGrant) to prefill instance `inst`'s /landing and read its
-    /// answer: Ok on 200; `Unreachable`, `Answered` (its ErrorEvent) or `Failed` else.
-    pub async fn grant(&self, inst: &Instance, body: Bytes) -> Result<(), CallError> {
-        let url = format!("{}{}", inst.url, LANDING_PATH);
-        let req = self.post(&url, body).map_err(CallError::Failed)?;
-        let resp = match self.client.request(req).await {
-            Ok(resp) => resp,
-            Err(e) if e.is_connect() => {
-                return Err(CallError::Unreachable(format!(
-                    "{} is unreachable: {}",
-                    describe("prefill", inst),
-                    error_chain(&e)
-                )))
-            }
-            Err(e) => return Err(CallError::Failed(failed("prefill", inst, LANDING_PATH, &e))),
-        };
-        let status = resp.status();
-        let body = resp.into_body();
-        if status != StatusCode::OK {
-            return Err(refused("prefill", inst, LANDING_PATH, status, body).await);
-        }
-        hyper::body::to_bytes(body)
-            .await
-            .map(|_| ())
-            .map_err(|e| CallError::Failed(failed("prefill", inst, LANDING_PATH, &e)))
+        Ok(body)
     }
 
     /// Tell `inst` to free `request_id`, in the background (never awaited; bounded by
