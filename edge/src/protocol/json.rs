@@ -116,18 +116,13 @@ pub fn write_f64(out: &mut Vec<u8>, value: f64) {
         });
         return;
     }
-    // Rust's LowerExp is the shortest round-trip form: "1.2345e-5", "1e16", "-7e0".
-    let sci = format!("{value:e}");
-    let (mantissa, exp) = match sci.split_once('e') {
-        Some((m, e)) => (m, e.parse::<i32>().unwrap_or(0)),
-        None => (sci.as_str(), 0),
-    };
-    let (sign, mantissa) = match mantissa.strip_prefix('-') {
-        Some(rest) => ("-", rest),
-        None => ("", mantissa),
-    };
-    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
-    out.extend_from_slice(sign.as_bytes());
+    // The shortest digits that read back as `value`, and where the point goes: ryu's,
+    // whose ties (two shortest strings as near) go to the even digit, as Python's repr
+    // and msgspec (Rust's own `{:e}` rounds those up: 562949953421312.25 gave ".3").
+    let (negative, digits, exp) = shortest_digits(value);
+    if negative {
+        out.push(b'-');
+    }
     if (-5..16).contains(&exp) {
         let n = digits.len() as i32;
         if exp < 0 {
@@ -145,10 +140,37 @@ pub fn write_f64(out: &mut Vec<u8>, value: f64) {
             out.extend_from_slice(&digits.as_bytes()[point..]);
         }
     } else {
-        out.extend_from_slice(mantissa.as_bytes());
+        out.extend_from_slice(&digits.as_bytes()[..1]);
+        if digits.len() > 1 {
+            out.push(b'.');
+            out.extend_from_slice(&digits.as_bytes()[1..]);
+        }
         out.push(b'e');
         out.extend_from_slice(exp.to_string().as_bytes());
     }
+}
+
+/// (negative, the shortest significant digits without leading or trailing zeros, the
+/// decimal exponent of the first digit) of a finite non-zero `value`.
+fn shortest_digits(value: f64) -> (bool, String, i32) {
+    let mut buf = ryu::Buffer::new();
+    let text = buf.format_finite(value);
+    let (negative, text) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (mantissa, exp10) = match text.split_once(['e', 'E']) {
+        Some((m, e)) => (m, e.parse::<i32>().unwrap_or(0)),
+        None => (text, 0),
+    };
+    let fraction = mantissa.split_once('.').map_or(0, |(_, f)| f.len() as i32);
+    let all: String = mantissa.chars().filter(|c| *c != '.').collect();
+    // value = all × 10^(exp10 - fraction)
+    let trimmed = all.trim_start_matches('0');
+    let digits = trimmed.trim_end_matches('0');
+    let scale = exp10 - fraction + (trimmed.len() - digits.len()) as i32;
+    let exp = scale + digits.len() as i32 - 1;
+    (negative, digits.to_string(), exp)
 }
 
 // -- reading ----------------------------------------------------------------------------------
@@ -315,5 +337,10 @@ mod tests {
         assert_eq!(f(0.1 + 0.2), "0.30000000000000004");
         assert_eq!(f(-2.5), "-2.5");
         assert_eq!(f(f64::NAN), "null");
+        // two shortest strings as near (2^49 + 0.25): the even digit, as msgspec
+        assert_eq!(f(562949953421312.25), "562949953421312.2");
+        assert_eq!(f(5e-324), "5e-324");
+        assert_eq!(f(1.7976931348623157e308), "1.7976931348623157e308");
+        assert_eq!(f(123e20), "1.23e22");
     }
 }
