@@ -77,7 +77,10 @@ PROMPT = "Write one short sentence about caching."
 OUTPUT_TEXT = " Caching keeps recent work close so the next request is fast."
 NUM_OUTPUT_TOKENS = 12
 SYSTEMS = ("kvserve", "kvserve-edge", "sglang-router", "vllm-router")
-Call = Callable[[], Awaitable[str]]
+Call = Callable[[], Awaitable[bytes]]
+"""A timed call: it returns once the last byte of the answer was read, the answer's bytes
+unparsed (the client's own parsing of what the router answered is not the router's time;
+`Client.text` reads it in the correctness checks)."""
 
 
 class Client:
@@ -108,16 +111,16 @@ class Client:
             **extra,
         }
 
-    async def via_router(self, url: str, stream: bool) -> str:
-        data = await self.post(
+    async def via_router(self, url: str, stream: bool) -> bytes:
+        return await self.post(
             url + "/v1/completions", json.dumps(self.openai_body(stream)).encode()
         )
-        return completion_text(data, stream)
 
-    async def direct_kvserve(self) -> str:
+    async def direct_kvserve(self) -> bytes:
         """What kvserve's router does (protocol 5): decode and prefill (await_landing) at
         once, decode's DecodeReady forwarded to prefill as a LandingGrant, then prefill's
-        first token and decode's tokens; tokens as ids joined."""
+        first token and decode's tokens: prefill's FirstToken line and decode's lines after
+        DecodeReady, as read (`kvserve_ids` reads them)."""
         self.count += 1
         rid = f"bench-{self.count}"
         enc = msgspec.json.encode
@@ -138,19 +141,16 @@ class Client:
             ready = msgspec.json.decode(head, type=DecodeReady)
             grant = LandingGrant(PROTOCOL_VERSION, rid, ready.landing, ready.notify_url)
             await self.post(self.prefill + "/landing", enc(grant))
-            first = msgspec.json.decode((await prefilled).splitlines()[0], type=FirstToken)
+            first = await prefilled
             async for chunk in chunks:
                 buf += chunk
         finally:
             resp.close()
             if not prefilled.done():
                 prefilled.cancel()
-        ids = [first.token_id]
-        for line in buf.splitlines():
-            ids += msgspec.json.decode(line, type=TokenBatch).token_ids
-        return " ".join(map(str, ids))
+        return first + buf
 
-    async def direct_sglang(self, stream: bool) -> str:
+    async def direct_sglang(self, stream: bool) -> bytes:
         body = self.openai_body(
             stream, bootstrap_host="127.0.0.1", bootstrap_port=None, bootstrap_room=self.count
         )
@@ -159,9 +159,9 @@ class Client:
             self.post(self.prefill + "/v1/completions", raw),
             self.post(self.decode + "/v1/completions", raw),
         )
-        return completion_text(data, stream)
+        return data
 
-    async def direct_vllm(self, stream: bool) -> str:
+    async def direct_vllm(self, stream: bool) -> bytes:
         remote = {"do_remote_decode": True, "do_remote_prefill": False}
         first = self.openai_body(False, kv_transfer_params=remote)
         first.update(max_tokens=1, min_tokens=1)
@@ -169,8 +169,16 @@ class Client:
             await self.post(self.prefill + "/v1/completions", json.dumps(first).encode())
         )
         body = self.openai_body(stream, kv_transfer_params=answer["kv_transfer_params"])
-        data = await self.post(self.decode + "/v1/completions", json.dumps(body).encode())
-        return completion_text(data, stream)
+        return await self.post(self.decode + "/v1/completions", json.dumps(body).encode())
+
+
+def kvserve_ids(data: bytes) -> str:
+    """direct_kvserve's answer (FirstToken line, then TokenBatch lines): the ids, joined."""
+    first, *rest = data.splitlines()
+    ids = [msgspec.json.decode(first, type=FirstToken).token_id]
+    for line in rest:
+        ids += msgspec.json.decode(line, type=TokenBatch).token_ids
+    return " ".join(map(str, ids))
 
 
 def completion_text(data: bytes, stream: bool) -> str:
@@ -191,22 +199,20 @@ def _pct(samples: list[float], q: float) -> float:
     return 1e3 * samples[min(len(samples) - 1, int(len(samples) * q))]
 
 
-def _cpu_s(pids: Sequence[int]) -> tuple[float, float]:
-    """User and system CPU time of `pids` (all threads), seconds."""
-    user = system = 0.0
-    for pid in pids:
-        t = psutil.Process(pid).cpu_times()
-        user += t.user
-        system += t.system
-    return user, system
+def _cpu_each(pids: Sequence[int]) -> list[tuple[float, float]]:
+    """User and system CPU time of each of `pids` (all threads), seconds."""
+    return [tuple(psutil.Process(pid).cpu_times()[:2]) for pid in pids]  # type: ignore[misc]
 
 
 async def measure(
     fn: Call, concurrency: int, seconds: float, count: int | None, pids: Sequence[int] = ()
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """`concurrency` closed loops for `seconds` (or `count` requests in all) after a 1 s
     warm-up; latency percentiles (ms), req/s and, with `pids`, those processes' CPU time
-    per request (user + system, all threads: what the router costs, whatever else runs)."""
+    per request (user + system, all threads: what the router costs, whatever else runs),
+    in all and for each process (`cpu_us_per_req_each`, in the order of `pids`), and the
+    client's own (this process: one core drives every path, so its load is part of what
+    each path's latency includes)."""
     warm_end = time.perf_counter() + 1.0
     while time.perf_counter() < warm_end:
         await asyncio.gather(*(fn() for _ in range(concurrency)))
@@ -219,19 +225,24 @@ async def measure(
             await fn()
             samples.append(time.perf_counter() - t)
 
-    start, (user, system) = time.perf_counter(), _cpu_s(pids)
+    me = os.getpid()
+    start, before = time.perf_counter(), _cpu_each([*pids, me])
     await asyncio.gather(*(loop() for _ in range(concurrency)))
     wall = time.perf_counter() - start
-    user_end, system_end = _cpu_s(pids)
-    cpu = user_end - user + system_end - system
+    after = _cpu_each([*pids, me])
+    (cu, cs), (cue, cse) = before.pop(), after.pop()
+    each = [ue - u + se - s for (u, s), (ue, se) in zip(before, after, strict=True)]
+    system = sum(se - s for (_, s), (_, se) in zip(before, after, strict=True))
     samples.sort()
     return {
         "p50_ms": _pct(samples, 0.5),
         "p99_ms": _pct(samples, 0.99),
         "req_per_s": len(samples) / wall,
         "requests": len(samples),
-        "cpu_us_per_req": 1e6 * cpu / len(samples),
-        "cpu_system_us_per_req": 1e6 * (system_end - system) / len(samples),
+        "cpu_us_per_req": 1e6 * sum(each) / len(samples),
+        "cpu_us_per_req_each": [1e6 * c / len(samples) for c in each],
+        "cpu_system_us_per_req": 1e6 * system / len(samples),
+        "client_cpu_us_per_req": 1e6 * (cue - cu + cse - cs) / len(samples),
     }
 
 
@@ -374,20 +385,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             _wait_up(metrics_url, procs[key], "/metrics")
         for name in systems:  # correctness before speed: every router, both modes
             for stream in (False, True):
-                text = await client.via_router(url[name], stream)
+                text = completion_text(await client.via_router(url[name], stream), stream)
                 assert text == expected, (name, stream, text, expected)
-        assert await client.direct_kvserve() == " ".join(map(str, tokens))
+        assert kvserve_ids(await client.direct_kvserve()) == " ".join(map(str, tokens))
+        for stream in (False, True):
+            if "sglang-router" in systems:
+                text = completion_text(await client.direct_sglang(stream), stream)
+                assert text == expected, ("sglang direct", stream, text)
+            if "vllm-router" in systems:
+                text = completion_text(await client.direct_vllm(stream), stream)
+                assert text == expected, ("vllm direct", stream, text)
         result: dict[str, Any] = {
             "output_tokens": len(tokens),
             "ttft_ms": args.ttft_ms,
             "repeats": args.repeats,
             "rows": [],
         }
-        # Rounds interleave the systems, so that a slow minute of the machine falls on
-        # every router alike rather than on one.
-        rounds = [(r, n, s) for r in range(args.repeats) for n in systems for s in (False, True)]
-        for repeat, name, stream in rounds:
-            direct: Call = functools.partial(
+
+        def direct_call(name: str, stream: bool) -> Call:
+            return functools.partial(
                 {
                     "kvserve": lambda _s: client.direct_kvserve(),
                     "sglang-router": client.direct_sglang,
@@ -395,7 +411,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 }["kvserve" if name.startswith("kvserve") else name],
                 stream,
             )
-            routed: Call = functools.partial(client.via_router, url[name], stream)
+
+        def routed_call(name: str, stream: bool) -> Call:
+            return functools.partial(client.via_router, url[name], stream)
+
+        # One unmeasured round first: every path at load for --warmup-s. Without it the
+        # first streamed phase through kvserve's routers ran 0.3-1.9 ms slower than the
+        # later ones, at one connection and at 64, whichever of the two routers it was
+        # (docs/benchmarks.md, run 5; the cause was not established).
+        for name in systems if args.warmup_s > 0 else ():
+            for stream in (False, True):
+                for fn in (direct_call(name, stream), routed_call(name, stream)):
+                    await measure(fn, args.concurrency, args.warmup_s, None)
+        # Rounds interleave the systems, so that a slow minute of the machine falls on
+        # every router alike rather than on one.
+        rounds = [(r, n, s) for r in range(args.repeats) for n in systems for s in (False, True)]
+        for repeat, name, stream in rounds:
+            direct, routed = direct_call(name, stream), routed_call(name, stream)
             row: dict[str, Any] = {"system": name, "stream": stream, "repeat": repeat}
             for label, fn, pids in (
                 ("direct", direct, []),
@@ -408,6 +440,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 row[f"added_{phase}_p50_ms"] = r["p50_ms"] - d["p50_ms"]
                 row[f"added_{phase}_p99_ms"] = r["p99_ms"] - d["p99_ms"]
             print(table_row(row), file=sys.stderr, flush=True)
+            load = row["router_load"]
+            each = load["cpu_us_per_req_each"]
+            labels = (
+                ["control plane", *(["edge"] * (len(each) - 1))]
+                if name == "kvserve-edge"
+                else [f"process {i}" for i in range(len(each))]
+            )
+            parts = ", ".join(f"{n} {c:,.0f}" for n, c in zip(labels, each, strict=True))
+            client_cpu = f"client {load['client_cpu_us_per_req']:,.0f} through the router, " + (
+                f"{row['direct_load']['client_cpu_us_per_req']:,.0f} direct"
+            )
+            print(
+                f"    CPU µs/req at {args.concurrency}: {parts}; {client_cpu}",
+                file=sys.stderr,
+                flush=True,
+            )
             result["rows"].append(row)
         result["medians"] = medians(result["rows"])
         pool.close()
@@ -487,6 +535,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="load phase per path")
     parser.add_argument("--sequential", type=int, default=300, help="requests on one connection")
     parser.add_argument("--ttft-ms", type=float, default=20.0)
+    parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=2.0,
+        help="an unmeasured round first: every path at --concurrency for this long (0: none)",
+    )
     parser.add_argument(
         "--repeats",
         type=int,
