@@ -220,7 +220,8 @@ class _EdgeConnection(asyncio.Protocol):
             self._buf.clear()
         view = memoryview(data)  # frames decoded in place, not copied
         start, end = 0, len(data)
-        self._out = out = []
+        out: list[bytes] = []
+        self._out = out
         try:
             while end - start >= 4:
                 (n,) = FRAME_HEADER.unpack_from(data, start)
