@@ -220,8 +220,7 @@ class _EdgeConnection(asyncio.Protocol):
             self._buf.clear()
         view = memoryview(data)  # frames decoded in place, not copied
         start, end = 0, len(data)
-        out: list[bytes] = []
-        self._out = out
+        self._out = out = []
         try:
             while end - start >= 4:
                 (n,) = FRAME_HEADER.unpack_from(data, start)
