@@ -201,9 +201,6 @@ class _EdgeConnection(asyncio.Protocol):
         self._buf = bytearray()
         """A frame's first part, until the rest arrives."""
         self._closed = False
-        self._out: list[bytes] | None = None
-        """While a read's frames are applied: their answers, written together after the
-        last (a request's admit and pick answers in one write, one wakeup of the edge)."""
 
     # -- the connection ---------------------------------------------------------------------
 
@@ -220,26 +217,20 @@ class _EdgeConnection(asyncio.Protocol):
             self._buf.clear()
         view = memoryview(data)  # frames decoded in place, not copied
         start, end = 0, len(data)
-        self._out = out = []
-        try:
-            while end - start >= 4:
-                (n,) = FRAME_HEADER.unpack_from(data, start)
-                if n > MAX_FRAME_BYTES:
-                    log.error("edge control: a %d-byte frame; closing the connection", n)
-                    self.close()
-                    return
-                if end - start - 4 < n:
-                    break
-                self._apply(view[start + 4 : start + 4 + n])
-                start += 4 + n
-                if self._closed:
-                    return
-            if start < end:
-                self._buf += view[start:]
-        finally:
-            self._out = None
-            if out:
-                self._write(b"".join(out) if len(out) > 1 else out[0])
+        while end - start >= 4:
+            (n,) = FRAME_HEADER.unpack_from(data, start)
+            if n > MAX_FRAME_BYTES:
+                log.error("edge control: a %d-byte frame; closing the connection", n)
+                self.close()
+                return
+            if end - start - 4 < n:
+                break
+            self._apply(view[start + 4 : start + 4 + n])
+            start += 4 + n
+            if self._closed:
+                return
+        if start < end:
+            self._buf += view[start:]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._end_all()
@@ -259,14 +250,8 @@ class _EdgeConnection(asyncio.Protocol):
             self._record(req, End(id=req.ctx.request_id, status=EDGE_GONE_STATUS))
 
     def _send(self, obj: object) -> None:
-        if self._out is not None:
-            self._out.append(frame(obj))
-        else:
-            self._write(frame(obj))
-
-    def _write(self, data: bytes) -> None:
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(data)
+            self._transport.write(frame(obj))
 
     def _answer(self, seq: int, **fields: object) -> None:
         self._send({"seq": seq, **fields})
