@@ -16,14 +16,17 @@ mode (streamed SSE or one JSON body):
 
 router minus direct is what the router adds. Each pair is measured sequentially
 (`--sequential` requests on one connection: latency) and with `--concurrency` (64)
-connections for `--seconds` (latency under load and req/s). One client (router/http1.py's
+connections for `--seconds` each, in `--slices` (4) alternating slices of direct and
+routed whose samples are pooled, so that the machine's drift falls on both (latency under
+load and req/s); an unmeasured round of every path at load comes first (`--warmup-s`).
+One client (router/http1.py's
 keep-alive pool, uvloop) drives everything; the routers, the workers and the client share
 the machine's cores. Correctness first: each router's text must equal the canned
 tokens' text before anything is timed.
 
     python -m benchmarks.router_overhead [--systems kvserve kvserve-edge sglang-router
         vllm-router] [--kvserve-processes 1 2] [--edge-threads 0] [--concurrency 64]
-        [--seconds 5] [--sequential 300] [--out FILE.json]
+        [--seconds 5] [--slices 4] [--warmup-s 2] [--sequential 300] [--out FILE.json]
 
 `--kvserve-processes 1 2`: kvserve's router once as one process and once as two on one
 port (router.processes, SO_REUSEPORT; the rows "kvserve-x2"); its CPU column is then the
@@ -204,46 +207,95 @@ def _cpu_each(pids: Sequence[int]) -> list[tuple[float, float]]:
     return [tuple(psutil.Process(pid).cpu_times()[:2]) for pid in pids]  # type: ignore[misc]
 
 
+SETTLE_S = 0.25
+"""Each later slice of a paired load phase starts after this long at load unmeasured
+(the first after 1 s): the other path's requests drain and the loops reach pace."""
+
+
+class _Tally:
+    """Latency samples, wall time and CPU time (of `pids` and this client) summed over the
+    timed slices of one path."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.pids = [*pids, os.getpid()]
+        self.samples: list[float] = []
+        self.wall = 0.0
+        self.cpu = [[0.0, 0.0] for _ in self.pids]
+
+    async def run(self, fn: Call, concurrency: int, seconds: float, count: int | None) -> None:
+        """`concurrency` closed loops for `seconds` (or until `count` samples in all)."""
+        samples, end = self.samples, time.perf_counter() + seconds
+
+        async def loop() -> None:
+            while time.perf_counter() < end and (count is None or len(samples) < count):
+                t = time.perf_counter()
+                await fn()
+                samples.append(time.perf_counter() - t)
+
+        start, before = time.perf_counter(), _cpu_each(self.pids)
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        self.wall += time.perf_counter() - start
+        after = _cpu_each(self.pids)
+        for acc, (u, s), (ue, se) in zip(self.cpu, before, after, strict=True):
+            acc[0] += ue - u
+            acc[1] += se - s
+
+    def result(self) -> dict[str, Any]:
+        """Latency percentiles (ms), req/s and CPU time per request: the processes' (user +
+        system, all threads: what the router costs, whatever else runs) in all and each
+        (`cpu_us_per_req_each`, in the order of `pids`), and the client's own (one core
+        drives every path, so its load is part of what each path's latency includes)."""
+        samples, n = sorted(self.samples), len(self.samples)
+        each = [u + s for u, s in self.cpu[:-1]]
+        client = sum(self.cpu[-1])
+        return {
+            "p50_ms": _pct(samples, 0.5),
+            "p99_ms": _pct(samples, 0.99),
+            "req_per_s": n / self.wall,
+            "requests": n,
+            "cpu_us_per_req": 1e6 * sum(each) / n,
+            "cpu_us_per_req_each": [1e6 * c / n for c in each],
+            "cpu_system_us_per_req": 1e6 * sum(s for _, s in self.cpu[:-1]) / n,
+            "client_cpu_us_per_req": 1e6 * client / n,
+        }
+
+
+async def _warm(fn: Call, concurrency: int, seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        await asyncio.gather(*(fn() for _ in range(concurrency)))
+
+
 async def measure(
     fn: Call, concurrency: int, seconds: float, count: int | None, pids: Sequence[int] = ()
 ) -> dict[str, Any]:
-    """`concurrency` closed loops for `seconds` (or `count` requests in all) after a 1 s
-    warm-up; latency percentiles (ms), req/s and, with `pids`, those processes' CPU time
-    per request (user + system, all threads: what the router costs, whatever else runs),
-    in all and for each process (`cpu_us_per_req_each`, in the order of `pids`), and the
-    client's own (this process: one core drives every path, so its load is part of what
-    each path's latency includes)."""
-    warm_end = time.perf_counter() + 1.0
-    while time.perf_counter() < warm_end:
-        await asyncio.gather(*(fn() for _ in range(concurrency)))
-    samples: list[float] = []
-    end = time.perf_counter() + seconds
+    """One path: `concurrency` closed loops for `seconds` (or `count` requests in all)
+    after a 1 s warm-up (`_Tally.result`)."""
+    await _warm(fn, concurrency, 1.0)
+    tally = _Tally(pids)
+    await tally.run(fn, concurrency, seconds, count)
+    return tally.result()
 
-    async def loop() -> None:
-        while time.perf_counter() < end and (count is None or len(samples) < count):
-            t = time.perf_counter()
-            await fn()
-            samples.append(time.perf_counter() - t)
 
-    me = os.getpid()
-    start, before = time.perf_counter(), _cpu_each([*pids, me])
-    await asyncio.gather(*(loop() for _ in range(concurrency)))
-    wall = time.perf_counter() - start
-    after = _cpu_each([*pids, me])
-    (cu, cs), (cue, cse) = before.pop(), after.pop()
-    each = [ue - u + se - s for (u, s), (ue, se) in zip(before, after, strict=True)]
-    system = sum(se - s for (_, s), (_, se) in zip(before, after, strict=True))
-    samples.sort()
-    return {
-        "p50_ms": _pct(samples, 0.5),
-        "p99_ms": _pct(samples, 0.99),
-        "req_per_s": len(samples) / wall,
-        "requests": len(samples),
-        "cpu_us_per_req": 1e6 * sum(each) / len(samples),
-        "cpu_us_per_req_each": [1e6 * c / len(samples) for c in each],
-        "cpu_system_us_per_req": 1e6 * system / len(samples),
-        "client_cpu_us_per_req": 1e6 * (cue - cu + cse - cs) / len(samples),
-    }
+async def measure_pair(
+    direct: Call,
+    routed: Call,
+    concurrency: int,
+    seconds: float,
+    slices: int,
+    pids: Sequence[int],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both paths at load for `seconds` each, in `slices` alternating slices (direct,
+    routed, then routed, direct, ...), samples pooled per path: the machine's drift over
+    the phase (a neighbour, a host minutes after boot) falls on both alike instead of on
+    whichever ran second. Each slice after the first starts after SETTLE_S at load."""
+    tallies = {"direct": _Tally(()), "routed": _Tally(pids)}
+    calls = {"direct": direct, "routed": routed}
+    for i in range(slices):
+        for label in ("direct", "routed") if i % 2 == 0 else ("routed", "direct"):
+            await _warm(calls[label], concurrency, 1.0 if i == 0 else SETTLE_S)
+            await tallies[label].run(calls[label], concurrency, seconds / slices, None)
+    return tallies["direct"].result(), tallies["routed"].result()
 
 
 # -- processes -----------------------------------------------------------------------------
@@ -434,7 +486,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 ("router", routed, router_pids[name]),
             ):
                 row[f"{label}_seq"] = await measure(fn, 1, 60.0, args.sequential, pids)
-                row[f"{label}_load"] = await measure(fn, args.concurrency, args.seconds, None, pids)
+            row["direct_load"], row["router_load"] = await measure_pair(
+                direct, routed, args.concurrency, args.seconds, args.slices, router_pids[name]
+            )
             for phase in ("seq", "load"):
                 r, d = row[f"router_{phase}"], row[f"direct_{phase}"]
                 row[f"added_{phase}_p50_ms"] = r["p50_ms"] - d["p50_ms"]
@@ -535,6 +589,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="load phase per path")
     parser.add_argument("--sequential", type=int, default=300, help="requests on one connection")
     parser.add_argument("--ttft-ms", type=float, default=20.0)
+    parser.add_argument(
+        "--slices",
+        type=int,
+        default=4,
+        help="the load phase of a row as this many alternating slices of direct and routed",
+    )
     parser.add_argument(
         "--warmup-s",
         type=float,
