@@ -3,6 +3,8 @@ in float32, plus the OpenAI stop semantics on real text."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -107,9 +109,12 @@ AGREEMENT_QUESTIONS = [
 def test_bfloat16_greedy_agrees_with_float32(engine, weights_cache_dir: str):
     """bfloat16 (deploy/examples/local.yaml's fast CPU dtype) is not claimed token-exact,
     but it must be the same model: on eight prompts (text and chat) its 32 greedy tokens
-    agree with float32's for at least the first four tokens of every prompt, and on
-    average for half of them or more (measured: 22 of 32; rounding first tips a near-tie
-    at token 5 at the earliest). The agreeing prefix lengths are printed (pytest -s)."""
+    may part from float32's only where both models were unsure (a near-tie, which rounding
+    can tip: neither gives its own greedy token 60% or more there), and agree on average
+    for half of them or more (measured: 22 of 32 on a CPU with native bf16; 21 on one
+    without (AVX-512, no bf16 instructions), where every parting came at p <= 0.41 and
+    one prompt parted at its third token, p 0.35). The
+    agreeing prefix lengths and the divergences' probabilities are printed (pytest -s)."""
     bf16 = LLMEngine.from_spec(
         "builtin:smollm2-135m-instruct",
         EngineConfig(cache_dir=weights_cache_dir, dtype="bfloat16"),
@@ -123,13 +128,23 @@ def test_bfloat16_greedy_agrees_with_float32(engine, weights_cache_dir: str):
         )
         for q in AGREEMENT_QUESTIONS
     ]
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    ref = [o.token_ids for o in engine.generate(prompts, params)]
-    got = [o.token_ids for o in bf16.generate(prompts, params)]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=True)
+    ref = engine.generate(prompts, params)
+    got = bf16.generate(prompts, params)
     agree = [
-        next((i for i, (a, b) in enumerate(zip(r, g, strict=True)) if a != b), len(r))
+        next(
+            (i for i, (a, b) in enumerate(zip(r.token_ids, g.token_ids, strict=True)) if a != b),
+            len(r.token_ids),
+        )
         for r, g in zip(ref, got, strict=True)
     ]
+    parted = [
+        (i, math.exp(r.logprobs[i] or 0.0), math.exp(g.logprobs[i] or 0.0))
+        for i, r, g in zip(agree, ref, got, strict=True)
+        if i < len(r.token_ids)
+    ]
     print(f"bfloat16 vs float32 greedy: agreeing prefix per prompt {agree} of 32")
-    assert min(agree) >= 4, agree
+    print(f"where they part (index, float32's p of its token, bfloat16's p of its): {parted}")
+    for i, p_ref, p_bf16 in parted:
+        assert p_ref < 0.6 and p_bf16 < 0.6, (i, p_ref, p_bf16, agree)
     assert sum(agree) / len(agree) >= 16, agree

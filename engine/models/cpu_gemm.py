@@ -4,8 +4,10 @@
 reorders it into its blocked GEMM layout on every call: at decode batch sizes (a few rows)
 that reorder costs as much as the product itself. `pack_linear_weights` reorders every
 projection weight of a model once at load and hangs the packed copy on the weight
-(`_packed`); `linear` uses it when present. The result is bit-identical to F.linear (the
-same oneDNN kernel, minus the per-call reorder; tests/test_cpu_gemm.py), about 2x faster
+(`_packed`); `linear` uses it when present. The result is F.linear's (the same oneDNN
+kernel, minus the per-call reorder), bit for bit where oneDNN blocks both layouts alike:
+on a CPU without bf16 instructions a few elements at 2-3 rows round one bf16 step apart
+(tests/test_cpu_gemm.py), about 2x faster
 per call at 1-2 rows (docs/benchmarks.md). float32 keeps F.linear (MKL): the exactness
 reference is not touched."""
 
