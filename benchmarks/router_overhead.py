@@ -83,7 +83,7 @@ SYSTEMS = ("kvserve", "kvserve-edge", "sglang-router", "vllm-router")
 Call = Callable[[], Awaitable[bytes]]
 """A timed call: it returns once the last byte of the answer was read, the answer's bytes
 unparsed (the client's own parsing of what the router answered is not the router's time;
-`Client.text` reads it in the correctness checks)."""
+`completion_text` and `kvserve_ids` read it in the correctness checks)."""
 
 
 class Client:
@@ -474,7 +474,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in systems if args.warmup_s > 0 else ():
             for stream in (False, True):
                 for fn in (direct_call(name, stream), routed_call(name, stream)):
-                    await measure(fn, args.concurrency, args.warmup_s, None)
+                    await _warm(fn, args.concurrency, args.warmup_s)
         # Rounds interleave the systems, so that a slow minute of the machine falls on
         # every router alike rather than on one.
         rounds = [(r, n, s) for r in range(args.repeats) for n in systems for s in (False, True)]
@@ -626,6 +626,8 @@ def main() -> None:
         help="a directory with another build of router/, imported before the repository's",
     )
     args = parser.parse_args()
+    if args.slices < 1:
+        parser.error(f"--slices must be at least 1, got {args.slices}")
     import uvloop
 
     result = uvloop.run(run(args))

@@ -59,3 +59,48 @@ def test_medians_group_by_system_and_mode() -> None:
     assert json_row["router_load"]["req_per_s"] == pytest.approx(1000.0)
     assert json_row["direct_load"]["req_per_s"] == pytest.approx(2000.0)
     assert by_key[("kvserve", True)]["repeats"] == 1
+
+
+def test_paired_load_pools_every_slice_and_orders_the_paths() -> None:
+    """router_overhead's load phase: direct and routed alternate in slices whose samples
+    are pooled per path; each path's latency is its own (a 1 ms call against a 6 ms one),
+    its CPU columns are the given processes' (none for direct) and the client's."""
+    import asyncio
+    import os
+
+    from benchmarks.router_overhead import measure_pair
+
+    calls = {"direct": 0, "routed": 0}
+
+    async def direct() -> bytes:
+        calls["direct"] += 1
+        await asyncio.sleep(0.001)
+        return b""
+
+    async def routed() -> bytes:
+        calls["routed"] += 1
+        await asyncio.sleep(0.006)
+        return b""
+
+    d, r = asyncio.run(measure_pair(direct, routed, 4, 0.4, 2, [os.getpid()]))
+    assert 1.0 <= d["p50_ms"] and 6.0 <= r["p50_ms"] < 30.0, (d, r)
+    assert r["p50_ms"] - d["p50_ms"] > 3.0, (d, r)
+    # pooled over both slices: 0.4 s per path at 4 loops, never more than the calls made
+    assert 0.2 * 4 / 0.006 <= r["requests"] <= calls["routed"], (r, calls)
+    assert 0.2 * 4 / 0.004 <= d["requests"] <= calls["direct"], (d, calls)
+    assert r["req_per_s"] > 0.5 * 4 / 0.006 and d["req_per_s"] > r["req_per_s"]
+    assert d["cpu_us_per_req_each"] == [] and len(r["cpu_us_per_req_each"]) == 1
+    assert d["client_cpu_us_per_req"] > 0 and r["client_cpu_us_per_req"] > 0
+
+
+def test_paired_load_refuses_no_slices() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.router_overhead", "--slices", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "--slices must be at least 1, got 0" in out.stderr
