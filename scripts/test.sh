@@ -18,12 +18,15 @@ if [ -x "$cargo" ]; then
   cargo_log=$(mktemp)
   (cd edge && "$cargo" test --offline --quiet) >"$cargo_log" 2>&1 &
   cargo_pid=$!
+  # mypy or lint-imports failing ends the script (set -e): the build goes with it
+  trap 'kill "$cargo_pid" 2>/dev/null || true; rm -f "$cargo_log"' EXIT
 fi
 mypy
 lint-imports
 if [ -n "$cargo_pid" ]; then
   cargo_ok=0
   wait "$cargo_pid" || cargo_ok=$?
+  trap - EXIT
   cat "$cargo_log"
   rm -f "$cargo_log"
   if [ "$cargo_ok" -ne 0 ]; then
