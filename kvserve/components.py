@@ -48,12 +48,12 @@ DEFAULT_COMMANDS: dict[str, tuple[str, ...]] = {
 START_ORDER: tuple[tuple[str, ...], ...] = (
     ("pool_master",),
     ("pool_store",),
-    ("prefill", "decode", "unified"),
-    ("router",),
+    ("prefill", "decode", "unified", "router"),
 )
 """Kinds started together, stage by stage; a stage starts when the previous is healthy
-(stores mount into a running master, prefill connects to a pool that has memory, and the
-router comes up only when the workers it routes to answer)."""
+(stores mount into a running master, prefill connects to a pool that has memory). The
+router starts beside the workers (its imports and tokenizer load overlap theirs) and is
+healthy once it sees every worker of the same launch answer (`ComponentSpec.waits_for`)."""
 
 RESTARTED_KINDS = ("pool_master", "pool_store", "prefill", "decode", "unified")
 """Kinds the supervisor restarts when they exit once the cluster runs, instead of stopping
@@ -83,6 +83,9 @@ class ComponentSpec:
     argv: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
     """Variables set on top of the launcher's environment."""
+    waits_for: tuple[str, ...] = ()
+    """The router: the instances started with it (this launch's workers) that its GET
+    /health must show healthy before it counts as started."""
 
     @property
     def restart(self) -> bool:
@@ -238,8 +241,12 @@ def plan_components(
         host = cluster.router_bind_host
         if host in ("0.0.0.0", "::"):
             host = router_node.host  # reachable from this node whatever the wildcard
+        workers = tuple(s.name for kind in WORKER_KINDS for s in by_kind[kind])
         by_kind["router"].append(
-            spec("router", "router", router_node, host, cluster.router.port, env)
+            replace(
+                spec("router", "router", router_node, host, cluster.router.port, env),
+                waits_for=workers,
+            )
         )
     stages = [[s for kind in stage for s in by_kind[kind]] for stage in START_ORDER]
     return [stage for stage in stages if stage]

@@ -127,3 +127,21 @@ def format_table(rows: list[ComponentHealth]) -> str:
         cells = [cell.ljust(w) for cell, w in zip(line[:-1], widths, strict=True)]
         out.append("  ".join([*cells, line[-1]]))
     return "\n".join(out)
+
+
+def unseen_by_router(body: bytes, names: tuple[str, ...]) -> list[str]:
+    """Of the instances `names`, those the router's GET /health `body` does not show
+    healthy (all of them when the body is not the router's)."""
+    try:
+        health = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return list(names)
+    healthy: set[str] = set()
+    if isinstance(health, dict):
+        for role in ("prefill", "decode", "unified"):
+            section = health.get(role)
+            if isinstance(section, dict):
+                for inst in section.get("instances") or ():
+                    if isinstance(inst, dict) and inst.get("healthy") is True:
+                        healthy.add(str(inst.get("name")))
+    return [n for n in names if n not in healthy]

@@ -27,13 +27,15 @@ from typing import IO
 import msgspec
 
 from kvserve.components import ComponentSpec
-from kvserve.health import http_get
+from kvserve.health import http_get, unseen_by_router
 from kvserve.process_groups import process_start_time, spawn_group, stop_groups
 from kvserve.run_state import ComponentState, Phase, RunDir, RunState
 from protocol.errors import KvserveError
 
 LOG_TAIL_LINES = 40
 _POLL_S = 0.2
+_START_POLL_S = 0.05
+"""Health probes of a starting stage (loopback or LAN GETs; the stage is ready sooner)."""
 RESTART_FIRST_DELAY_S = 1.0
 RESTART_MAX_DELAY_S = 30.0
 RESTART_STABLE_S = 60.0
@@ -255,13 +257,17 @@ class Supervisor:
                 rc = r.proc.poll()
                 if rc is not None:
                     raise LaunchError(self._failure(r, f"exited with code {rc} while starting"))
-                if http_get(r.spec.health_url, timeout_s=1.0).ok:
+                probe = http_get(r.spec.health_url, timeout_s=1.0)
+                if probe.ok and not unseen_by_router(probe.body, r.spec.waits_for):
                     pending.remove(r)
                     self.say(f"{r.spec.name} is healthy ({time.monotonic() - t0:.1f}s)")
             if pending and time.monotonic() - t0 > self.health_timeout_s:
                 r = pending[0]
                 probe = http_get(r.spec.health_url, timeout_s=1.0)
                 why = f"HTTP {probe.status} {probe.error}" if probe.status else probe.error
+                unseen = unseen_by_router(probe.body, r.spec.waits_for) if probe.ok else []
+                if unseen:
+                    why = f"it does not see {', '.join(unseen)} healthy yet"
                 raise LaunchError(
                     self._failure(
                         r,
@@ -270,7 +276,7 @@ class Supervisor:
                     )
                 )
             if pending:
-                time.sleep(_POLL_S)
+                time.sleep(_START_POLL_S)
 
     def _watch(self) -> int:
         while self.signals.stop is None:

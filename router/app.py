@@ -111,7 +111,7 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        health.start()
+        await health.start()
         watcher.start()
         try:
             yield
@@ -124,6 +124,7 @@ def create_app(settings: RouterSettings, model: ModelInfo) -> FastAPI:
     install_openapi(app)
     app.state.serving = ctx
     app.state.registry = registry
+    app.state.health = health
     app.state.metrics = metrics
     app.state.view = view
 

@@ -11,6 +11,10 @@ it cannot serve: requests bound to it fail at once, router/decode_bindings.py). 
 timed-out poll is a failure too: the first one could be a slow moment of a busy process,
 so it only stops routing, and `timeouts_down` timed-out polls in a row mark it down (a
 process that keeps its port open but never answers, e.g. one whose event loop is stuck).
+
+`kvserve up` starts the router beside the workers: the router polls every instance once
+before it serves, then every STARTUP_INTERVAL_S until each has answered once (an instance
+not answering yet is only waited for, not reported), then every `interval_s`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ log = logging.getLogger(__name__)
 TIMEOUTS_DOWN = 3
 """Timed-out health polls in a row that mark an instance down (with the default 1 s
 interval and 1 s health timeout: about 3-6 s of silence)."""
+
+STARTUP_INTERVAL_S = 0.05
+"""Poll period while some instance has never answered since the router started: `kvserve
+up` starts the router beside the workers, so it notices each one as soon as it serves
+rather than up to a whole interval later."""
 
 
 class HealthMonitor:
@@ -45,10 +54,16 @@ class HealthMonitor:
         self._timeouts_down = timeouts_down
         self._timeouts: dict[str, int] = {}
         """Instance url -> timed-out polls in a row."""
+        self._answered: set[tuple[str, str]] = set()
+        """(role, name) of the instances that have answered a poll since the router
+        started."""
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """One poll of every instance, then the polling task. Awaited before the router
+        serves, so its first requests go only to the instances that answered."""
         if self._task is None:
+            await self._poll_guarded()
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
@@ -69,8 +84,13 @@ class HealthMonitor:
         # httpx's *Timeout errors; any other outcome ends a run of timeouts
         streak = self._timeouts.get(inst.url, 0) + 1 if timed_out else 0
         self._timeouts[inst.url] = streak
+        key = (inst.role, inst.name)
+        first = key not in self._answered
         if error is None:
-            if not inst.healthy:
+            self._answered.add(key)
+            if first:
+                log.info("%s answers", inst.describe())
+            elif not inst.healthy:
                 log.info("%s is healthy again", inst.describe())
             elif inst.incarnation and incarnation and incarnation != inst.incarnation:
                 log.info("%s was restarted (a new process answers)", inst.describe())
@@ -79,16 +99,31 @@ class HealthMonitor:
             down = not timed_out or streak >= self._timeouts_down
             if timed_out:
                 error = f"{error} ({streak} timed-out health polls in a row)"
-            if inst.healthy or (timed_out and streak == self._timeouts_down):
+            if first:
+                if inst.healthy:  # not an error yet: it may still be starting
+                    log.info("waiting for %s to answer: %s", inst.describe(), error)
+            elif inst.healthy or (timed_out and streak == self._timeouts_down):
                 log.warning("%s is unhealthy%s: %s", inst.describe(), " (down)" * down, error)
             self._registry.mark_unhealthy(inst, error, down=down)
 
+    @property
+    def interval_s(self) -> float:
+        """The period of the next poll: STARTUP_INTERVAL_S while an instance has never
+        answered, the configured interval once all have."""
+        if any((i.role, i.name) not in self._answered for i in self._registry.all()):
+            return min(self._interval_s, STARTUP_INTERVAL_S)
+        return self._interval_s
+
+    async def _poll_guarded(self) -> None:
+        try:
+            await self.poll_once()
+        except Exception:  # never let one bad poll end health checking
+            log.exception("health poll failed")
+
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
+        last = loop.time()  # start() has just polled
         while True:
-            started = loop.time()
-            try:
-                await self.poll_once()
-            except Exception:  # never let one bad poll end health checking
-                log.exception("health poll failed")
-            await asyncio.sleep(max(0.0, self._interval_s - (loop.time() - started)))
+            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - last)))
+            last = loop.time()
+            await self._poll_guarded()

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 import uvicorn
+from cluster_harness import free_ports
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -305,7 +306,12 @@ def smollm2_info() -> Any:
 class RouterHarness:
     """A real router (uvicorn, uvloop, httptools, TCP_NODELAY) in front of stand-ins."""
 
-    def __init__(self, num_prefill: int = 1, num_decode: int = 1, **settings: Any) -> None:
+    def __init__(
+        self, num_prefill: int = 1, num_decode: int = 1, late_prefill: int = 0, **settings: Any
+    ) -> None:
+        """`late_prefill`: that many more prefill stand-ins (the last ones), on ports
+        chosen now but served only from `start_late()`: instances that come up after
+        the router."""
         from router.app import create_app
         from router.config import InstanceEndpoint, RouterSettings
         from router.http_limits import guarded_protocol
@@ -317,6 +323,14 @@ class RouterHarness:
         for s in self.worker_servers:
             s.start()
         urls = [s.url for s in self.worker_servers]
+        self.late = [StandinWorker() for _ in range(late_prefill)]
+        late_ports = free_ports(late_prefill) if late_prefill else []
+        self.late_servers = [
+            ServerThread(w.app(), port=port) for w, port in zip(self.late, late_ports, strict=True)
+        ]
+        urls[num_prefill:num_prefill] = [f"http://127.0.0.1:{port}" for port in late_ports]
+        self.prefill += self.late
+        num_prefill += late_prefill
         self.settings = RouterSettings(
             model="builtin:smollm2-135m-instruct",
             port=0,
@@ -365,6 +379,11 @@ class RouterHarness:
             max_retries=0,
             **kwargs,
         )
+
+    def start_late(self) -> None:
+        for s in self.late_servers:
+            s.start()
+        self.worker_servers += self.late_servers
 
     def close(self) -> None:
         self.router.stop()

@@ -25,7 +25,7 @@ from kvserve.supervisor import LaunchError
 REPO = Path(__file__).resolve().parent.parent
 
 STANDIN = r"""
-import http.server, json, os, signal, subprocess, sys, threading, time
+import http.client, http.server, json, os, signal, subprocess, sys, threading, time
 name, kind, host, port, out = sys.argv[1:6]
 mode = json.loads(open(os.path.join(out, "modes.json")).read()).get(name, "ok")
 with open(os.path.join(out, name + ".env.json"), "w") as f:
@@ -47,10 +47,32 @@ if mode.startswith("die_after"):
 status = {"name": name, "role": kind, "healthy": True, "num_running": 1, "num_waiting": 2,
           "kv_blocks_total": 100, "kv_blocks_free": 97}
 
+def router_health():
+    # as the real router: each instance's health as its own GET /health answers it
+    # (mode "blind": as a router that never reaches its instances)
+    instances = json.loads(open(os.path.join(out, "instances.json")).read())
+    health = {"status": "ok"}
+    for role, entries in instances.items():
+        listed = []
+        for inst_name, inst_port in entries:
+            try:
+                conn = http.client.HTTPConnection(host, inst_port, timeout=0.5)
+                conn.request("GET", "/health")
+                up = conn.getresponse().status == 200 and mode != "blind"
+                conn.close()
+            except OSError:
+                up = False
+            listed.append({"name": inst_name, "healthy": up})
+        health[role] = {"total": len(listed), "instances": listed}
+    return json.dumps(health).encode()
+
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/health":
-            code, body = (503, b"loading") if mode == "never" else (200, b"ok")
+            if mode == "never":
+                code, body = 503, b"loading"
+            else:
+                code, body = 200, router_health() if kind == "router" else b"ok"
         elif self.path == "/status" and kind != "router":
             # as a real worker: /status is internal, the cluster secret is required
             if secret and self.headers.get("authorization") == "Bearer " + secret:
@@ -84,6 +106,8 @@ class Cluster:
         argv = [sys.executable, str(script), "{name}", "{kind}", "{host}", "{port}", str(self.out)]
         self.commands = {kind: argv for kind in ("router", "prefill", "decode")}
         self.router_port, p_port, d_port, dist = free_ports(4)
+        instances = {"prefill": [["prefill-0", p_port]], "decode": [["decode-0", d_port]]}
+        (self.out / "instances.json").write_text(json.dumps(instances))
         self.config = tmp / "cluster.yaml"
         self.config.write_text(
             f"""
@@ -252,8 +276,7 @@ def test_crash_at_start_stops_the_others(tmp_path: Path) -> None:
     text = out.getvalue()
     assert "prefill-0 exited with code 3" in text
     assert "boom: cannot load the model" in text  # the log tail
-    assert "router" not in [line.split()[1] for line in text.splitlines() if "started" in line]
-    assert_all_gone(c, ["prefill-0", "decode-0"])
+    assert_all_gone(c, ALL)  # the router starts beside the workers: stopped with them
     assert c.state() is None
 
 
@@ -263,7 +286,37 @@ def test_never_healthy_times_out(tmp_path: Path) -> None:
     assert launcher.up(c.config, c.options(health_timeout_s=1.0), out=out) == 1
     assert "decode-0 not healthy after 1s" in out.getvalue()
     assert "503" in out.getvalue()
-    assert_all_gone(c, ["prefill-0", "decode-0"])
+    assert_all_gone(c, ALL)
+
+
+def test_the_router_is_started_once_it_sees_every_worker(tmp_path: Path) -> None:
+    """The router starts beside the workers; it counts as started only when its GET
+    /health shows every worker of the launch healthy, so the cluster is never reported
+    ready while the router would still refuse requests."""
+    c = Cluster(tmp_path)
+    out = io.StringIO()
+    proc = c.driver()
+    try:
+        c.wait_phase("running")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=15)
+        c.cleanup(proc)
+    lines = output.splitlines()
+    started = [i for i, line in enumerate(lines) if line.startswith("[kvserve] started ")]
+    healthy = [i for i, line in enumerate(lines) if line.endswith("s)") and "healthy" in line]
+    # all three started before any is healthy (one stage), the router healthy last
+    assert len(started) == 3 and len(healthy) == 3 and max(started) < min(healthy), output
+    assert lines[healthy[-1]].startswith("[kvserve] router is healthy"), output
+
+    (tmp_path / "blind").mkdir()
+    blind = Cluster(tmp_path / "blind", modes={"router": "blind"})
+    assert launcher.up(blind.config, blind.options(health_timeout_s=1.5), out=out) == 1
+    text = out.getvalue()
+    assert "prefill-0 is healthy" in text and "decode-0 is healthy" in text
+    assert "router not healthy after 1.5s" in text, text
+    assert "it does not see prefill-0, decode-0 healthy yet" in text, text
+    assert_all_gone(blind, ALL)
 
 
 def test_detach_then_down_kills_a_stubborn_component(tmp_path: Path) -> None:

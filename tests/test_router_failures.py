@@ -246,3 +246,34 @@ def _is_up(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health", trust_env=False).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_an_instance_that_starts_after_the_router_is_seen_at_once(caplog) -> None:  # type: ignore[no-untyped-def]
+    """`kvserve up` starts the router beside the workers. The router polls every instance
+    once before it serves (so its first requests avoid one not up yet), then often until
+    each has answered once: with an hour between regular polls, a prefill that comes up
+    after the router is still routed to within a second. Not answering yet is logged as
+    waiting, not as a failure; once all have answered, polls return to the interval."""
+    caplog.set_level("INFO", logger="router.health")
+    h = RouterHarness(num_prefill=1, late_prefill=1, health_interval_s=3600.0)
+    try:
+        registry = h.app.state.registry
+        early, late = registry.instances("prefill")
+        assert early.healthy and not late.healthy  # the sweep before serving
+        assert h.app.state.health.interval_s < 0.1
+        for _ in range(2):
+            r = h.openai().completions.create(model=h.served_name, prompt="x", max_tokens=3)
+            assert r.choices[0].finish_reason == "length"
+        assert len(h.late[0].received) == 0
+        h.start_late()
+        _wait_for(lambda: late.healthy, 1.0)
+        for _ in range(2):  # round robin over both now
+            h.openai().completions.create(model=h.served_name, prompt="x", max_tokens=3)
+        assert len(h.late[0].received) == 1
+        assert h.app.state.health.interval_s == 3600.0
+    finally:
+        h.close()
+    about_late = [r for r in caplog.records if "instance p1" in r.getMessage()]
+    assert [r.levelname for r in about_late] == ["INFO", "INFO"], about_late
+    assert "waiting for prefill instance p1" in about_late[0].getMessage()
+    assert about_late[1].getMessage().endswith("answers")
