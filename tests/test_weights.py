@@ -266,3 +266,25 @@ def test_hf_folder_shards_and_tied_embeddings(tmp_path: Path) -> None:
 def test_unknown_architecture_lists_supported() -> None:
     with pytest.raises(UnsupportedArchitectureError, match=r"LlamaForCausalLM.*Qwen3ForCausalLM"):
         model_class("GPT2LMHeadModel")
+
+
+def test_gguf_header_read_in_short_pieces_is_the_same(smollm2_gguf: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A first read that ends inside the tokenizer's string arrays (SmolLM2's header is
+    2.2 MiB) is grown until the header fits; the metadata and the tensor directory are
+    then those of one whole read, and agree with gguf's own reader."""
+    import gguf
+
+    whole = gguf_config.read_gguf_header(smollm2_gguf, max_array_len=None)
+    monkeypatch.setattr(gguf_config, "_FIRST_READ_BYTES", 1000)
+    pieces = gguf_config.read_gguf_header(smollm2_gguf, max_array_len=None)
+    assert pieces.metadata == whole.metadata and pieces.tensors == whole.tensors
+    reader = gguf.GGUFReader(str(smollm2_gguf))
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    assert len(whole.metadata["tokenizer.ggml.tokens"]) == len(tokens.data) == 49152
+    assert whole.metadata["tokenizer.ggml.tokens"][:300] == [
+        bytes(tokens.parts[i]).decode("utf-8") for i in tokens.data[:300]
+    ]
+    types = reader.fields["tokenizer.ggml.token_type"]
+    assert whole.metadata["tokenizer.ggml.token_type"] == [
+        int(types.parts[i][0]) for i in types.data
+    ]
