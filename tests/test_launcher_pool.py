@@ -24,14 +24,15 @@ def test_local_example_plans_pool_before_workers():
     assert [[s.name for s in st] for st in stages] == [
         ["pool-master"],
         ["pool-store-0", "pool-store-1"],
-        ["prefill-0", "decode-0"],
-        ["router"],
+        ["prefill-0", "decode-0", "router"],
     ]
     master, (s0, s1) = stages[0][0], stages[1]
     assert master.health_url == "http://127.0.0.1:9003/health" and master.restart
     assert s0.argv[-4:] == ("--index", "0", "--health-port", "9061") and s1.restart
-    assert all(w.restart for w in stages[2])  # workers come back too; the router does not
-    assert not stages[3][0].restart
+    *workers, router = stages[2]  # the router starts beside the workers
+    assert all(w.restart for w in workers)  # workers come back too; the router does not
+    assert not router.restart
+    assert router.waits_for == ("prefill-0", "decode-0") and not workers[0].waits_for
     for spec in (master, s0, s1):
         assert spec.env["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"
         assert spec.argv[1:3] == ("-m", "kvpool.master" if spec is master else "kvpool.store")

@@ -83,7 +83,7 @@ def test_plan_has_no_process_for_it_and_stages_split_its_size(tmp_path: Path):
     path = _cluster(tmp_path, stores, pp=2)
     cluster = load_cluster(path)
     names = [[s.name for s in st] for st in plan_components(cluster, path, ["local"])]
-    assert names == [["pool-master"], ["pool-store-1"], ["p", "d"], ["router"]]
+    assert names == [["pool-master"], ["pool-store-1"], ["p", "d", "router"]]
     assert prefill_segment(cluster, "p") == (32 * MiB, True)  # 64 MiB over 2 stages
     assert prefill_segment(cluster, "d") == (0, False)
 

@@ -127,8 +127,9 @@ def test_kvserve_up_starts_the_unified_worker_and_prometheus_scrapes_it(tmp_path
     c = _parse(_raw())
     stages = plan_components(c, LOCAL, ["local"])
     kinds = [[s.kind for s in stage] for stage in stages]
-    assert kinds == [["pool_master"], ["pool_store", "pool_store"], ["unified"], ["router"]]
-    (worker,) = stages[2]
+    assert kinds == [["pool_master"], ["pool_store", "pool_store"], ["unified", "router"]]
+    worker, router = stages[2]
+    assert router.waits_for == ("unified-0",)
     assert worker.argv[1:3] == ("-m", "unified_worker") and worker.name == "unified-0"
     roles = {t.kind for t in scrape_targets(c)}
     assert "unified" in roles and "prefill" not in roles
