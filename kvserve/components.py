@@ -53,7 +53,11 @@ START_ORDER: tuple[tuple[str, ...], ...] = (
 """Kinds started together, stage by stage; a stage starts when the previous is healthy
 (stores mount into a running master, prefill connects to a pool that has memory). The
 router starts beside the workers (its imports and tokenizer load overlap theirs) and is
-healthy once it sees every worker of the same launch answer (`ComponentSpec.waits_for`)."""
+healthy once it sees every worker of the same launch answer (`ComponentSpec.waits_for`).
+With `router.processes` > 1 it starts in a stage of its own after the workers instead:
+its GET /health answers for whichever process took the connection, so it cannot show
+that every process sees them, while each process that starts after them does before it
+serves (router/health.py)."""
 
 RESTARTED_KINDS = ("pool_master", "pool_store", "prefill", "decode", "unified")
 """Kinds the supervisor restarts when they exit once the cluster runs, instead of stopping
@@ -249,4 +253,7 @@ def plan_components(
             )
         )
     stages = [[s for kind in stage for s in by_kind[kind]] for stage in START_ORDER]
+    if cluster.router.processes > 1 and by_kind["router"]:
+        stages[-1].remove(by_kind["router"][0])
+        stages.append(by_kind["router"])
     return [stage for stage in stages if stage]

@@ -294,7 +294,6 @@ def test_the_router_is_started_once_it_sees_every_worker(tmp_path: Path) -> None
     /health shows every worker of the launch healthy, so the cluster is never reported
     ready while the router would still refuse requests."""
     c = Cluster(tmp_path)
-    out = io.StringIO()
     proc = c.driver()
     try:
         c.wait_phase("running")
@@ -311,6 +310,7 @@ def test_the_router_is_started_once_it_sees_every_worker(tmp_path: Path) -> None
 
     (tmp_path / "blind").mkdir()
     blind = Cluster(tmp_path / "blind", modes={"router": "blind"})
+    out = io.StringIO()
     assert launcher.up(blind.config, blind.options(health_timeout_s=1.5), out=out) == 1
     text = out.getvalue()
     assert "prefill-0 is healthy" in text and "decode-0 is healthy" in text

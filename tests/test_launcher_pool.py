@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import msgspec
 import yaml
 from test_launcher import STANDIN, Cluster, assert_all_gone, free_ports
 
@@ -36,6 +37,17 @@ def test_local_example_plans_pool_before_workers():
     for spec in (master, s0, s1):
         assert spec.env["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"
         assert spec.argv[1:3] == ("-m", "kvpool.master" if spec is master else "kvpool.store")
+
+
+def test_several_router_processes_start_after_the_workers():
+    """One router /health answers for one process only: with router.processes > 1 the
+    router keeps a stage of its own, after the workers are healthy."""
+    cluster = load_cluster(LOCAL)
+    several = msgspec.structs.replace(
+        cluster, router=msgspec.structs.replace(cluster.router, processes=2, metrics_port=9190)
+    )
+    stages = plan_components(several, LOCAL, ["local"])
+    assert [[s.name for s in st] for st in stages][-2:] == [["prefill-0", "decode-0"], ["router"]]
 
 
 def _split(tmp: Path, shared: bool) -> Path:
